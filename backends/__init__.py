@@ -1,0 +1,1 @@
+"""Device backends: cpu (reference), cuda (cuda-python), rocm (hip-python)."""

@@ -1,0 +1,316 @@
+"""The cpu reference backend: the HAL's oracle, run by every test on every machine.
+
+"Device" memory is anonymous host memory; pinned memory is the same, page-locked with mlock
+where the OS allows (reported honestly in `capabilities()`). Each stream is a worker thread;
+copies are `ctypes.memmove` (which releases the GIL) or numpy strided copies, so two streams
+really run in parallel on two cores.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+from typing import ClassVar
+
+import numpy as np
+
+from kvhal.hal import (Allocation, Availability, Capabilities, Event, InvalidValueError,
+                       MemoryKind, OutOfMemoryError, Stream, as_u64, DeviceFaultError)
+
+from .memory import (PAGE_BYTES, RangeRegistry, lock_pages, map_anonymous, probe_page_locking,
+                     unlock_pages, unmap)
+from .streams import EventState, StreamWorker
+
+#: Env var that turns chaos mode on with the given integer seed.
+CHAOS_ENV = "KVHAL_CPU_CHAOS"
+#: The loop-based batch has no descriptor limit; this is the size we chunk queue items at.
+BATCH_CHUNK = 1 << 16
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class CpuBackend:
+    """Reference `DeviceBackend` on plain host memory (see module docstring).
+
+    Args:
+        chaos_seed: Seed for chaos mode (random per-stream delays); None reads `KVHAL_CPU_CHAOS`
+            from the environment, and chaos stays off if that is unset.
+        device_bytes: Capacity of "device" memory in bytes; allocations beyond it raise
+            `OutOfMemoryError`. Default: the machine's physical memory.
+    """
+
+    name: ClassVar[str] = "cpu"
+
+    def __init__(self, chaos_seed: int | None = None, device_bytes: int | None = None):
+        if chaos_seed is None and os.environ.get(CHAOS_ENV):
+            try:
+                chaos_seed = int(os.environ[CHAOS_ENV])
+            except ValueError:
+                raise InvalidValueError(f"{CHAOS_ENV} must be an integer seed, got "
+                                        f"{os.environ[CHAOS_ENV]!r}", backend=self.name) from None
+        self.chaos_seed = chaos_seed
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.device_bytes = total if device_bytes is None else device_bytes
+        self._device_used = 0
+        self._lock = threading.Lock()
+        self._ranges = RangeRegistry(self.name)
+        self._allocs: dict[int, Allocation] = {}
+        self._stream_ids = itertools.count()
+        self._page_locked = probe_page_locking()
+
+    # -- discovery ---------------------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> Availability:
+        """Always available: it needs nothing but the host."""
+        return Availability(True)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Always True."""
+        return True
+
+    def capabilities(self) -> Capabilities:
+        """cpu capabilities; `page_locked_host` is the result of a real mlock probe."""
+        notes = ["chaos mode seed=%d" % self.chaos_seed] if self.chaos_seed is not None else []
+        if not self._page_locked:
+            notes.append("mlock refused (RLIMIT_MEMLOCK); pinned memory is pageable")
+        return Capabilities(name=self.name, device_count=1, page_locked_host=self._page_locked,
+                            native_batch=False, max_batch_descriptors=BATCH_CHUNK,
+                            native_copy_2d=True, event_timing=True, host_register=True,
+                            notes=tuple(notes))
+
+    # -- memory ------------------------------------------------------------------------------
+    def _check_size(self, nbytes: int) -> None:
+        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise InvalidValueError(f"nbytes must be a non-negative int, got {nbytes!r}",
+                                    backend=self.name)
+
+    def _map(self, nbytes: int, kind: MemoryKind, device: int) -> Allocation:
+        self._check_size(nbytes)
+        if nbytes == 0:
+            return Allocation(0, 0, kind, device, self.name)
+        mapped = _round_up(int(nbytes), PAGE_BYTES)
+        if kind is MemoryKind.DEVICE:
+            with self._lock:
+                if self._device_used + mapped > self.device_bytes:
+                    raise OutOfMemoryError(
+                        f"device 0 has {self.device_bytes - self._device_used} of "
+                        f"{self.device_bytes} bytes free, {nbytes} requested",
+                        backend=self.name, api="alloc_device")
+                self._device_used += mapped
+        try:
+            ptr = map_anonymous(mapped, self.name)
+        except OutOfMemoryError:
+            if kind is MemoryKind.DEVICE:
+                with self._lock:
+                    self._device_used -= mapped
+            raise
+        locked = kind is MemoryKind.PINNED and self._page_locked and lock_pages(ptr, mapped)
+        alloc = Allocation(ptr, int(nbytes), kind, device, self.name, handle=(mapped, locked))
+        self._ranges.add(ptr, int(nbytes))
+        with self._lock:
+            self._allocs[ptr] = alloc
+        return alloc
+
+    def alloc_device(self, nbytes: int, device: int = 0) -> Allocation:
+        """See `DeviceBackend.alloc_device`; capacity is `device_bytes`, page-rounded."""
+        if device != 0:
+            raise InvalidValueError(f"device {device} does not exist (cpu has device 0 only)",
+                                    backend=self.name)
+        return self._map(nbytes, MemoryKind.DEVICE, 0)
+
+    def alloc_pinned(self, nbytes: int) -> Allocation:
+        """See `DeviceBackend.alloc_pinned`: mmap + mlock where permitted."""
+        return self._map(nbytes, MemoryKind.PINNED, -1)
+
+    def register_host(self, ptr: int, nbytes: int) -> Allocation:
+        """See `DeviceBackend.register_host`; pages are mlocked where permitted."""
+        self._check_size(nbytes)
+        if nbytes == 0:
+            return Allocation(0, 0, MemoryKind.REGISTERED, -1, self.name)
+        if not ptr:
+            raise InvalidValueError("register_host: ptr is NULL", backend=self.name)
+        self._ranges.add(int(ptr), int(nbytes))
+        locked = self._page_locked and lock_pages(int(ptr), int(nbytes))
+        alloc = Allocation(int(ptr), int(nbytes), MemoryKind.REGISTERED, -1, self.name,
+                           handle=(int(nbytes), locked))
+        with self._lock:
+            self._allocs[int(ptr)] = alloc
+        return alloc
+
+    def free(self, allocation: Allocation) -> None:
+        """See `DeviceBackend.free`."""
+        if allocation.nbytes == 0:
+            return
+        with self._lock:
+            if self._allocs.get(allocation.ptr) != allocation:
+                raise InvalidValueError(f"free: {allocation.ptr:#x} is not a live allocation "
+                                        "of this backend (double free?)", backend=self.name)
+            del self._allocs[allocation.ptr]
+        self._ranges.remove(allocation.ptr)
+        mapped, locked = allocation.handle
+        if locked:
+            unlock_pages(allocation.ptr, mapped)
+        if allocation.kind is MemoryKind.REGISTERED:
+            return
+        unmap(allocation.ptr, mapped)
+        if allocation.kind is MemoryKind.DEVICE:
+            with self._lock:
+                self._device_used -= mapped
+
+    # -- streams and events ------------------------------------------------------------------
+    def _worker(self, stream: Stream) -> StreamWorker:
+        if stream.backend != self.name or not isinstance(stream.handle, StreamWorker):
+            raise InvalidValueError(f"not a cpu stream: {stream!r}", backend=self.name)
+        return stream.handle
+
+    def _raise_async(self, worker: StreamWorker) -> None:
+        if worker.error is not None:
+            err, worker.error = worker.error, None
+            raise DeviceFaultError(f"an operation on the stream failed: {err!r}",
+                                   backend=self.name) from err
+
+    def create_stream(self, device: int = 0) -> Stream:
+        """See `DeviceBackend.create_stream`: starts one worker thread."""
+        sid = next(self._stream_ids)
+        seed = None if self.chaos_seed is None else self.chaos_seed * 1_000_003 + sid
+        return Stream(self.name, device, StreamWorker(f"kvhal-cpu-stream-{sid}", seed))
+
+    def destroy_stream(self, stream: Stream) -> None:
+        """See `DeviceBackend.destroy_stream`."""
+        self._worker(stream).close()
+
+    def stream_synchronize(self, stream: Stream) -> None:
+        """See `DeviceBackend.stream_synchronize`."""
+        worker = self._worker(stream)
+        worker.synchronize()
+        self._raise_async(worker)
+
+    def stream_query(self, stream: Stream) -> bool:
+        """See `DeviceBackend.stream_query`."""
+        return self._worker(stream).idle()
+
+    def stream_wait_event(self, stream: Stream, event: Event) -> None:
+        """See `DeviceBackend.stream_wait_event`."""
+        mark = self._event(event).mark
+        if mark is not None:
+            self._worker(stream).wait_for(mark)
+
+    def create_event(self, timing: bool = False) -> Event:
+        """See `DeviceBackend.create_event`."""
+        return Event(self.name, bool(timing), EventState())
+
+    def destroy_event(self, event: Event) -> None:
+        """See `DeviceBackend.destroy_event` (nothing to release on cpu)."""
+        self._event(event)
+
+    def _event(self, event: Event) -> EventState:
+        if event.backend != self.name or not isinstance(event.handle, EventState):
+            raise InvalidValueError(f"not a cpu event: {event!r}", backend=self.name)
+        return event.handle
+
+    def record_event(self, event: Event, stream: Stream) -> None:
+        """See `DeviceBackend.record_event`."""
+        self._worker(stream).record(self._event(event))
+
+    def event_query(self, event: Event) -> bool:
+        """See `DeviceBackend.event_query`."""
+        mark = self._event(event).mark
+        return mark is None or mark.done.is_set()
+
+    def event_synchronize(self, event: Event) -> None:
+        """See `DeviceBackend.event_synchronize`."""
+        mark = self._event(event).mark
+        if mark is None:
+            return
+        mark.done.wait()
+        if mark.error is not None:
+            raise DeviceFaultError(f"work before the event failed: {mark.error!r}",
+                                   backend=self.name) from mark.error
+
+    def event_elapsed_ms(self, start: Event, end: Event) -> float:
+        """See `DeviceBackend.event_elapsed_ms` (perf_counter clock)."""
+        marks = []
+        for which, ev in (("start", start), ("end", end)):
+            mark = self._event(ev).mark
+            if not ev.timing:
+                raise InvalidValueError(f"{which} event was created without timing",
+                                        backend=self.name)
+            if mark is None or not mark.done.is_set():
+                raise InvalidValueError(f"{which} event has not completed", backend=self.name)
+            marks.append(mark)
+        return (marks[1].time_ns - marks[0].time_ns) / 1e6
+
+    # -- copies ------------------------------------------------------------------------------
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+        """See `DeviceBackend.copy_async`."""
+        worker = self._worker(stream)
+        self._check_size(nbytes)
+        if nbytes == 0:
+            return
+        self._ranges.check(dst, nbytes, "dst")
+        self._ranges.check(src, nbytes, "src")
+        worker.submit(lambda: ctypes.memmove(dst, src, nbytes))
+
+    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                      height: int, stream: Stream) -> None:
+        """See `DeviceBackend.copy_2d_async`: one numpy strided copy."""
+        worker = self._worker(stream)
+        for what, value in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch),
+                            ("width", width), ("height", height)):
+            if value < 0:
+                raise InvalidValueError(f"{what} must be ≥ 0, got {value}", backend=self.name)
+        if width == 0 or height == 0:
+            return
+        for what, pitch in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch)):
+            if pitch < width:
+                raise InvalidValueError(f"{what} {pitch} < width {width}", backend=self.name)
+        self._ranges.check(dst, (height - 1) * dst_pitch + width, "dst")
+        self._ranges.check(src, (height - 1) * src_pitch + width, "src")
+        if dst_pitch == src_pitch == width:
+            worker.submit(lambda: ctypes.memmove(dst, src, width * height))
+            return
+
+        def run() -> None:
+            d = _strided(dst, dst_pitch, width, height)
+            s = _strided(src, src_pitch, width, height)
+            np.copyto(d, s)
+
+        worker.submit(run)
+
+    def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+                         stream: Stream) -> None:
+        """See `DeviceBackend.copy_batch_async`: a memmove loop on the stream's thread."""
+        worker = self._worker(stream)
+        d = as_u64(dsts, "dsts", self.name)
+        s = as_u64(srcs, "srcs", self.name)
+        n = as_u64(sizes, "sizes", self.name)
+        if not (len(d) == len(s) == len(n)):
+            raise InvalidValueError(f"batch arrays differ in length: dsts={len(d)} "
+                                    f"srcs={len(s)} sizes={len(n)}", backend=self.name)
+        keep = n > 0
+        if not keep.all():
+            d, s, n = d[keep], s[keep], n[keep]
+        if len(n) == 0:
+            return
+        self._ranges.check_many(d, n, "dsts")
+        self._ranges.check_many(s, n, "srcs")
+        for lo in range(0, len(n), BATCH_CHUNK):
+            triples = list(zip(d[lo:lo + BATCH_CHUNK].tolist(), s[lo:lo + BATCH_CHUNK].tolist(),
+                               n[lo:lo + BATCH_CHUNK].tolist()))
+            worker.submit(lambda t=triples: _memmove_all(t))
+
+
+def _memmove_all(triples: list[tuple[int, int, int]]) -> None:
+    move = ctypes.memmove
+    for dst, src, nbytes in triples:
+        move(dst, src, nbytes)
+
+
+def _strided(ptr: int, pitch: int, width: int, height: int) -> np.ndarray:
+    span = (height - 1) * pitch + width
+    flat = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(ptr))
+    return np.lib.stride_tricks.as_strided(flat, shape=(height, width), strides=(pitch, 1))

@@ -1,0 +1,4 @@
+"""The cuda backend."""
+from .backend import CudaBackend
+
+__all__ = ["CudaBackend"]

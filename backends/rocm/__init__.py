@@ -1,0 +1,4 @@
+"""The rocm backend."""
+from .backend import RocmBackend
+
+__all__ = ["RocmBackend"]

@@ -1,0 +1,56 @@
+"""The kvhal conformance suite: `pytest conformance/ [--kvhal-backend=NAME ...]`.
+
+Every test that takes the `backend` fixture runs once per selected backend (default: every
+registered backend; unavailable ones are skipped with the backend's own reason).
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from kvhal import plugins
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add `--kvhal-backend NAME` (repeatable)."""
+    parser.addoption("--kvhal-backend", action="append", default=None, metavar="NAME",
+                     help="backend(s) to run the conformance suite on (default: all registered)")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize `backend_name` over the selected backends."""
+    if "backend_name" in metafunc.fixturenames:
+        names = metafunc.config.getoption("--kvhal-backend") or list(plugins.backends())
+        metafunc.parametrize("backend_name", names, scope="session")
+
+
+_instances: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def backend(backend_name: str):
+    """The backend under test (one instance per session), or a skip with its probe's reason."""
+    spec = plugins.backend_spec(backend_name)
+    probe = spec.cls.probe()
+    if not probe.available:
+        pytest.skip(f"backend {backend_name} unavailable: {probe.reason}")
+    if backend_name not in _instances:
+        _instances[backend_name] = spec.cls()
+    return _instances[backend_name]
+
+
+@pytest.fixture(scope="session")
+def chaos_backend(backend_name: str, backend):
+    """The backend in chaos mode where it has one (a `chaos_seed` constructor argument, as the
+    cpu reference has); real accelerators are asynchronous on their own and use `backend`."""
+    cls = type(backend)
+    if "chaos_seed" in inspect.signature(cls).parameters:
+        return cls(chaos_seed=1234)
+    return backend
+
+
+def require(backend, capability: str) -> None:
+    """Skip unless the backend declares `capability` (a `Capabilities` field)."""
+    if not getattr(backend.capabilities(), capability):
+        pytest.skip(f"capability {capability} not declared by {backend.name}")

@@ -1,0 +1,1 @@
+"""Integrations: the vLLM connector and the trace-replay harness."""

@@ -1,0 +1,355 @@
+"""Device HAL: the contract every accelerator backend implements (DESIGN §2).
+
+Units: sizes, offsets, pitches and widths are bytes (`int`); addresses are `int` (a flat
+address space: device and host addresses are distinct values, as with CUDA/HIP unified
+addressing); event times are milliseconds (`float`). All copies are stream-ordered and
+asynchronous: their effects are observable only after a `stream_synchronize`, an
+`event_synchronize` on an event recorded after them, or a `stream_wait_event` that orders another
+stream behind them.
+
+Threading: a backend object may be called from several threads at once; work submitted to one
+stream runs in submission (FIFO) order; work on different streams is unordered unless joined by
+`stream_wait_event`.
+
+The HAL knows nothing about KV caches, layers or tiers.
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+#: Minimum alignment, in bytes, of every non-empty allocation (DESIGN §2).
+MIN_ALIGNMENT = 256
+
+
+class HalError(RuntimeError):
+    """Base of every error a backend raises.
+
+    Attributes:
+        backend: Registered backend name (e.g. "cpu", "cuda").
+        code: The vendor error code (e.g. a `cudaError_t` value), or None for kvhal's own checks.
+        api: The API that failed (e.g. "cudaMemcpyAsync", "mmap"), or None.
+    """
+
+    def __init__(self, message: str, *, backend: str, code: int | None = None,
+                 api: str | None = None):
+        detail = ", ".join(p for p in (f"api={api}" if api else "",
+                                       f"code={code}" if code is not None else "") if p)
+        super().__init__(f"[{backend}] {message}" + (f" ({detail})" if detail else ""))
+        self.backend = backend
+        self.code = code
+        self.api = api
+
+
+class OutOfMemoryError(HalError):
+    """An allocation could not be satisfied (device, pinned or registration limits)."""
+
+
+class InvalidValueError(HalError):
+    """An argument is invalid: unknown address range, pitch < width, mismatched arrays, ..."""
+
+
+class NotSupportedError(HalError):
+    """The backend does not implement this operation or memory kind."""
+
+
+class BackendUnavailableError(HalError):
+    """The backend cannot run here (no driver, no device, missing vendor library)."""
+
+
+class DeviceFaultError(HalError):
+    """The device reported a fault (illegal address, ECC, lost device); state is suspect."""
+
+
+class MemoryKind(enum.Enum):
+    """Where an allocation lives.
+
+    DEVICE: accelerator memory (`alloc_device`). PINNED: page-locked host memory allocated by
+    the backend (`alloc_pinned`). REGISTERED: existing host memory registered with the backend
+    (`register_host`); `free` unregisters it and never releases the caller's memory.
+    """
+
+    DEVICE = "device"
+    PINNED = "pinned"
+    REGISTERED = "registered"
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """A range of memory known to one backend.
+
+    Attributes:
+        ptr: Start address (0 for an empty allocation).
+        nbytes: Exact size in bytes as requested (never rounded up).
+        kind: Where it lives.
+        device: Device ordinal for DEVICE memory; -1 for host memory.
+        backend: Name of the backend that owns it.
+        handle: Backend-private state (compare=False); opaque to callers.
+    """
+
+    ptr: int
+    nbytes: int
+    kind: MemoryKind
+    device: int
+    backend: str
+    handle: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def end(self) -> int:
+        """One past the last byte's address."""
+        return self.ptr + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """An ordered queue of asynchronous work on one device.
+
+    Attributes:
+        backend: Owning backend name.
+        device: Device ordinal.
+        handle: Backend-private stream object (e.g. a `cudaStream_t` value).
+    """
+
+    backend: str
+    device: int
+    handle: Any = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A marker recorded into a stream; completes when the stream reaches it.
+
+    Attributes:
+        backend: Owning backend name.
+        timing: True if `event_elapsed_ms` may be called on it.
+        handle: Backend-private event object.
+    """
+
+    backend: str
+    timing: bool
+    handle: Any = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend really does on this machine (not what it would like to do).
+
+    Attributes:
+        name: Backend name.
+        device_count: Number of usable devices.
+        page_locked_host: True if `alloc_pinned` returns memory that is actually page-locked.
+        native_batch: True if `copy_batch_async` is one runtime call per descriptor chunk
+            (e.g. `cudaMemcpyBatchAsync`); False if it loops over single copies.
+        max_batch_descriptors: Descriptors per native batch call; larger batches are chunked.
+        native_copy_2d: True if `copy_2d_async` is one DMA/runtime call per 2D copy.
+        event_timing: True if timing events are supported.
+        host_register: True if `register_host` is supported.
+        notes: Free text shown by `kvhal doctor` (versions, reasons for degraded features).
+    """
+
+    name: str
+    device_count: int
+    page_locked_host: bool
+    native_batch: bool
+    max_batch_descriptors: int
+    native_copy_2d: bool
+    event_timing: bool
+    host_register: bool
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """Answer of `DeviceBackend.probe()`: whether the backend can run here, and why not."""
+
+    available: bool
+    reason: str = ""
+
+
+@runtime_checkable
+class DeviceBackend(Protocol):
+    """The device HAL every backend implements (DESIGN §2).
+
+    Construction acquires the runtime; it raises `BackendUnavailableError` if `probe()` says
+    the backend cannot run here.
+    """
+
+    name: ClassVar[str]
+
+    # -- discovery ---------------------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> Availability:
+        """Whether the backend can run on this machine. Never raises; no side effects."""
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """`probe().available`. Never raises; no side effects."""
+
+    def capabilities(self) -> Capabilities:
+        """What this backend instance really supports (see `Capabilities`)."""
+
+    # -- memory ------------------------------------------------------------------------------
+    def alloc_device(self, nbytes: int, device: int = 0) -> Allocation:
+        """Allocate `nbytes` (≥ 0) of device memory, aligned to ≥ `MIN_ALIGNMENT` bytes.
+
+        Raises:
+            InvalidValueError: nbytes < 0 or an unknown device ordinal.
+            OutOfMemoryError: the device cannot satisfy the request.
+        """
+
+    def alloc_pinned(self, nbytes: int) -> Allocation:
+        """Allocate `nbytes` (≥ 0) of host memory, page-locked where the OS allows.
+
+        Whether it really is page-locked is `capabilities().page_locked_host`.
+
+        Raises:
+            InvalidValueError: nbytes < 0.
+            OutOfMemoryError: the host cannot satisfy the request.
+        """
+
+    def register_host(self, ptr: int, nbytes: int) -> Allocation:
+        """Make existing host memory [ptr, ptr + nbytes) a valid copy endpoint (and pin it).
+
+        The caller keeps ownership; `free` only unregisters.
+
+        Raises:
+            InvalidValueError: ptr is 0 with nbytes > 0, or nbytes < 0, or overlap with an
+                existing registration.
+            NotSupportedError: `capabilities().host_register` is False.
+        """
+
+    def free(self, allocation: Allocation) -> None:
+        """Release an allocation (or unregister a REGISTERED one). Freeing twice raises.
+
+        The caller must ensure no queued work still uses it (sync first).
+
+        Raises:
+            InvalidValueError: the allocation is unknown to this backend or already freed.
+        """
+
+    # -- streams and events ------------------------------------------------------------------
+    def create_stream(self, device: int = 0) -> Stream:
+        """Create a new non-blocking stream on `device`."""
+
+    def destroy_stream(self, stream: Stream) -> None:
+        """Wait for the stream's queued work, then release it."""
+
+    def stream_synchronize(self, stream: Stream) -> None:
+        """Block until every operation submitted to `stream` so far has completed.
+
+        Raises:
+            DeviceFaultError: an operation on the stream failed asynchronously.
+        """
+
+    def stream_query(self, stream: Stream) -> bool:
+        """True if all work submitted to `stream` so far has completed. Never blocks."""
+
+    def stream_wait_event(self, stream: Stream, event: Event) -> None:
+        """Make later work on `stream` wait until `event`'s most recent record completes.
+
+        Waiting on a never-recorded event is a no-op (CUDA semantics). Does not block the host.
+        """
+
+    def create_event(self, timing: bool = False) -> Event:
+        """Create an event; `timing=True` allows `event_elapsed_ms`."""
+
+    def destroy_event(self, event: Event) -> None:
+        """Release an event."""
+
+    def record_event(self, event: Event, stream: Stream) -> None:
+        """Record `event` at the current tail of `stream` (re-recording replaces the mark)."""
+
+    def event_query(self, event: Event) -> bool:
+        """True if the event's most recent record has completed (or it was never recorded)."""
+
+    def event_synchronize(self, event: Event) -> None:
+        """Block until the event's most recent record completes.
+
+        Raises:
+            DeviceFaultError: work before the event failed asynchronously.
+        """
+
+    def event_elapsed_ms(self, start: Event, end: Event) -> float:
+        """Milliseconds between two completed timing events (≥ 0 when end follows start).
+
+        Raises:
+            InvalidValueError: either event lacks timing, was never recorded or has not completed.
+        """
+
+    # -- copies ------------------------------------------------------------------------------
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+        """Copy `nbytes` from address `src` to `dst` in stream order (any direction).
+
+        nbytes = 0 is a no-op. Ranges must lie inside allocations known to the backend.
+
+        Raises:
+            InvalidValueError: a range falls outside known allocations, or nbytes < 0.
+        """
+
+    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                      height: int, stream: Stream) -> None:
+        """Copy `height` rows of `width` bytes; row i goes from src + i*src_pitch to
+        dst + i*dst_pitch (`cudaMemcpy2DAsync` / `hipMemcpy2DAsync` semantics).
+
+        width = 0 or height = 0 is a no-op.
+
+        Raises:
+            InvalidValueError: dst_pitch < width or src_pitch < width, negative values, or a
+                range outside known allocations.
+        """
+
+    def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+                         stream: Stream) -> None:
+        """Copy n independent ranges; no order among them. n = 0 is a no-op.
+
+        Args:
+            dsts, srcs, sizes: uint64 arrays of shape (n,): addresses and byte counts.
+
+        Raises:
+            InvalidValueError: arrays differ in length, are not 1-D, or a range is outside known
+                allocations.
+        """
+
+
+def host_array(allocation: Allocation) -> np.ndarray:
+    """A writable uint8 numpy view, shape (nbytes,), of a host (PINNED/REGISTERED) allocation.
+
+    The view does not own the memory: it must not outlive `free(allocation)`.
+
+    Raises:
+        InvalidValueError: the allocation is device memory.
+    """
+    if allocation.kind is MemoryKind.DEVICE:
+        raise InvalidValueError("host_array needs host memory, got a DEVICE allocation",
+                                backend=allocation.backend)
+    return address_array(allocation.ptr, allocation.nbytes)
+
+
+def address_array(ptr: int, nbytes: int) -> np.ndarray:
+    """A writable uint8 numpy view, shape (nbytes,), of raw host memory at `ptr`.
+
+    The caller guarantees the memory stays mapped while the view is used.
+    """
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+def as_u64(values: Any, what: str, backend: str) -> np.ndarray:
+    """Coerce `values` to a contiguous 1-D uint64 array, naming `what` in the error.
+
+    Raises:
+        InvalidValueError: not 1-D, or negative entries.
+    """
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise InvalidValueError(f"{what} must be 1-D, got shape {arr.shape}", backend=backend)
+    if arr.dtype != np.uint64:
+        if arr.size and np.issubdtype(arr.dtype, np.signedinteger) and arr.min() < 0:
+            raise InvalidValueError(f"{what} has negative entries", backend=backend)
+        arr = arr.astype(np.uint64)
+    return np.ascontiguousarray(arr)

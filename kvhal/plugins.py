@@ -1,0 +1,144 @@
+"""The plugin manager and registries of backends, tiers and cache policies (DESIGN §8).
+
+Everything arrives through the `kvhal` entry-point group, built-ins included. Backend choice:
+an explicit name (argument or env `KVHAL_BACKEND`), else the available backend with the highest
+priority (cpu has the lowest).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pluggy
+
+from . import hookspecs
+from .hal import BackendUnavailableError, DeviceBackend
+
+#: Env var naming the backend to use (overrides priority order).
+BACKEND_ENV = "KVHAL_BACKEND"
+
+
+class PluginError(ValueError):
+    """A plugin name is unknown or registered twice; the message names it and the choices."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """A registered device backend.
+
+    Attributes:
+        name: Unique name ("cpu", "cuda", ...), used by `--kvhal-backend` and `KVHAL_BACKEND`.
+        cls: A class implementing `DeviceBackend` (its `probe()` must never raise).
+        priority: Higher wins in automatic selection; cpu is 0.
+    """
+
+    name: str
+    cls: type
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """A registered secondary tier: `factory(config: dict, host_view: memoryview, **ctx)`."""
+
+    name: str
+    factory: Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A registered host-tier cache policy: `factory(capacity: int)` returns the policy."""
+
+    name: str
+    factory: Callable[..., Any]
+
+
+@functools.cache
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager with every `kvhal` entry point loaded."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+    return pm
+
+
+def _collect(results: list[list[Any]], kind: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for specs in results:
+        for spec in specs or []:
+            if spec.name in out:
+                raise PluginError(f"{kind} {spec.name!r} is registered twice")
+            out[spec.name] = spec
+    return out
+
+
+def backends() -> dict[str, BackendSpec]:
+    """Every registered backend, by name, highest priority first."""
+    found = _collect(plugin_manager().hook.kvhal_register_backends(), "backend")
+    return dict(sorted(found.items(), key=lambda kv: -kv[1].priority))
+
+
+def tiers() -> dict[str, TierSpec]:
+    """Every registered secondary tier type, by name."""
+    return _collect(plugin_manager().hook.kvhal_register_tiers(), "tier")
+
+
+def cache_policies() -> dict[str, PolicySpec]:
+    """Every registered host-tier cache policy, by name."""
+    return _collect(plugin_manager().hook.kvhal_register_cache_policies(), "cache policy")
+
+
+def layouts() -> dict[str, Any]:
+    """Every registered device layout descriptor, by name."""
+    return _collect(plugin_manager().hook.kvhal_register_layouts(), "layout")
+
+
+def backend_spec(name: str) -> BackendSpec:
+    """The spec registered as `name`.
+
+    Raises:
+        PluginError: no backend of that name; the message lists the registered ones.
+    """
+    found = backends()
+    if name not in found:
+        raise PluginError(f"backend {name!r} is not registered; registered: "
+                          f"{', '.join(found) or 'none'}")
+    return found[name]
+
+
+def select_backend(name: str | None = None, **kwargs: Any) -> DeviceBackend:
+    """Construct the backend to use.
+
+    Args:
+        name: Explicit backend name; None reads `KVHAL_BACKEND`, and if that is unset picks the
+            available backend of highest priority.
+        kwargs: Passed to the backend's constructor.
+
+    Raises:
+        PluginError: the named backend is not registered.
+        BackendUnavailableError: the named backend cannot run here (with its probe's reason).
+    """
+    name = name or os.environ.get(BACKEND_ENV) or None
+    if name is not None:
+        spec = backend_spec(name)
+        probe = spec.cls.probe()
+        if not probe.available:
+            raise BackendUnavailableError(f"backend {name!r} is unavailable: {probe.reason}",
+                                          backend=name)
+        return spec.cls(**kwargs)
+    for spec in backends().values():
+        if spec.cls.probe().available:
+            return spec.cls(**kwargs)
+    raise BackendUnavailableError("no registered backend is available", backend="none")
+
+
+def emit_kv_event(event: Any) -> None:
+    """Deliver a KV event to every `kvhal_kv_event` hook implementation."""
+    plugin_manager().hook.kvhal_kv_event(event=event)
+
+
+def emit_job_finished(job: Any) -> None:
+    """Deliver a finished job to every `kvhal_job_finished` hook implementation."""
+    plugin_manager().hook.kvhal_job_finished(job=job)

@@ -1,0 +1,33 @@
+"""Printing results: a rich table for people, JSON for machines (`--json`)."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print `rows` under `columns` as a table on stdout."""
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col[:1].isalpha() is False else "left")
+    for row in rows:
+        table.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row))
+    Console().print(table)
+
+
+def print_json(payload: Any) -> None:
+    """Print `payload` as indented JSON on stdout."""
+    json.dump(payload, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def progress(disable: bool = False):
+    """A rich progress bar (transient, on stderr); disabled for `--json` runs if asked."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True, disable=disable)

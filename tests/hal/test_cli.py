@@ -1,0 +1,39 @@
+"""`kvhal doctor` and `kvhal bench copy` as a user runs them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def kvhal(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvhal.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_doctor_reports_cpu_available_and_accelerators_with_reason():
+    out = kvhal("doctor", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout)["backends"]}
+    assert rows["cpu"]["available"] is True
+    assert rows["cpu"]["capabilities"]["native_copy_2d"] is True
+    for name in ("cuda", "rocm"):
+        assert rows[name]["available"] is False
+        assert rows[name]["reason"]
+
+
+def test_bench_copy_json_reports_every_size_with_ratios():
+    out = kvhal("bench", "copy", "--sizes", "4KiB", "256KiB", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)["results"]
+    assert [r["block_bytes"] for r in results] == [4096, 262144]
+    assert [r["blocks"] for r in results] == [1000, 1000]
+    for r in results:
+        assert r["d2h_gbps"] > 0 and r["memcpy_gbps"] > 0
+        assert r["d2h_ratio"] == r["d2h_gbps"] / r["memcpy_gbps"]
+
+
+def test_bench_copy_rejects_bad_size():
+    out = kvhal("bench", "copy", "--sizes", "0KiB")
+    assert out.returncode == 2
+    assert "block size must be positive" in out.stderr

@@ -1,0 +1,87 @@
+"""Plugin registry: built-ins arrive by entry points; selection; third-party pickup."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvhal import plugins
+from kvhal.hal import BackendUnavailableError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_builtins_registered_in_priority_order():
+    assert list(plugins.backends()) == ["cuda", "rocm", "cpu"]
+
+
+def test_auto_selection_falls_back_to_cpu_here(monkeypatch):
+    monkeypatch.delenv(plugins.BACKEND_ENV, raising=False)
+    assert plugins.select_backend().name == "cpu"
+
+
+def test_env_selects_backend(monkeypatch):
+    monkeypatch.setenv(plugins.BACKEND_ENV, "cuda")
+    with pytest.raises(BackendUnavailableError, match="backend 'cuda' is unavailable"):
+        plugins.select_backend()
+
+
+def test_unknown_backend_lists_registered():
+    with pytest.raises(plugins.PluginError, match="registered: cuda, rocm, cpu"):
+        plugins.select_backend("tpu")
+
+
+TOY_MODULE = '''
+from kvhal.backends.cpu import CpuBackend
+from kvhal.hookspecs import hookimpl
+from kvhal.plugins import BackendSpec
+
+
+class ToyBackend(CpuBackend):
+    name = "toy"
+
+
+@hookimpl
+def kvhal_register_backends():
+    return [BackendSpec("toy", ToyBackend, priority=5)]
+'''
+
+TOY_PYPROJECT = '''
+[build-system]
+requires = ["setuptools>=64"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "kvhal-toy-backend"
+version = "0.0.1"
+
+[project.entry-points.kvhal]
+toy = "kvhal_toy_backend"
+
+[tool.setuptools]
+py-modules = ["kvhal_toy_backend"]
+'''
+
+
+@pytest.mark.slow
+def test_third_party_backend_runs_the_conformance_suite(tmp_path):
+    """pip-install a throwaway backend package; the conformance suite picks it up by name."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "pyproject.toml").write_text(TOY_PYPROJECT)
+    (pkg / "kvhal_toy_backend.py").write_text(textwrap.dedent(TOY_MODULE))
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(site), str(pkg)], check=True)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", str(REPO / "conformance"), "--kvhal-backend=toy",
+                          "-k", "hal and not 2d"], cwd=REPO, env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[toy" in out.stdout or "passed" in out.stdout
+    assert " passed" in out.stdout and " failed" not in out.stdout
