@@ -1,0 +1,134 @@
+"""The secondary-tier contract (DESIGN §6): `SecondaryTier` and the jobs it runs.
+
+A secondary tier persists or shares chunks beyond the host tier. It never sees device memory:
+it gets a `memoryview` of the host region at construction and reads (store) or writes (load)
+slot bytes directly. It manages its own capacity and eviction.
+
+Threading: `lookup`, `submit_*`, `get_finished_jobs` are called from the manager's thread and
+must not block on I/O; the tier does its I/O on its own threads. A job's host bytes stay
+untouched by kvhal until the job is reported finished.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvhal.keys import ChunkKey
+
+
+class Lookup(enum.Enum):
+    """Answer of a lookup. RETRY: the chunk is on its way (ask again on a later step)."""
+
+    HIT = "hit"
+    MISS = "miss"
+    RETRY = "retry"
+
+
+class JobKind(enum.Enum):
+    """Direction of a tier job, seen from the tier: STORE = host → tier, LOAD = tier → host."""
+
+    STORE = "store"
+    LOAD = "load"
+
+
+class TierError(ValueError):
+    """A tier is misconfigured; the message names the config key and the accepted values."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierJob:
+    """One chunk to move between the host region and a tier.
+
+    Attributes:
+        job_id: Unique per tier instance; reported back in `JobResult`.
+        kind: STORE or LOAD.
+        key: The chunk's key.
+        offset: Byte offset of the chunk's slot in the host region.
+        nbytes: Payload bytes (the canonical chunk size; ≤ slot size).
+    """
+
+    job_id: int
+    kind: JobKind
+    key: ChunkKey
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """How a job ended. Every submitted job yields exactly one result.
+
+    Attributes:
+        job_id, kind, key: As submitted.
+        ok: True if the bytes were fully and verifiably moved. A failed LOAD must never leave
+            the caller believing the slot holds the chunk.
+        error: Short reason when not ok (e.g. "checksum mismatch", "ENOSPC").
+        seconds: Wall time the tier spent on the job.
+    """
+
+    job_id: int
+    kind: JobKind
+    key: ChunkKey
+    ok: bool
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class SecondaryTier(abc.ABC):
+    """Base class of secondary tiers; subclasses register a factory with `TierSpec`.
+
+    Args (of the factory / constructor):
+        config: This tier's entry of `secondary_tiers` (a dict; `type` already checked).
+        host: Writable memoryview (format "B") of the whole host region.
+        namespace: 16-byte namespace digest of the cache this tier serves.
+    """
+
+    #: Registered type name ("fs", "obj", "p2p", "memory", ...).
+    name: str = "base"
+
+    @abc.abstractmethod
+    def lookup(self, key: ChunkKey) -> Lookup:
+        """HIT if a load of `key` would succeed now, RETRY if it soon may, MISS otherwise.
+
+        Must not block on I/O. A HIT is a promise made in good faith: the load may still fail
+        (file deleted, checksum mismatch) and is then reported as a failed job.
+        """
+
+    @abc.abstractmethod
+    def submit_store(self, job: TierJob) -> None:
+        """Start copying `host[job.offset : job.offset + job.nbytes]` into the tier.
+
+        Storing a key that already exists succeeds without rewriting. Never raises for I/O
+        problems: they become a failed `JobResult`.
+        """
+
+    @abc.abstractmethod
+    def submit_load(self, job: TierJob) -> None:
+        """Start copying the chunk `job.key` into `host[job.offset : job.offset + job.nbytes]`.
+
+        A missing, short or corrupt chunk is a failed `JobResult` (never wrong bytes reported
+        as ok). Never raises for I/O problems.
+        """
+
+    @abc.abstractmethod
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Results of jobs that finished since the last call (each job exactly once)."""
+
+    @abc.abstractmethod
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Block until every submitted job has finished (results stay queued for
+        `get_finished_jobs`).
+
+        Raises:
+            TimeoutError: jobs remain after `timeout_s` seconds.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Drain, then release threads, files and connections. Idempotent."""
+
+    def stats(self) -> Mapping[str, Any]:
+        """Counters for metrics and reports (bytes stored/loaded, hits, corrupt, evictions)."""
+        return {}

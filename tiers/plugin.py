@@ -1,0 +1,10 @@
+"""Entry point of the built-in secondary tiers (`kvhal` group)."""
+from kvhal.hookspecs import hookimpl
+from kvhal.plugins import TierSpec
+
+
+@hookimpl
+def kvhal_register_tiers():
+    """Register the built-in tier types."""
+    from .memory import MemoryTier
+    return [TierSpec("memory", MemoryTier)]
