@@ -248,6 +248,7 @@ class Manager:
             The tier results collected by this call.
         """
         results: list[JobResult] = []
+        landed: dict[tuple[int, str], list[ChunkKey]] = defaultdict(list)  # (tier, medium)
         for t, tier in enumerate(self.tiers):
             for result in tier.get_finished_jobs():
                 job = self._tier_jobs.pop((t, result.job_id), None)
@@ -256,16 +257,17 @@ class Manager:
                 kind, slot, key = job
                 results.append(result)
                 if kind is JobKind.LOAD:
-                    if result.ok:
-                        if self.slots.commit(slot):
-                            self._stored([key], HOST_MEDIUM)
-                    else:
+                    if not result.ok:
                         self.slots.abort(slot)
                         self._failed_promotions.add(key)
+                    elif self.slots.commit(slot):
+                        landed[(-1, HOST_MEDIUM)].append(key)
                 else:
                     self.slots.release(slot)
                     if result.ok:
-                        self._stored([key], tier.name.upper())
+                        landed[(t, tier.name.upper())].append(key)
+        for (_, medium), keys in landed.items():
+            self._stored(keys, medium)
         return results
 
     def drain(self, timeout_s: float | None = None) -> None:
