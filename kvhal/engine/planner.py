@@ -31,6 +31,7 @@ class BlockPlanner:
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         self.block_stride = block_bytes if block_stride is None else block_stride
+        self._within: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> (offsets, sizes)
 
     def __call__(self, block_ids: np.ndarray, slot_addr: int, direction: Direction) -> CopyPlan:
         """See `kvhal.engine.worker.Planner`; one batch of `len(block_ids)` contiguous copies.
@@ -41,11 +42,14 @@ class BlockPlanner:
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise ValueError(f"block ids {ids.tolist()} outside [0, {self.num_blocks})")
-        device = (np.uint64(self.device_base)
-                  + ids.astype(np.uint64) * np.uint64(self.block_stride))
-        host = np.uint64(slot_addr) + np.arange(len(ids), dtype=np.uint64) * np.uint64(
-            self.block_bytes)
-        sizes = np.full(len(ids), self.block_bytes, dtype=np.uint64)
+        device = (ids * self.block_stride + self.device_base).astype(np.uint64)
+        within = self._within.get(len(ids))
+        if within is None:
+            within = self._within[len(ids)] = (
+                np.arange(len(ids), dtype=np.uint64) * np.uint64(self.block_bytes),
+                np.full(len(ids), self.block_bytes, dtype=np.uint64))
+        host = within[0] + np.uint64(slot_addr)
+        sizes = within[1]
         if direction is Direction.D2H:
             return CopyPlan((), host, device, sizes)
         return CopyPlan((), device, host, sizes)
