@@ -7,6 +7,7 @@ priority (cpu has the lowest).
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -57,10 +58,25 @@ class PolicySpec:
 
 @functools.cache
 def plugin_manager() -> pluggy.PluginManager:
-    """The process-wide plugin manager with every `kvhal` entry point loaded."""
+    """The process-wide plugin manager with every `kvhal` entry point loaded.
+
+    Raises:
+        PluginError: an entry point failed to import; the message names it, its module and its
+            distribution (a broken third-party plugin is refused loudly, never skipped).
+    """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+    for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure of foreign code
+            dist = ep.dist.name if ep.dist is not None else "?"
+            raise PluginError(f"entry point {ep.name!r} = {ep.value!r} (distribution {dist!r}, "
+                              f"group {hookspecs.PROJECT!r}) failed to load: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        pm.register(plugin, name=ep.name)
     return pm
 
 

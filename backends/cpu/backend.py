@@ -40,6 +40,10 @@ class CpuBackend:
             from the environment, and chaos stays off if that is unset.
         device_bytes: Capacity of "device" memory in bytes; allocations beyond it raise
             `OutOfMemoryError`. Default: the machine's physical memory.
+
+    Raises:
+        InvalidValueError: `chaos_seed` (or `KVHAL_CPU_CHAOS`) is not an integer, or
+            `device_bytes` is not an int in [0, 2**64).
     """
 
     name: ClassVar[str] = "cpu"
@@ -51,9 +55,14 @@ class CpuBackend:
             except ValueError:
                 raise InvalidValueError(f"{CHAOS_ENV} must be an integer seed, got "
                                         f"{os.environ[CHAOS_ENV]!r}", backend=self.name) from None
-        self.chaos_seed = chaos_seed
+        if chaos_seed is not None and (isinstance(chaos_seed, bool)
+                                       or not isinstance(chaos_seed, (int, np.integer))):
+            raise InvalidValueError(f"chaos_seed must be an int or None, got {chaos_seed!r}",
+                                    backend=self.name)
+        self.chaos_seed = None if chaos_seed is None else int(chaos_seed)
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        self.device_bytes = total if device_bytes is None else device_bytes
+        self.device_bytes = (total if device_bytes is None
+                             else as_int(device_bytes, "device_bytes", self.name))
         self._device_used = 0
         self._lock = threading.Lock()
         self._ranges = RangeRegistry(self.name)

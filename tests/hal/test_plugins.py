@@ -128,3 +128,17 @@ def test_conformance_suite_refuses_an_unknown_backend_name_in_one_line():
     assert ("--kvhal-backend: 'nope' not registered; registered: cuda, rocm, cpu"
             in out.stderr)
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_broken_third_party_entry_point_is_named_in_one_line(tmp_path):
+    """A `kvhal` entry point whose module does not import: doctor names it, no traceback."""
+    info = tmp_path / "kvhal_broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvhal-broken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[kvhal]\nbroken = kvhal_broken_missing\n")
+    out = subprocess.run([sys.executable, "-m", "kvhal.cli", "doctor"], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert out.returncode == 1
+    assert out.stderr == ("kvhal doctor: error: entry point 'broken' = 'kvhal_broken_missing' "
+                          "(distribution 'kvhal-broken', group 'kvhal') failed to load: "
+                          "ModuleNotFoundError: No module named 'kvhal_broken_missing'\n")
