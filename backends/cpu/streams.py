@@ -102,9 +102,9 @@ class StreamWorker:
                 self._cond.wait()
 
     def record(self, state: EventState) -> None:
-        """Queue a new mark for `state` (replacing its previous one)."""
+        """Queue a new mark for `state` (replacing its previous one once it is queued: if the
+        stream is closed, `submit` raises and the event keeps its previous mark)."""
         mark = Mark()
-        state.mark = mark
 
         def complete() -> None:
             mark.error = self.error
@@ -112,6 +112,7 @@ class StreamWorker:
             mark.done.set()
 
         self.submit(complete)
+        state.mark = mark
 
     def wait_for(self, mark: Mark) -> None:
         """Queue a wait: later operations run only after `mark` completes."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from kvhal.backends.cpu import CpuBackend
-from kvhal.hal import host_array
+from kvhal.hal import InvalidValueError, host_array
 
 
 def test_free_waits_for_queued_work_like_cudafree():
@@ -30,3 +31,19 @@ def test_free_waits_for_queued_work_like_cudafree():
     assert np.all(host_array(dst) == 7)
     be.destroy_stream(stream)
     be.free(dst)
+
+
+def test_record_on_a_stream_closed_meanwhile_leaves_the_event_as_it_was():
+    """`record_event` racing `destroy_stream`: the stream check passed, then the stream closed.
+    The refused record must not leave the event pointing at a mark that never completes."""
+    be = CpuBackend()
+    stream, event = be.create_stream(), be.create_event()
+    be.record_event(event, stream)
+    be.event_synchronize(event)
+    before = event.handle.mark
+    worker = stream.handle
+    be.destroy_stream(stream)
+    with pytest.raises(InvalidValueError, match="destroyed"):
+        worker.record(event.handle)  # the step after the stream check, as the race runs it
+    assert event.handle.mark is before
+    assert be.event_query(event) is True
