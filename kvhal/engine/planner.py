@@ -39,10 +39,10 @@ class BlockPlanner:
         Raises:
             ValueError: a block id is outside [0, num_blocks).
         """
-        ids = np.asarray(block_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            raise ValueError(f"block ids {ids.tolist()} outside [0, {self.num_blocks})")
-        device = (ids * self.block_stride + self.device_base).astype(np.uint64)
+        ids = np.asarray(block_ids, dtype=np.int64).astype(np.uint64)  # negatives wrap high
+        if (ids >= self.num_blocks).any():
+            raise ValueError(f"block ids {block_ids.tolist()} outside [0, {self.num_blocks})")
+        device = ids * np.uint64(self.block_stride) + np.uint64(self.device_base)
         within = self._within.get(len(ids))
         if within is None:
             within = self._within[len(ids)] = (

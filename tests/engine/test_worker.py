@@ -75,34 +75,40 @@ class FaultyPlanner:
 
 
 class FaultyBackend(CpuBackend):
-    """A cpu backend whose `bad_copy`-th batched copy descriptor faults on the stream (the
-    error surfaces at the next event, like a device fault)."""
+    """A cpu backend on which batched copies touching device address `bad_addr` fault on the
+    stream (the error surfaces at the next event, like a device fault on bad memory); the first
+    `faults` such batches fault (None: all)."""
 
-    def __init__(self, bad_copy: int, **kwargs):
+    def __init__(self, faults: int | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.bad_copy, self.seen = bad_copy, 0
+        self.bad_addr, self.faults = None, faults
 
     def copy_batch_async(self, dsts, srcs, sizes, stream):
         super().copy_batch_async(dsts, srcs, sizes, stream)
-        first, self.seen = self.seen, self.seen + len(sizes)
-        if first <= self.bad_copy < self.seen:
+        if self.bad_addr is not None and self.faults != 0 and self.bad_addr in set(
+                np.concatenate([dsts, srcs]).tolist()):
+            self.faults = None if self.faults is None else self.faults - 1
             def fault():
-                raise OSError(f"injected device fault at copy {self.bad_copy}")
+                raise OSError(f"injected device fault at {self.bad_addr:#x}")
             self._worker(stream).submit(fault)
 
 
 NUM_CHUNKS = 8
 
 
-def _faulty_rig(mode: str, bad_block: int, offset: int):
-    """A rig whose `bad_block`-th block copy (counting from `offset` copies) fails."""
+def _faulty_rig(mode: str, bad_block: int, first_block: int):
+    """A rig where copying the job's `bad_block`-th block fails: refused when issued
+    ("issue", counting planned blocks from `first_block`) or faulting on the device ("device",
+    at device block `first_block + bad_block`)."""
+    backend = FaultyBackend(chaos_seed=bad_block)
+    rig = make_rig(capacity=16, blocks_per_chunk=CHUNK_BLOCKS, block_bytes=BLOCK_BYTES,
+                   num_blocks=64, backend=backend)
     if mode == "issue":
-        rig = make_rig(capacity=16, blocks_per_chunk=CHUNK_BLOCKS, block_bytes=BLOCK_BYTES,
-                       num_blocks=64, chaos_seed=bad_block)
+        offset = 0 if first_block == 0 else NUM_CHUNKS * CHUNK_BLOCKS  # a load follows a store
         rig.worker.planner = FaultyPlanner(rig.worker.planner, bad_block + offset)
-        return rig
-    return make_rig(capacity=16, blocks_per_chunk=CHUNK_BLOCKS, block_bytes=BLOCK_BYTES,
-                    num_blocks=64, backend=FaultyBackend(bad_block + offset, chaos_seed=bad_block))
+    else:
+        backend.bad_addr = rig.worker.planner.device_base + (first_block + bad_block) * BLOCK_BYTES
+    return rig
 
 
 def _blocks_data(rig, first, n_chunks):
@@ -114,7 +120,7 @@ def _blocks_data(rig, first, n_chunks):
 @pytest.mark.parametrize("mode", ["issue", "device"])
 @pytest.mark.parametrize("bad_block,num_ok", [(0, 0), (5, 2), (15, 7)])
 def test_failed_store_sub_transfer_fails_its_chunk_and_the_rest(mode, bad_block, num_ok):
-    rig = _faulty_rig(mode, bad_block, offset=0)
+    rig = _faulty_rig(mode, bad_block, first_block=0)
     try:
         keys = synthetic_keys(NUM_CHUNKS)
         want = _blocks_data(rig, 0, NUM_CHUNKS)
@@ -128,7 +134,7 @@ def test_failed_store_sub_transfer_fails_its_chunk_and_the_rest(mode, bad_block,
             assert rig.load(keys, chunk_blocks(32, num_ok, CHUNK_BLOCKS)).num_ok == num_ok
         assert np.array_equal(rig.dev[32:32 + num_ok * CHUNK_BLOCKS], want[:num_ok * CHUNK_BLOCKS])
         again = synthetic_keys(2, tag=9)                       # the stream works afterwards
-        assert rig.store(again, chunk_blocks(0, 2, CHUNK_BLOCKS)).num_ok == 2
+        assert rig.store(again, chunk_blocks(40, 2, CHUNK_BLOCKS)).num_ok == 2
     finally:
         rig.close()
 
@@ -136,7 +142,7 @@ def test_failed_store_sub_transfer_fails_its_chunk_and_the_rest(mode, bad_block,
 @pytest.mark.parametrize("mode", ["issue", "device"])
 @pytest.mark.parametrize("bad_block,num_ok", [(0, 0), (5, 2), (15, 7)])
 def test_failed_load_sub_transfer_never_counts_as_loaded(mode, bad_block, num_ok):
-    rig = _faulty_rig(mode, bad_block, offset=NUM_CHUNKS * CHUNK_BLOCKS)  # after the store
+    rig = _faulty_rig(mode, bad_block, first_block=32)
     try:
         keys = synthetic_keys(NUM_CHUNKS)
         want = _blocks_data(rig, 0, NUM_CHUNKS)
@@ -147,6 +153,22 @@ def test_failed_load_sub_transfer_never_counts_as_loaded(mode, bad_block, num_ok
         assert np.array_equal(rig.dev[32:32 + num_ok * CHUNK_BLOCKS], want[:num_ok * CHUNK_BLOCKS])
         assert rig.manager.stats()["reading_slots"] == 0
         assert rig.manager.lookup(keys) == [HIT] * NUM_CHUNKS      # host copies are intact
+    finally:
+        rig.close()
+
+
+def test_transient_device_fault_is_replayed_and_loses_nothing():
+    backend = FaultyBackend(faults=1, chaos_seed=1)
+    rig = make_rig(capacity=16, blocks_per_chunk=CHUNK_BLOCKS, block_bytes=BLOCK_BYTES,
+                   num_blocks=64, backend=backend)
+    try:
+        backend.bad_addr = rig.worker.planner.device_base + 5 * BLOCK_BYTES
+        keys = synthetic_keys(NUM_CHUNKS)
+        want = _blocks_data(rig, 0, NUM_CHUNKS)
+        result = rig.store(keys, chunk_blocks(0, NUM_CHUNKS, CHUNK_BLOCKS))
+        assert (result.num_ok, result.error, backend.faults) == (NUM_CHUNKS, None, 0)
+        assert rig.load(keys, chunk_blocks(32, NUM_CHUNKS, CHUNK_BLOCKS)).num_ok == NUM_CHUNKS
+        assert np.array_equal(rig.dev[32:32 + NUM_CHUNKS * CHUNK_BLOCKS], want)
     finally:
         rig.close()
 
