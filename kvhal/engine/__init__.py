@@ -16,8 +16,11 @@ Setup (once)::
     worker = Worker(backend, planner, host_ptr=region.ptr, slot_bytes=geo.slot_bytes)
 
 `planner(block_ids, slot_addr, direction) -> CopyPlan` maps one chunk (its device block ids)
-to HAL copies: `BlockPlanner` for a single contiguous block buffer, `kvhal.layout` for model
-layouts. Keys: `kvhal.keys.chunk_keys(block_hashes, blocks_per_chunk, ns)` over vLLM's own
+to HAL copies: `BlockPlanner` for a single contiguous block buffer; for model layouts wrap
+`kvhal.layout.plan_copies(mapper, block_ids, device_cache, slot_addr, direction.value)`
+(`Direction.value` is "d2h"/"h2d", the layout module's direction names). With TP > 1 every
+rank's worker moves its share into the same shared slot (`HostRegion.create_shared` /
+`attach_shared`); complete a job with the smallest `num_ok` over the ranks. Keys: `kvhal.keys.chunk_keys(block_hashes, blocks_per_chunk, ns)` over vLLM's own
 block hashes (or `kvhal.keys.block_hashes(...)`, which computes them the same way).
 
 Each scheduler step, per waiting request (scheduler side, never blocks)::
