@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvhal import plugins
 from kvhal.config import ConfigError, parse_config
@@ -212,3 +213,26 @@ def test_registered_policy_is_listed_in_errors_and_usable(monkeypatch):
     finally:
         pm.unregister(module)
     assert sorted(plugins.cache_policies()) == ["arc", "lru"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.integers(1, 1 << 44), bpc=st.integers(1, 512),
+       policy=st.sampled_from(["lru", "arc"]), cap=st.none() | st.integers(0, 1 << 20),
+       prompt_only=st.booleans())
+def test_valid_configs_round_trip(budget, bpc, policy, cap, prompt_only):
+    cfg = parse_config({"cpu_bytes_to_use": budget, "blocks_per_chunk": bpc,
+                        "eviction_policy": policy, "max_offload_tokens": cap,
+                        "offload_prompt_only": prompt_only})
+    assert (cfg.cpu_bytes_to_use, cfg.blocks_per_chunk_for(16), cfg.eviction_policy,
+            cfg.max_offload_tokens, cfg.offload_prompt_only) == (budget, bpc, policy, cap,
+                                                                 prompt_only)
+
+
+@settings(max_examples=60, deadline=None)
+@given(key=st.sampled_from(["cpu_bytes_to_use", "blocks_per_chunk", "block_size"]),
+       value=st.integers(-(1 << 40), 0) | st.floats() | st.text(max_size=3) | st.booleans())
+def test_bad_sizes_name_their_key(key, value):
+    config = {"cpu_bytes_to_use": 1, key: value}
+    with pytest.raises(ConfigError) as err:
+        parse_config(config)
+    assert err.value.path == key

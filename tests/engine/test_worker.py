@@ -111,14 +111,19 @@ def _faulty_rig(mode: str, bad_block: int, first_block: int):
     return rig
 
 
+def _failure_cases(test):
+    """Inject at block 0, 5 or 15 of 16 (2 blocks per chunk), refused at issue or faulting."""
+    test = pytest.mark.parametrize("bad_block,num_ok", [(0, 0), (5, 2), (15, 7)])(test)
+    return pytest.mark.parametrize("mode", ["issue", "device"])(test)
+
+
 def _blocks_data(rig, first, n_chunks):
     rig.dev[first:first + n_chunks * CHUNK_BLOCKS] = np.random.default_rng(first).integers(
         0, 256, (n_chunks * CHUNK_BLOCKS, BLOCK_BYTES), dtype=np.uint8)
     return rig.dev[first:first + n_chunks * CHUNK_BLOCKS].copy()
 
 
-@pytest.mark.parametrize("mode", ["issue", "device"])
-@pytest.mark.parametrize("bad_block,num_ok", [(0, 0), (5, 2), (15, 7)])
+@_failure_cases
 def test_failed_store_sub_transfer_fails_its_chunk_and_the_rest(mode, bad_block, num_ok):
     rig = _faulty_rig(mode, bad_block, first_block=0)
     try:
@@ -139,8 +144,7 @@ def test_failed_store_sub_transfer_fails_its_chunk_and_the_rest(mode, bad_block,
         rig.close()
 
 
-@pytest.mark.parametrize("mode", ["issue", "device"])
-@pytest.mark.parametrize("bad_block,num_ok", [(0, 0), (5, 2), (15, 7)])
+@_failure_cases
 def test_failed_load_sub_transfer_never_counts_as_loaded(mode, bad_block, num_ok):
     rig = _faulty_rig(mode, bad_block, first_block=32)
     try:
