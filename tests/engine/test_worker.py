@@ -239,3 +239,40 @@ def test_bad_shapes_and_duplicate_jobs_are_refused():
         rig.worker.wait()
     finally:
         rig.close()
+
+
+def test_every_job_ends_exactly_once_under_faults_cancels_and_waits():
+    """300 random jobs (stores and loads, some touching a faulty block, some cancelled),
+    collected by a mix of polling, waiting on blocks and waiting on jobs."""
+    backend = FaultyBackend(faults=None, chaos_seed=8)
+    rig = make_rig(capacity=8, blocks_per_chunk=CHUNK_BLOCKS, block_bytes=256, num_blocks=64,
+                   backend=backend)
+    backend.bad_addr = rig.worker.planner.device_base + 63 * 256
+    rng = np.random.default_rng(8)
+    seen: list = []
+    want: dict[int, int] = {}                       # job id -> expected num_ok
+    try:
+        for job_id in range(300):
+            n = int(rng.integers(1, 5))
+            blocks = rng.choice(64, size=(n, CHUNK_BLOCKS), replace=False)
+            slots = rng.integers(0, 8, n)
+            submit = rig.worker.submit_store if rng.random() < 0.5 else rig.worker.submit_load
+            submit(job_id, blocks, slots)
+            faulty = np.flatnonzero((blocks == 63).any(axis=1))
+            want[job_id] = int(faulty[0]) if faulty.size else n
+            if rng.random() < 0.1:
+                rig.worker.cancel(job_id)
+                want[job_id] = 0
+            action = rng.integers(4)
+            if action == 1:
+                rig.worker.wait_blocks(blocks[0])
+            elif action == 2:
+                rig.worker.wait(job_id)
+            seen += rig.worker.get_finished()
+        rig.worker.wait()
+        seen += rig.worker.get_finished()
+        assert sorted(r.job_id for r in seen) == list(range(300))
+        assert {r.job_id: r.num_ok for r in seen} == want
+        assert rig.worker.fenced_blocks().size == 0
+    finally:
+        rig.close()
