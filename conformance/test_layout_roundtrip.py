@@ -5,7 +5,9 @@ scatter the KV into each rank's device pages (independent numpy oracle), run the
 through the backend into a pinned host slot and assert the slot equals the one canonical chunk
 (so host bytes are identical across every TP size and layout); then load that slot (H2D) into a
 different TP size and layout and assert every device byte is what the oracle says (chunk blocks
-replaced, every other block untouched). Unmappable combinations must be refused.
+replaced, every other block untouched), with short strided runs issued as 2D copies or, for
+half the cases, expanded into the batch (`expand_up_to`). Unmappable combinations must be
+refused.
 """
 from __future__ import annotations
 
@@ -76,12 +78,13 @@ def _store(backend, stream, spec, layout, tp, n, logical, slot, rng):
         free_device(backend, dev)
 
 
-def _load_and_check(backend, stream, spec, layout, tp, n, logical, slot, rng):
+def _load_and_check(backend, stream, spec, layout, tp, n, logical, slot, rng, expand):
     for rank in range(tp):
         mapper = chunk_mapper(spec, layout, tp, rank, n)
         dev = make_rank_device(backend, spec, mapper.layouts, tp, rank, n + 2, rng)
         block_ids = rng.permutation(n + 2)[:n]
-        run_plan(backend, plan_copies(mapper, block_ids, dev.cache, slot.ptr, H2D), stream)
+        plan = plan_copies(mapper, block_ids, dev.cache, slot.ptr, H2D, expand_up_to=expand)
+        run_plan(backend, plan, stream)
         backend.stream_synchronize(stream)
         place_chunk(dev, spec, mapper.layouts, tp, rank, logical, block_ids)
         got = download(backend, dev)
@@ -110,7 +113,9 @@ def test_store_is_canonical_and_loads_into_other_tp_and_layout(backend, kind, n,
         assert np.array_equal(host_array(slot), expected)
 
         load_tp, load_layout = _load_config(kind, tp, layout)
-        _load_and_check(backend, stream, spec, load_layout, load_tp, n, logical, slot, rng)
+        expand = 4 if tp in (2, 8) else 1  # both ways to issue short strided runs
+        _load_and_check(backend, stream, spec, load_layout, load_tp, n, logical, slot, rng,
+                        expand)
     finally:
         backend.free(slot)
         backend.destroy_stream(stream)
