@@ -10,10 +10,10 @@ the floor of the transfer the plan drives). The ratio is plan time / memcpy time
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+from kvhal.bench.copy import _best_seconds
 from kvhal.layout import D2H, DeviceCache, attention_spec, chunk_mapper, plan_copies
 from kvhal.report import print_json, print_table
 
@@ -21,16 +21,6 @@ SPEC = attention_spec(num_layers=32, num_kv_heads=8, head_size=128, dtype="bf16"
                       block_size=16)
 LAYOUTS = ("packed-hnd", "packed-nhd", "split-nhd", "split-hnd", "separate-kv", "vllm-cpu")
 NUM_BLOCKS = 4096
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def measure(layout: str, tp: int, blocks_per_chunk: int, repeats: int) -> dict:

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvhal.layout import (BUILTIN_LAYOUTS, ELEMENT_BYTES, Kind, KVCacheSpec, LayerGroup,
-                          LayoutError, check_tiles, get_layout, map_group, verify_tiling)
-from kvhal.layout.canonical import _fragments
+                          LayoutError, check_tiles, get_layout, map_group, run_fragments,
+                          verify_tiling)
 
 LAYOUTS = [lay.name for lay in BUILTIN_LAYOUTS]
 REFUSALS = ("cannot store", "has no place for", "do not split evenly", "is not a multiple of",
@@ -67,8 +67,8 @@ def test_coalesced_runs_move_each_byte_where_the_layout_puts_it(geometry, seed):
         return
     page = np.random.default_rng(seed).integers(0, 256, m.page_bytes, dtype=np.uint8)
     via_runs = np.zeros(m.canonical_page_bytes, np.uint8)
-    for start_l, start_c, size in zip(*_fragments(m.runs, "local")[:1],
-                                      *_fragments(m.runs, "canonical")):
+    for start_l, start_c, size in zip(*run_fragments(m.runs, "local")[:1],
+                                      *run_fragments(m.runs, "canonical")):
         via_runs[start_c:start_c + size] = page[start_l:start_l + size]
     # the same move piece by piece from the layout's own offsets (no coalescing)
     local = get_layout(layout).offsets(group, m.share.num_heads)
@@ -96,4 +96,4 @@ def test_a_broken_run_set_fails_the_tiling_proof(geometry, data):
     else:
         runs[i] = dataclasses.replace(runs[i], local_offset=runs[i].local_offset + 1)
     with pytest.raises(LayoutError, match=r"(gap|overlap|overrun) at byte \d+"):
-        check_tiles(*_fragments(tuple(runs), "local"), m.page_bytes, "page")
+        check_tiles(*run_fragments(tuple(runs), "local"), m.page_bytes, "page")
