@@ -93,6 +93,23 @@ def _load_and_check(backend, stream, spec, layout, tp, n, logical, slot, rng, ex
             assert np.array_equal(g, e), f"rank {rank} layer {layer}: device bytes differ"
 
 
+def _roundtrip(backend, spec, n, store, load, seed, expand):
+    """Store with `store` = (tp, layout), assert the canonical slot, load with `load`."""
+    rng = np.random.default_rng(seed)
+    logical = logical_kv(spec, n, seed=7)
+    expected = canonical_chunk(logical)
+    stream = backend.create_stream()
+    slot = backend.alloc_pinned(expected.size)
+    try:
+        host_array(slot)[:] = rng.integers(0, 256, expected.size, dtype=np.uint8)
+        _store(backend, stream, spec, store[1], store[0], n, logical, slot, rng)
+        assert np.array_equal(host_array(slot), expected)
+        _load_and_check(backend, stream, spec, load[1], load[0], n, logical, slot, rng, expand)
+    finally:
+        backend.free(slot)
+        backend.destroy_stream(stream)
+
+
 @pytest.mark.parametrize("kind,n,tp,layout", CASES,
                          ids=[f"{k}-n{n}-tp{tp}-{lay}" for k, n, tp, lay in CASES])
 def test_store_is_canonical_and_loads_into_other_tp_and_layout(backend, kind, n, tp, layout):
@@ -102,20 +119,15 @@ def test_store_is_canonical_and_loads_into_other_tp_and_layout(backend, kind, n,
         with pytest.raises(LayoutError, match=r"groups\[\d+\] \(layers \d+-\d+"):
             chunk_mapper(spec, layout, tp, 0, n)
         return
-    rng = np.random.default_rng(zlib.crc32(f"{kind}-{n}-{tp}-{layout}".encode()))
-    logical = logical_kv(spec, n, seed=7)
-    expected = canonical_chunk(logical)
-    stream = backend.create_stream()
-    slot = backend.alloc_pinned(expected.size)
-    try:
-        host_array(slot)[:] = rng.integers(0, 256, expected.size, dtype=np.uint8)
-        _store(backend, stream, spec, layout, tp, n, logical, slot, rng)
-        assert np.array_equal(host_array(slot), expected)
+    expand = 4 if tp in (2, 8) else 1  # both ways to issue short strided runs
+    _roundtrip(backend, spec, n, (tp, layout), _load_config(kind, tp, layout),
+               zlib.crc32(f"{kind}-{n}-{tp}-{layout}".encode()), expand)
 
-        load_tp, load_layout = _load_config(kind, tp, layout)
-        expand = 4 if tp in (2, 8) else 1  # both ways to issue short strided runs
-        _load_and_check(backend, stream, spec, load_layout, load_tp, n, logical, slot, rng,
-                        expand)
-    finally:
-        backend.free(slot)
-        backend.destroy_stream(stream)
+
+def test_groups_with_their_own_layouts_round_trip(backend):
+    spec = KVCacheSpec((LayerGroup(Kind.FULL, 2, 4, 4, "bf16", 4),
+                        LayerGroup(Kind.MLA, 1, 1, 6, "fp16", 4, extra_bytes_per_token=4),
+                        LayerGroup(Kind.SLIDING_WINDOW, 1, 2, 8, "fp8", 4, 2,
+                                   sliding_window=8)))
+    _roundtrip(backend, spec, 3, (2, ("split-hnd", "mla", "packed-nhd")),
+               (4, ("vllm-cpu", "mla", "packed-hnd")), seed=11, expand=1)

@@ -39,7 +39,7 @@ def collect(args: argparse.Namespace) -> dict:
             "runs_per_page": [len(g.runs) for g in m.groups],
             "store_runs_per_chunk": m.runs_per_chunk(D2H),
             "load_runs_per_chunk": m.runs_per_chunk(H2D),
-            "copies_2d_per_chunk": m.split_runs(H2D)[1].per_block * args.blocks_per_chunk,
+            "copies_2d_per_chunk": m.copies_2d_per_chunk(H2D),
         })
     return {"format_id": FORMAT_ID, "layouts": list(layouts), "tp": args.tp,
             "blocks_per_chunk": args.blocks_per_chunk, "ranks": ranks}

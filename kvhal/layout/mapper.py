@@ -66,7 +66,8 @@ _FIELDS = ("layer", "block", "local", "plane", "host", "width", "count", "local_
 
 @dataclass(frozen=True, slots=True)
 class ChunkMapper:
-    """Everything one rank needs to plan the copies of any chunk.
+    """Everything one rank needs to plan the copies of any chunk (immutable once built;
+    safe to share between threads).
 
     Attributes:
         spec, layouts, tp_size, tp_rank, blocks_per_chunk: What it was built for.
@@ -92,9 +93,14 @@ class ChunkMapper:
         """Copy runs (one batch descriptor or one 2D copy each) for a full chunk."""
         return self._tables[direction].per_block * self.blocks_per_chunk
 
-    def split_runs(self, direction: str, expand_up_to: int = 1) -> tuple["_Runs", "_Runs"]:
+    def copies_2d_per_chunk(self, direction: str, expand_up_to: int = 1) -> int:
+        """`Copy2D`s in the plan of a full chunk (see `plan_copies`)."""
+        return self._split_runs(direction, expand_up_to)[1].per_block * self.blocks_per_chunk
+
+    def _split_runs(self, direction: str, expand_up_to: int) -> tuple["_Runs", "_Runs"]:
         """(single-fragment entries, strided entries) of a chunk, runs of at most
-        `expand_up_to` fragments expanded into single fragments; cached per argument pair."""
+        `expand_up_to` fragments expanded into single fragments; computed once per argument
+        pair (a racing duplicate computation stores an equal value, so threads may share)."""
         key = (direction, expand_up_to)
         if key not in self._tables:
             self._tables[key] = _split(self._tables[direction], expand_up_to)
@@ -250,7 +256,7 @@ def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
         raise LayoutError(f"block_ids: ids must be in [0, {device.num_blocks}), got "
                           f"{ids.min()}..{ids.max()}", field="block_ids")
     ids = ids.astype(np.int64)
-    single, strided = mapper.split_runs(direction, expand_up_to)
+    single, strided = mapper._split_runs(direction, expand_up_to)
     s_dev, s_host, s = _addresses(single, ids, device, host_addr)
     sizes = s.width.astype(np.uint64)
     d_dev, d_host, d = _addresses(strided, ids, device, host_addr)
