@@ -44,6 +44,6 @@ __all__ = [
     "GroupMapping", "H2D", "KVCacheSpec", "Kind", "LayerGroup", "LayoutError", "RankShare",
     "attention_spec", "canonical_page_bytes", "check_tiles", "chunk_layout", "chunk_mapper",
     "coalesce", "default_layouts", "device_cache", "get_layout", "layouts_for", "map_group",
-    "mapping_status", "mla_spec", "plan_copies", "rank_share", "run_fragments", "tensor_element_bytes",
-    "verify_tiling",
+    "mapping_status", "mla_spec", "plan_copies", "rank_share", "run_fragments",
+    "tensor_element_bytes", "verify_tiling",
 ]

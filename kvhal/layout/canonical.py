@@ -216,9 +216,9 @@ def coalesce(local: np.ndarray, canonical: np.ndarray, sizes: np.ndarray,
     Pieces adjacent in both spaces (and in one plane) merge into fragments; fragments (and, as
     a second candidate, the unmerged pieces) then group into arithmetic runs greedily along each
     order of the index `keys` (e.g. head, token, component), keeping the candidate with fewest
-    runs; a run whose fragments are back to back in both spaces becomes one fragment. Runs never cross a plane; both strides of a
-    multi-fragment run are ≥ its fragment bytes (HAL pitch ≥ width). A single-fragment run has
-    count 1 and both strides equal to fragment_bytes.
+    runs; a run whose fragments are back to back in both spaces becomes one fragment. Runs never
+    cross a plane; both strides of a multi-fragment run are ≥ its fragment bytes (HAL pitch ≥
+    width). A single-fragment run has count 1 and both strides equal to fragment_bytes.
 
     Args:
         local, canonical, sizes: int64 arrays (n,), byte offsets and sizes; size-0 pieces drop.
