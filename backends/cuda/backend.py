@@ -1,25 +1,15 @@
-"""Placeholder for the cuda backend until its implementation lands (issue 8)."""
+"""The cuda backend: the shared runtime adapter over cuda-python's `cuda.bindings.runtime`."""
 from __future__ import annotations
 
 from typing import ClassVar
 
-from kvhal.hal import Availability, BackendUnavailableError
+from kvhal.backends._runtime import RuntimeBackend, VendorTable
+
+from .table import CUDA
 
 
-class CudaBackend:
-    """The cuda `DeviceBackend`; not implemented yet, so it always reports unavailable."""
+class CudaBackend(RuntimeBackend):
+    """`DeviceBackend` on NVIDIA GPUs through the CUDA runtime (see `RuntimeBackend`)."""
 
     name: ClassVar[str] = "cuda"
-
-    @classmethod
-    def probe(cls) -> Availability:
-        """Never raises."""
-        return Availability(False, "the cuda backend is not implemented yet")
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """`probe().available`."""
-        return cls.probe().available
-
-    def __init__(self, **_: object):
-        raise BackendUnavailableError(self.probe().reason, backend=self.name)
+    table: ClassVar[VendorTable] = CUDA

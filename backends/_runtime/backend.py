@@ -1,0 +1,383 @@
+"""`RuntimeBackend`: the one `DeviceBackend` implementation over a CUDA-style runtime API.
+
+The cuda and rocm backends are this class with a `VendorTable` (names, error enum, batch
+quirks). Every runtime call goes through `_call(op, ...)`, which maps the vendor's error code to
+the HAL hierarchy. Copy endpoints are checked against the live allocations before any call, so
+a bad address is an `InvalidValueError`, never a device fault.
+
+Threading: the runtime's current device is per thread, so every call that creates something on
+a device (`alloc_device`, `create_stream`, `create_event`) selects the device first.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvhal.backends.cpu.memory import RangeRegistry
+from kvhal.hal import (Allocation, Availability, BackendUnavailableError, Capabilities, Event,
+                       HalError, InvalidValueError, MemoryKind, Stream, as_u64)
+
+from .batch import chunk_bounds, select_batch_mode, uses_native
+from .calls import binding_batch_call, ctypes_batch_call, load_ctypes_symbol
+from .errors import Errors, code_of
+from .probe import error_enum, import_binding, probe
+from .vendor import CONSTANTS, OPERATIONS, VendorTable
+
+#: `Allocation.handle` of device memory adopted with `adopt_device` (freed by its owner).
+EXTERNAL = "external"
+
+
+def check_2d(backend: str, dst_pitch: int, src_pitch: int, width: int, height: int) -> bool:
+    """Validate 2D copy geometry; False if the copy is empty (width or height 0).
+
+    Raises:
+        InvalidValueError: a negative value, or a pitch smaller than width.
+    """
+    for what, value in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch), ("width", width),
+                        ("height", height)):
+        if value < 0:
+            raise InvalidValueError(f"{what} must be ≥ 0, got {value}", backend=backend)
+    if width == 0 or height == 0:
+        return False
+    for what, pitch in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch)):
+        if pitch < width:
+            raise InvalidValueError(f"{what} {pitch} < width {width}", backend=backend)
+    return True
+
+
+class RuntimeBackend:
+    """`DeviceBackend` over a vendor runtime described by `table` (see module docstring).
+
+    Args:
+        device: Device selected for events and as the default of `alloc_device`/`create_stream`.
+
+    Raises:
+        BackendUnavailableError: `probe()` says the runtime cannot run here (its reason).
+        InvalidValueError: `device` is not a valid ordinal.
+    """
+
+    name: ClassVar[str]
+    table: ClassVar[VendorTable]
+
+    # -- discovery ---------------------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> Availability:
+        """See `DeviceBackend.probe` and `probe.probe`. Never raises."""
+        return probe(cls.table)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """`probe().available`. Never raises."""
+        return cls.probe().available
+
+    def __init__(self, device: int = 0):
+        availability = self.probe()
+        if not availability.available:
+            raise BackendUnavailableError(availability.reason, backend=self.name)
+        self._bind()
+        self._configure(device_count=int(self._call("get_device_count")),
+                        runtime_version=int(self._call("runtime_version")),
+                        driver_version=int(self._call("driver_version")), device=device)
+        self._call("set_device", self.device)
+
+    def _bind(self) -> None:
+        """Resolve the binding's functions, constants and error enum (no runtime calls)."""
+        table = self.table
+        self._rt = rt = import_binding(table)
+        self._errors = Errors(table, error_enum(table, rt))
+        self._fn = {op: getattr(rt, table.api(op), None) for op in OPERATIONS}
+        self._const = {key: getattr(rt, table.constant(key)) for key in CONSTANTS}
+        kind_enum, kind_member = table.memcpy_kind()
+        self._copy_kind = getattr(getattr(rt, kind_enum), kind_member)
+
+    def _configure(self, device_count: int, runtime_version: int, driver_version: int,
+                   device: int) -> None:
+        """Set up state from what the runtime reported (no runtime calls)."""
+        self.device_count = device_count
+        self.device = self._check_device(device)
+        self.runtime_version = runtime_version
+        self.driver_version = driver_version
+        self._batch_call, self.batch_mode = self._make_batch_call()
+        self._lock = threading.Lock()
+        self._allocs: dict[int, Allocation] = {}
+        self._ranges = RangeRegistry(self.name)
+        self._host_ranges = RangeRegistry(self.name)
+        self._device_ranges = RangeRegistry(self.name)
+
+    def _make_batch_call(self):
+        table, quirks = self.table, self.table.batch
+        if quirks.via_ctypes:
+            symbol = load_ctypes_symbol(table)
+            mode = select_batch_mode(table, self.runtime_version, self.driver_version,
+                                     symbol is not None)
+            call = ctypes_batch_call(symbol, table, self._errors, mode.fail_idx) \
+                if mode.native else None
+        else:
+            mode = select_batch_mode(table, self.runtime_version, self.driver_version,
+                                     self._fn["memcpy_batch_async"] is not None)
+            call = binding_batch_call(self._rt, table, self._errors) if mode.native else None
+        return call, mode
+
+    def _call(self, op: str, *args: Any) -> Any:
+        return self._errors.check(self._fn[op](*args), self.table.api(op))
+
+    def _ready(self, op: str, handle: Any) -> bool:
+        result = self._fn[op](handle)
+        if code_of(result[0] if isinstance(result, tuple) else result) == self._errors.not_ready:
+            return False
+        self._errors.check(result, self.table.api(op))
+        return True
+
+    def _check_device(self, device: int) -> int:
+        if not isinstance(device, (int, np.integer)) or not 0 <= device < self.device_count:
+            raise InvalidValueError(f"device {device!r} does not exist ({self.device_count} "
+                                    "device(s))", backend=self.name)
+        return int(device)
+
+    def capabilities(self) -> Capabilities:
+        """See `DeviceBackend.capabilities`: versions and the batch path are in `notes`."""
+        table = self.table
+        notes = [f"runtime {table.version_text(self.runtime_version)}, driver "
+                 f"{table.version_text(self.driver_version)}"]
+        if self.batch_mode.native:
+            notes.append(f"native {table.api('memcpy_batch_async')}, "
+                         f"{self.batch_mode.max_descriptors} descriptors per call")
+        else:
+            notes.append(self.batch_mode.reason)
+        return Capabilities(name=self.name, device_count=self.device_count,
+                            page_locked_host=True, native_batch=self.batch_mode.native,
+                            max_batch_descriptors=self.batch_mode.max_descriptors,
+                            native_copy_2d=True, event_timing=True, host_register=True,
+                            notes=tuple(notes))
+
+    # -- memory ------------------------------------------------------------------------------
+    def _check_size(self, nbytes: int) -> int:
+        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise InvalidValueError(f"nbytes must be a non-negative int, got {nbytes!r}",
+                                    backend=self.name)
+        return int(nbytes)
+
+    def _track(self, alloc: Allocation) -> Allocation:
+        self._ranges.add(alloc.ptr, alloc.nbytes)
+        side = self._device_ranges if alloc.kind is MemoryKind.DEVICE else self._host_ranges
+        side.add(alloc.ptr, alloc.nbytes)
+        with self._lock:
+            self._allocs[alloc.ptr] = alloc
+        return alloc
+
+    def alloc_device(self, nbytes: int, device: int | None = None) -> Allocation:
+        """See `DeviceBackend.alloc_device` (`*Malloc`: 256-byte aligned, exact size)."""
+        nbytes = self._check_size(nbytes)
+        device = self.device if device is None else self._check_device(device)
+        if nbytes == 0:
+            return Allocation(0, 0, MemoryKind.DEVICE, device, self.name)
+        self._call("set_device", device)
+        ptr = int(self._call("malloc", nbytes))
+        return self._track(Allocation(ptr, nbytes, MemoryKind.DEVICE, device, self.name))
+
+    def alloc_pinned(self, nbytes: int) -> Allocation:
+        """See `DeviceBackend.alloc_pinned` (`cudaHostAlloc`/`hipHostMalloc`, portable)."""
+        nbytes = self._check_size(nbytes)
+        if nbytes == 0:
+            return Allocation(0, 0, MemoryKind.PINNED, -1, self.name)
+        ptr = int(self._call("host_alloc", nbytes, self._const["host_alloc_portable"]))
+        return self._track(Allocation(ptr, nbytes, MemoryKind.PINNED, -1, self.name))
+
+    def register_host(self, ptr: int, nbytes: int) -> Allocation:
+        """See `DeviceBackend.register_host` (`*HostRegister`, portable): pins exactly
+        [ptr, ptr + nbytes), no rounding of the region."""
+        nbytes = self._check_size(nbytes)
+        if nbytes == 0:
+            return Allocation(0, 0, MemoryKind.REGISTERED, -1, self.name)
+        if not ptr:
+            raise InvalidValueError("register_host: ptr is NULL", backend=self.name)
+        alloc = self._track(Allocation(int(ptr), nbytes, MemoryKind.REGISTERED, -1, self.name))
+        try:
+            self._call("host_register", int(ptr), nbytes, self._const["host_register_portable"])
+        except HalError:
+            self._forget(alloc)
+            raise
+        return alloc
+
+    def adopt_device(self, ptr: int, nbytes: int, device: int) -> Allocation:
+        """Make device memory allocated elsewhere (e.g. a torch KV cache tensor) a valid copy
+        endpoint. `free` forgets it and never releases it.
+
+        Raises:
+            InvalidValueError: ptr is 0, nbytes ≤ 0, an unknown device, or overlap with a live
+                range of this backend.
+        """
+        nbytes = self._check_size(nbytes)
+        if not ptr or nbytes == 0:
+            raise InvalidValueError(f"adopt_device needs ptr ≠ 0 and nbytes > 0, got "
+                                    f"ptr={ptr:#x} nbytes={nbytes}", backend=self.name)
+        return self._track(Allocation(int(ptr), nbytes, MemoryKind.DEVICE,
+                                      self._check_device(device), self.name, handle=EXTERNAL))
+
+    def _forget(self, alloc: Allocation) -> None:
+        with self._lock:
+            if self._allocs.get(alloc.ptr) != alloc:
+                raise InvalidValueError(f"free: {alloc.ptr:#x} is not a live allocation of this "
+                                        "backend (double free?)", backend=self.name)
+            del self._allocs[alloc.ptr]
+        self._ranges.remove(alloc.ptr)
+        side = self._device_ranges if alloc.kind is MemoryKind.DEVICE else self._host_ranges
+        side.remove(alloc.ptr)
+
+    def free(self, allocation: Allocation) -> None:
+        """See `DeviceBackend.free` (`*Free`, `*FreeHost`/`hipHostFree`, `*HostUnregister`)."""
+        if allocation.nbytes == 0:
+            return
+        self._forget(allocation)
+        if allocation.handle == EXTERNAL:
+            return
+        op = {MemoryKind.DEVICE: "free", MemoryKind.PINNED: "free_host",
+              MemoryKind.REGISTERED: "host_unregister"}[allocation.kind]
+        self._call(op, allocation.ptr)
+
+    # -- streams and events ------------------------------------------------------------------
+    def _stream(self, stream: Stream) -> Any:
+        if stream.backend != self.name:
+            raise InvalidValueError(f"not a {self.name} stream: {stream!r}", backend=self.name)
+        return stream.handle
+
+    def _event(self, event: Event) -> Any:
+        if event.backend != self.name:
+            raise InvalidValueError(f"not a {self.name} event: {event!r}", backend=self.name)
+        return event.handle
+
+    def create_stream(self, device: int | None = None) -> Stream:
+        """See `DeviceBackend.create_stream` (non-blocking: never syncs with the legacy
+        default stream)."""
+        device = self.device if device is None else self._check_device(device)
+        self._call("set_device", device)
+        return Stream(self.name, device,
+                      self._call("stream_create", self._const["stream_non_blocking"]))
+
+    def external_stream(self, handle: int, device: int) -> Stream:
+        """Wrap a stream created elsewhere (e.g. torch's current stream) by its raw handle.
+
+        The caller keeps ownership: do not `destroy_stream` it. Handle 0 is the legacy
+        default stream; batches on it use the per-copy loop (see `batch.uses_native`).
+        """
+        stream_type = getattr(self._rt, self.table.prefix + "Stream_t")
+        return Stream(self.name, self._check_device(device), stream_type(int(handle)))
+
+    def destroy_stream(self, stream: Stream) -> None:
+        """See `DeviceBackend.destroy_stream`."""
+        handle = self._stream(stream)
+        self._call("stream_synchronize", handle)
+        self._call("stream_destroy", handle)
+
+    def stream_synchronize(self, stream: Stream) -> None:
+        """See `DeviceBackend.stream_synchronize`; an async fault is a `DeviceFaultError`."""
+        self._call("stream_synchronize", self._stream(stream))
+
+    def stream_query(self, stream: Stream) -> bool:
+        """See `DeviceBackend.stream_query` (not-ready is False, not an error)."""
+        return self._ready("stream_query", self._stream(stream))
+
+    def stream_wait_event(self, stream: Stream, event: Event) -> None:
+        """See `DeviceBackend.stream_wait_event`."""
+        self._call("stream_wait_event", self._stream(stream), self._event(event), 0)
+
+    def create_event(self, timing: bool = False) -> Event:
+        """See `DeviceBackend.create_event` (timing off uses `*EventDisableTiming`)."""
+        self._call("set_device", self.device)
+        flags = self._const["event_default" if timing else "event_disable_timing"]
+        return Event(self.name, bool(timing), self._call("event_create", flags))
+
+    def destroy_event(self, event: Event) -> None:
+        """See `DeviceBackend.destroy_event`."""
+        self._call("event_destroy", self._event(event))
+
+    def record_event(self, event: Event, stream: Stream) -> None:
+        """See `DeviceBackend.record_event`."""
+        self._call("event_record", self._event(event), self._stream(stream))
+
+    def event_query(self, event: Event) -> bool:
+        """See `DeviceBackend.event_query`."""
+        return self._ready("event_query", self._event(event))
+
+    def event_synchronize(self, event: Event) -> None:
+        """See `DeviceBackend.event_synchronize`."""
+        self._call("event_synchronize", self._event(event))
+
+    def event_elapsed_ms(self, start: Event, end: Event) -> float:
+        """See `DeviceBackend.event_elapsed_ms` (`*EventElapsedTime`, ~0.5 µs resolution).
+
+        Raises:
+            InvalidValueError: an event lacks timing, was never recorded, or is not complete
+                (the runtime's not-ready is reported as invalid here, per the HAL contract).
+        """
+        for which, ev in (("start", start), ("end", end)):
+            if not ev.timing:
+                raise InvalidValueError(f"{which} event was created without timing",
+                                        backend=self.name)
+        api = self.table.api("event_elapsed")
+        result = self._fn["event_elapsed"](self._event(start), self._event(end))
+        if code_of(result[0]) == self._errors.not_ready:
+            raise InvalidValueError(f"{api}: an event has not completed", backend=self.name,
+                                    code=self._errors.not_ready, api=api)
+        return float(self._errors.check(result, api))
+
+    # -- copies ------------------------------------------------------------------------------
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+        """See `DeviceBackend.copy_async` (`*MemcpyAsync`, direction from the addresses)."""
+        handle = self._stream(stream)
+        nbytes = self._check_size(nbytes)
+        if nbytes == 0:
+            return
+        self._ranges.check(dst, nbytes, "dst")
+        self._ranges.check(src, nbytes, "src")
+        self._call("memcpy_async", dst, src, nbytes, self._copy_kind, handle)
+
+    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                      height: int, stream: Stream) -> None:
+        """See `DeviceBackend.copy_2d_async`: one `*Memcpy2DAsync` call."""
+        handle = self._stream(stream)
+        if not check_2d(self.name, dst_pitch, src_pitch, width, height):
+            return
+        self._ranges.check(dst, (height - 1) * dst_pitch + width, "dst")
+        self._ranges.check(src, (height - 1) * src_pitch + width, "src")
+        self._call("memcpy_2d_async", dst, dst_pitch, src, src_pitch, width, height,
+                   self._copy_kind, handle)
+
+    def _all_inside(self, ranges: RangeRegistry, ptrs: np.ndarray, sizes: np.ndarray) -> bool:
+        try:
+            ranges.check_many(ptrs, sizes, "")
+        except InvalidValueError:
+            return False
+        return True
+
+    def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+                         stream: Stream) -> None:
+        """See `DeviceBackend.copy_batch_async`: one native batch call per
+        `capabilities().max_batch_descriptors` descriptors, or one `*MemcpyAsync` per copy
+        (older runtimes, or the legacy default stream)."""
+        handle = self._stream(stream)
+        d = as_u64(dsts, "dsts", self.name)
+        s = as_u64(srcs, "srcs", self.name)
+        n = as_u64(sizes, "sizes", self.name)
+        if not (len(d) == len(s) == len(n)):
+            raise InvalidValueError(f"batch arrays differ in length: dsts={len(d)} "
+                                    f"srcs={len(s)} sizes={len(n)}", backend=self.name)
+        keep = n > 0
+        if not keep.all():
+            d, s, n = d[keep], s[keep], n[keep]
+        if len(n) == 0:
+            return
+        self._ranges.check_many(d, n, "dsts")
+        self._ranges.check_many(s, n, "srcs")
+        if not uses_native(self.batch_mode, self.table, int(handle)):
+            copy = self._fn["memcpy_async"]
+            api = self.table.api("memcpy_async")
+            for dst, src, nbytes in zip(d.tolist(), s.tolist(), n.tolist()):
+                self._errors.check(copy(dst, src, nbytes, self._copy_kind, handle), api)
+            return
+        h2d_pinned = (self._all_inside(self._host_ranges, s, n)
+                      and self._all_inside(self._device_ranges, d, n))
+        for lo, hi in chunk_bounds(len(n), self.batch_mode.max_descriptors):
+            self._batch_call(d[lo:hi], s[lo:hi], n[lo:hi], h2d_pinned, handle)

@@ -1,0 +1,160 @@
+"""Every runtime call the cuda backend makes is accepted by cuda-python's real binding.
+
+Without a driver the CUDA runtime still parses each call's arguments and then returns error 35
+(cudaErrorInsufficientDriver), so an argument the binding rejects shows up here as a TypeError
+and a well-formed call as a BackendUnavailableError naming the API. The backend is configured
+with chosen runtime/driver versions (`_configure`) instead of the ones the missing driver
+reports; that is what selects the batch path under test.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvhal.backends.cuda import CudaBackend
+from kvhal.hal import (Allocation, BackendUnavailableError, Event, InvalidValueError,
+                       MemoryKind, Stream)
+
+DEVICE_PTR, HOST_PTR = 1 << 40, 1 << 41
+
+
+def configured(runtime_version: int = 13040, driver_version: int = 13040) -> CudaBackend:
+    backend = CudaBackend.__new__(CudaBackend)
+    backend._bind()
+    backend._configure(device_count=1, runtime_version=runtime_version,
+                       driver_version=driver_version, device=0)
+    return backend
+
+
+@pytest.fixture
+def cuda(cuda_no_driver):
+    """A cuda backend bound to the real binding, with one device and one pinned range known."""
+    backend = configured()
+    backend._track(Allocation(DEVICE_PTR, 1 << 20, MemoryKind.DEVICE, 0, "cuda"))
+    backend._track(Allocation(HOST_PTR, 1 << 20, MemoryKind.PINNED, -1, "cuda"))
+    return backend
+
+
+def stream(rt, handle: int = 0x1234) -> Stream:
+    return Stream("cuda", 0, rt.cudaStream_t(handle))
+
+
+def event(rt, handle: int) -> Event:
+    return Event("cuda", True, rt.cudaEvent_t(handle))
+
+
+def api_of(call) -> str:
+    with pytest.raises(BackendUnavailableError) as info:
+        call()
+    assert info.value.code == 35
+    return info.value.api
+
+
+def test_each_operation_reaches_its_runtime_call(cuda, cuda_no_driver):
+    rt, s = cuda_no_driver, stream(cuda_no_driver)
+    calls = {
+        "cudaMemcpyAsync": lambda: cuda.copy_async(DEVICE_PTR, HOST_PTR, 4096, s),
+        "cudaMemcpy2DAsync": lambda: cuda.copy_2d_async(DEVICE_PTR, 256, HOST_PTR, 512, 128,
+                                                        16, s),
+        "cudaHostAlloc": lambda: cuda.alloc_pinned(4096),
+        "cudaHostRegister": lambda: cuda.register_host(1 << 42, 4096),
+        "cudaStreamQuery": lambda: cuda.stream_query(s),
+        "cudaStreamSynchronize": lambda: cuda.stream_synchronize(s),
+        "cudaStreamWaitEvent": lambda: cuda.stream_wait_event(s, event(rt, 5)),
+        "cudaEventRecord": lambda: cuda.record_event(event(rt, 5), s),
+        "cudaEventQuery": lambda: cuda.event_query(event(rt, 5)),
+        "cudaEventSynchronize": lambda: cuda.event_synchronize(event(rt, 5)),
+        "cudaEventElapsedTime": lambda: cuda.event_elapsed_ms(event(rt, 5), event(rt, 6)),
+        "cudaEventDestroy": lambda: cuda.destroy_event(event(rt, 5)),
+        "cudaSetDevice": lambda: cuda.create_stream(),
+    }
+    assert {api: api_of(call) for api, call in calls.items()} == {api: api for api in calls}
+
+
+def test_native_batch_is_one_call_with_attributes(cuda, cuda_no_driver):
+    sizes = np.full(3, 100, dtype=np.uint64)
+    offsets = np.arange(3, dtype=np.uint64) * np.uint64(4096)
+    with pytest.raises(BackendUnavailableError) as info:
+        cuda.copy_batch_async(DEVICE_PTR + offsets, HOST_PTR + offsets, sizes,
+                              stream(cuda_no_driver))
+    assert info.value.api == "cudaMemcpyBatchAsync"
+    assert "batch of 3 copies" in str(info.value)
+
+
+def test_old_runtime_batch_loops_over_memcpy(cuda_no_driver):
+    backend = configured(runtime_version=12060, driver_version=12060)
+    backend._track(Allocation(DEVICE_PTR, 4096, MemoryKind.DEVICE, 0, "cuda"))
+    assert backend.capabilities().native_batch is False
+    assert api_of(lambda: backend.copy_batch_async([DEVICE_PTR], [DEVICE_PTR + 2048], [64],
+                                                   stream(cuda_no_driver))) == "cudaMemcpyAsync"
+
+
+def test_legacy_default_stream_batch_loops_over_memcpy(cuda, cuda_no_driver):
+    legacy = cuda.external_stream(0, 0)
+    assert api_of(lambda: cuda.copy_batch_async([DEVICE_PTR], [HOST_PTR], [64], legacy)) == \
+        "cudaMemcpyAsync"
+
+
+def test_register_failure_leaves_nothing_registered(cuda):
+    with pytest.raises(BackendUnavailableError):
+        cuda.register_host(1 << 42, 4096)
+    with pytest.raises(InvalidValueError, match="outside every allocation"):
+        cuda.copy_async(DEVICE_PTR, 1 << 42, 16, Stream("cuda", 0, 0x1234))
+
+
+@pytest.mark.parametrize("dst,src,nbytes,match", [
+    (DEVICE_PTR, HOST_PTR + (1 << 20) - 8, 16, "src range"),
+    (DEVICE_PTR - 1, HOST_PTR, 16, "dst range"),
+    (DEVICE_PTR, HOST_PTR, -1, "nbytes must be a non-negative int"),
+], ids=["src-past-end", "dst-before-start", "negative"])
+def test_bad_ranges_are_refused_before_any_call(cuda, dst, src, nbytes, match):
+    with pytest.raises(InvalidValueError, match=match):
+        cuda.copy_async(dst, src, nbytes, Stream("cuda", 0, 0x1234))
+
+
+def test_2d_pitch_smaller_than_width_is_refused(cuda):
+    with pytest.raises(InvalidValueError, match="src_pitch 64 < width 128"):
+        cuda.copy_2d_async(DEVICE_PTR, 256, HOST_PTR, 64, 128, 4, Stream("cuda", 0, 1))
+
+
+def test_zero_sized_copies_make_no_call(cuda):
+    s = Stream("cuda", 0, 0x1234)
+    cuda.copy_async(DEVICE_PTR, HOST_PTR, 0, s)
+    cuda.copy_2d_async(DEVICE_PTR, 256, HOST_PTR, 256, 0, 4, s)
+    cuda.copy_batch_async(np.array([DEVICE_PTR], np.uint64), np.array([HOST_PTR], np.uint64),
+                          np.zeros(1, np.uint64), s)
+
+
+def test_foreign_stream_is_refused(cuda):
+    with pytest.raises(InvalidValueError, match="not a cuda stream"):
+        cuda.stream_query(Stream("cpu", 0, None))
+
+
+def test_event_without_timing_is_refused_before_the_call(cuda, cuda_no_driver):
+    plain = Event("cuda", False, cuda_no_driver.cudaEvent_t(5))
+    with pytest.raises(InvalidValueError, match="start event was created without timing"):
+        cuda.event_elapsed_ms(plain, event(cuda_no_driver, 6))
+
+
+def test_free_of_unknown_allocation_is_refused(cuda):
+    with pytest.raises(InvalidValueError, match="double free"):
+        cuda.free(Allocation(DEVICE_PTR + 64, 64, MemoryKind.DEVICE, 0, "cuda"))
+
+
+def test_adopted_device_memory_is_forgotten_not_freed(cuda):
+    adopted = cuda.adopt_device(1 << 43, 8192, 0)
+    cuda.free(adopted)  # no cudaFree: it would fail with error 35 here
+    with pytest.raises(InvalidValueError, match="double free"):
+        cuda.free(adopted)
+
+
+def test_capabilities_name_versions_and_batch_path(cuda):
+    caps = cuda.capabilities()
+    assert (caps.native_batch, caps.max_batch_descriptors, caps.device_count) == (True, 8192, 1)
+    assert caps.notes == ("runtime 13.4, driver 13.4",
+                          "native cudaMemcpyBatchAsync, 8192 descriptors per call")
+
+
+def test_unknown_device_is_refused(cuda):
+    with pytest.raises(InvalidValueError, match="device 1 does not exist"):
+        cuda.alloc_device(4096, 1)
