@@ -186,8 +186,8 @@ class RuntimeBackend:
         return self._track(Allocation(ptr, nbytes, MemoryKind.PINNED, -1, self.name))
 
     def register_host(self, ptr: int, nbytes: int) -> Allocation:
-        """See `DeviceBackend.register_host` (`*HostRegister`, portable): pins exactly
-        [ptr, ptr + nbytes), no rounding of the region."""
+        """See `DeviceBackend.register_host` (`*HostRegister`, portable and mapped, so kernels
+        reach it too): pins exactly [ptr, ptr + nbytes), no rounding of the region."""
         nbytes = self._check_size(nbytes)
         if nbytes == 0:
             return Allocation(0, 0, MemoryKind.REGISTERED, -1, self.name)
@@ -195,7 +195,8 @@ class RuntimeBackend:
             raise InvalidValueError("register_host: ptr is NULL", backend=self.name)
         alloc = self._track(Allocation(int(ptr), nbytes, MemoryKind.REGISTERED, -1, self.name))
         try:
-            self._call("host_register", int(ptr), nbytes, self._const["host_register_portable"])
+            self._call("host_register", int(ptr), nbytes,
+                       self._const["host_register_portable"] | self._const["host_register_mapped"])
         except HalError:
             self._forget(alloc)
             raise
@@ -352,12 +353,13 @@ class RuntimeBackend:
             return False
         return True
 
-    def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
-                         stream: Stream) -> None:
-        """See `DeviceBackend.copy_batch_async`: one native batch call per
-        `capabilities().max_batch_descriptors` descriptors, or one `*MemcpyAsync` per copy
-        (older runtimes, or the legacy default stream)."""
-        handle = self._stream(stream)
+    def _batch_arrays(self, dsts: Any, srcs: Any, sizes: Any):
+        """Validated uint64 (dsts, srcs, sizes) without zero-size entries.
+
+        Raises:
+            InvalidValueError: arrays differ in length, are not 1-D, or a range is outside the
+                live allocations.
+        """
         d = as_u64(dsts, "dsts", self.name)
         s = as_u64(srcs, "srcs", self.name)
         n = as_u64(sizes, "sizes", self.name)
@@ -367,10 +369,20 @@ class RuntimeBackend:
         keep = n > 0
         if not keep.all():
             d, s, n = d[keep], s[keep], n[keep]
+        if len(n):
+            self._ranges.check_many(d, n, "dsts")
+            self._ranges.check_many(s, n, "srcs")
+        return d, s, n
+
+    def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+                         stream: Stream) -> None:
+        """See `DeviceBackend.copy_batch_async`: one native batch call per
+        `capabilities().max_batch_descriptors` descriptors, or one `*MemcpyAsync` per copy
+        (older runtimes, or the legacy default stream)."""
+        handle = self._stream(stream)
+        d, s, n = self._batch_arrays(dsts, srcs, sizes)
         if len(n) == 0:
             return
-        self._ranges.check_many(d, n, "dsts")
-        self._ranges.check_many(s, n, "srcs")
         if not uses_native(self.batch_mode, self.table, int(handle)):
             copy = self._fn["memcpy_async"]
             api = self.table.api("memcpy_async")

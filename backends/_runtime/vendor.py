@@ -34,7 +34,7 @@ OPERATIONS: dict[str, str] = {
 CONSTANTS: dict[str, str] = {
     "stream_non_blocking": "StreamNonBlocking", "event_default": "EventDefault",
     "event_disable_timing": "EventDisableTiming", "host_alloc_portable": "HostAllocPortable",
-    "host_register_portable": "HostRegisterPortable",
+    "host_register_portable": "HostRegisterPortable", "host_register_mapped": "HostRegisterMapped",
 }
 
 #: HAL error class -> error-enum suffixes (resolved per vendor; names a vendor lacks are

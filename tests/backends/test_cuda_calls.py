@@ -151,8 +151,15 @@ def test_adopted_device_memory_is_forgotten_not_freed(cuda):
 def test_capabilities_name_versions_and_batch_path(cuda):
     caps = cuda.capabilities()
     assert (caps.native_batch, caps.max_batch_descriptors, caps.device_count) == (True, 8192, 1)
-    assert caps.notes == ("runtime 13.4, driver 13.4",
-                          "native cudaMemcpyBatchAsync, 8192 descriptors per call")
+    assert caps.notes[:2] == ("runtime 13.4, driver 13.4",
+                              "native cudaMemcpyBatchAsync, 8192 descriptors per call")
+    assert caps.notes[2].startswith(("copy kernel selectable per transfer "
+                                     "(copy_batch_kernel_async), NVRTC 13.", "copy kernel off: "))
+
+
+def test_kernel_batch_validates_before_compiling(cuda):
+    with pytest.raises(InvalidValueError, match="dsts\\[0\\] range"):
+        cuda.copy_batch_kernel_async([1 << 44], [HOST_PTR], [16], Stream("cuda", 0, 1))
 
 
 def test_unknown_device_is_refused(cuda):
