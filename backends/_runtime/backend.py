@@ -17,34 +17,17 @@ import numpy as np
 
 from kvhal.backends.cpu.memory import RangeRegistry
 from kvhal.hal import (Allocation, Availability, BackendUnavailableError, Capabilities, Event,
-                       HalError, InvalidValueError, MemoryKind, Stream, as_u64)
+                       HalError, InvalidValueError, MemoryKind, Stream)
 
 from .batch import chunk_bounds, select_batch_mode, uses_native
 from .calls import binding_batch_call, ctypes_batch_call, load_ctypes_symbol
 from .errors import Errors, code_of
 from .probe import error_enum, import_binding, probe
+from .validate import batch_arrays, check_2d
 from .vendor import CONSTANTS, OPERATIONS, VendorTable
 
 #: `Allocation.handle` of device memory adopted with `adopt_device` (freed by its owner).
 EXTERNAL = "external"
-
-
-def check_2d(backend: str, dst_pitch: int, src_pitch: int, width: int, height: int) -> bool:
-    """Validate 2D copy geometry; False if the copy is empty (width or height 0).
-
-    Raises:
-        InvalidValueError: a negative value, or a pitch smaller than width.
-    """
-    for what, value in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch), ("width", width),
-                        ("height", height)):
-        if value < 0:
-            raise InvalidValueError(f"{what} must be ≥ 0, got {value}", backend=backend)
-    if width == 0 or height == 0:
-        return False
-    for what, pitch in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch)):
-        if pitch < width:
-            raise InvalidValueError(f"{what} {pitch} < width {width}", backend=backend)
-    return True
 
 
 class RuntimeBackend:
@@ -354,25 +337,8 @@ class RuntimeBackend:
         return True
 
     def _batch_arrays(self, dsts: Any, srcs: Any, sizes: Any):
-        """Validated uint64 (dsts, srcs, sizes) without zero-size entries.
-
-        Raises:
-            InvalidValueError: arrays differ in length, are not 1-D, or a range is outside the
-                live allocations.
-        """
-        d = as_u64(dsts, "dsts", self.name)
-        s = as_u64(srcs, "srcs", self.name)
-        n = as_u64(sizes, "sizes", self.name)
-        if not (len(d) == len(s) == len(n)):
-            raise InvalidValueError(f"batch arrays differ in length: dsts={len(d)} "
-                                    f"srcs={len(s)} sizes={len(n)}", backend=self.name)
-        keep = n > 0
-        if not keep.all():
-            d, s, n = d[keep], s[keep], n[keep]
-        if len(n):
-            self._ranges.check_many(d, n, "dsts")
-            self._ranges.check_many(s, n, "srcs")
-        return d, s, n
+        """`validate.batch_arrays` against this backend's live allocations."""
+        return batch_arrays(self.name, self._ranges, dsts, srcs, sizes)
 
     def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                          stream: Stream) -> None:

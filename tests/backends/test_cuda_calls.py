@@ -112,6 +112,11 @@ def test_bad_ranges_are_refused_before_any_call(cuda, dst, src, nbytes, match):
         cuda.copy_async(dst, src, nbytes, Stream("cuda", 0, 0x1234))
 
 
+def test_batch_arrays_of_different_lengths_are_refused(cuda):
+    with pytest.raises(InvalidValueError, match="dsts=2 srcs=1 sizes=1"):
+        cuda.copy_batch_async([DEVICE_PTR, DEVICE_PTR], [HOST_PTR], [8], Stream("cuda", 0, 1))
+
+
 def test_2d_pitch_smaller_than_width_is_refused(cuda):
     with pytest.raises(InvalidValueError, match="src_pitch 64 < width 128"):
         cuda.copy_2d_async(DEVICE_PTR, 256, HOST_PTR, 64, 128, 4, Stream("cuda", 0, 1))

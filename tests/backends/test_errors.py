@@ -9,32 +9,28 @@ from kvhal.backends.rocm.table import ROCM
 from kvhal.hal import (BackendUnavailableError, DeviceFaultError, HalError, InvalidValueError,
                        NotSupportedError, OutOfMemoryError)
 
-# (code, expected class) per vendor; codes from cudaError_t (cuda-python 13.4) and hipError_t
+# (vendor, code, expected class); codes from cudaError_t (cuda-python 13.4) and hipError_t
 # (hip-python 10.0).
-CUDA_CASES = [(2, OutOfMemoryError), (1, InvalidValueError), (101, InvalidValueError),
-              (712, InvalidValueError), (801, NotSupportedError),
-              (35, BackendUnavailableError), (100, BackendUnavailableError),
-              (700, DeviceFaultError), (214, DeviceFaultError), (719, DeviceFaultError)]
-HIP_CASES = [(2, OutOfMemoryError), (1, InvalidValueError), (400, InvalidValueError),
-             (713, InvalidValueError), (801, NotSupportedError),
-             (35, BackendUnavailableError), (100, BackendUnavailableError),
-             (700, DeviceFaultError), (214, DeviceFaultError), (702, DeviceFaultError)]
+CASES = [("cuda", 2, OutOfMemoryError), ("cuda", 1, InvalidValueError),
+         ("cuda", 101, InvalidValueError), ("cuda", 712, InvalidValueError),
+         ("cuda", 801, NotSupportedError), ("cuda", 35, BackendUnavailableError),
+         ("cuda", 100, BackendUnavailableError), ("cuda", 700, DeviceFaultError),
+         ("cuda", 214, DeviceFaultError), ("cuda", 719, DeviceFaultError),
+         ("rocm", 2, OutOfMemoryError), ("rocm", 1, InvalidValueError),
+         ("rocm", 400, InvalidValueError), ("rocm", 713, InvalidValueError),
+         ("rocm", 801, NotSupportedError), ("rocm", 35, BackendUnavailableError),
+         ("rocm", 100, BackendUnavailableError), ("rocm", 700, DeviceFaultError),
+         ("rocm", 214, DeviceFaultError), ("rocm", 702, DeviceFaultError)]
 
 
-@pytest.mark.parametrize("code,cls", CUDA_CASES, ids=lambda p: str(getattr(p, "__name__", p)))
-def test_cuda_code_maps_to_hal_class(cuda_rt, code, cls):
-    errors = Errors(CUDA, cuda_rt.cudaError_t)
-    err = errors.error(code, "cudaMemcpyAsync")
+@pytest.mark.parametrize("vendor,code,cls", CASES, ids=lambda p: str(getattr(p, "__name__", p)))
+def test_vendor_code_maps_to_hal_class(request, vendor, code, cls):
+    table, rt = {"cuda": (CUDA, "cuda_rt"), "rocm": (ROCM, "hip_rt")}[vendor]
+    module = request.getfixturevalue(rt)
+    errors = Errors(table, getattr(module, table.error_enum()))
+    err = errors.error(code, "memcpy")
     assert type(err) is cls
-    assert (err.backend, err.code, err.api) == ("cuda", code, "cudaMemcpyAsync")
-
-
-@pytest.mark.parametrize("code,cls", HIP_CASES, ids=lambda p: str(getattr(p, "__name__", p)))
-def test_hip_code_maps_to_hal_class(hip_rt, code, cls):
-    errors = Errors(ROCM, hip_rt.hipError_t)
-    err = errors.error(code, "hipMemcpyAsync")
-    assert type(err) is cls
-    assert (err.backend, err.code, err.api) == ("rocm", code, "hipMemcpyAsync")
+    assert (err.backend, err.code, err.api) == (vendor, code, "memcpy")
 
 
 def test_unlisted_code_is_plain_hal_error(cuda_rt):
