@@ -41,7 +41,7 @@ def select_batch_mode(table: VendorTable, runtime_version: int, driver_version: 
             HIP 7.2 = 70200000).
         driver_version: `*DriverGetVersion()`; 0 if there is no driver. A CUDA driver older
             than the runtime's batch minimum cannot serve the call.
-        binding_has_call: The binding (or the ctypes library) exposes the batch symbol.
+        binding_has_call: The binding (or, with `via_ctypes`, the library) has the batch call.
 
     Returns:
         The `BatchMode`; a loop mode says why in `reason`.
@@ -49,8 +49,9 @@ def select_batch_mode(table: VendorTable, runtime_version: int, driver_version: 
     quirks = table.batch
     need = table.version_text(quirks.min_runtime)
     if not binding_has_call:
+        where = quirks.library if quirks.via_ctypes else table.module
         return BatchMode(False, LOOP_CHUNK, False,
-                         f"{table.api('memcpy_batch_async')} not in the binding; per-copy loop")
+                         f"{table.api('memcpy_batch_async')} not found in {where}; per-copy loop")
     if runtime_version < quirks.min_runtime:
         return BatchMode(False, LOOP_CHUNK, False,
                          f"runtime {table.version_text(runtime_version)} < {need} has no "

@@ -69,8 +69,9 @@ def compile_cubin(arch: int) -> bytes:
             _, size = nvrtc.nvrtcGetProgramLogSize(prog)
             log = b" " * size
             nvrtc.nvrtcGetProgramLog(prog, log)
-            raise NotSupportedError(f"NVRTC failed for sm_{arch}: {log.rstrip(bytes(1)).decode(errors='replace').strip()}",
-                                    backend="cuda", code=int(status), api="nvrtcCompileProgram")
+            text = log.rstrip(bytes(1)).decode(errors="replace").strip()
+            raise NotSupportedError(f"NVRTC failed for sm_{arch}: {text}", backend="cuda",
+                                    code=int(status), api="nvrtcCompileProgram")
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
         cubin = b" " * size
         nvrtc.nvrtcGetCUBIN(prog, cubin)

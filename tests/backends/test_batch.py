@@ -35,7 +35,7 @@ def test_rocm_batch_mode_by_version(runtime, native):
 def test_missing_symbol_means_loop():
     mode = select_batch_mode(ROCM, 70_200_000, 70_200_000, False)
     assert mode == BatchMode(False, LOOP_CHUNK, False,
-                             "hipMemcpyBatchAsync not in the binding; per-copy loop")
+                             "hipMemcpyBatchAsync not found in libamdhip64.so; per-copy loop")
 
 
 def test_legacy_default_stream_falls_back_to_loop():

@@ -1,8 +1,9 @@
-"""Every runtime call the cuda backend makes is accepted by cuda-python's real binding.
+"""Every runtime call the cuda and rocm backends make is accepted by the real bindings.
 
 Without a driver the CUDA runtime still parses each call's arguments and then returns error 35
-(cudaErrorInsufficientDriver), so an argument the binding rejects shows up here as a TypeError
-and a well-formed call as a BackendUnavailableError naming the API. The backend is configured
+(cudaErrorInsufficientDriver); hip-python converts every argument and then raises RuntimeError
+because libamdhip64.so is missing. So an argument a binding rejects shows up here as a
+TypeError, and a well-formed call as that vendor's no-runtime failure. The backend is configured
 with chosen runtime/driver versions (`_configure`) instead of the ones the missing driver
 reports; that is what selects the batch path under test.
 """
@@ -12,14 +13,16 @@ import numpy as np
 import pytest
 
 from kvhal.backends.cuda import CudaBackend
+from kvhal.backends.rocm import RocmBackend
 from kvhal.hal import (Allocation, BackendUnavailableError, Event, InvalidValueError,
                        MemoryKind, Stream)
 
 DEVICE_PTR, HOST_PTR = 1 << 40, 1 << 41
 
 
-def configured(runtime_version: int = 13040, driver_version: int = 13040) -> CudaBackend:
-    backend = CudaBackend.__new__(CudaBackend)
+def configured(runtime_version: int = 13040, driver_version: int = 13040,
+               cls: type = CudaBackend):
+    backend = cls.__new__(cls)
     backend._bind()
     backend._configure(device_count=1, runtime_version=runtime_version,
                        driver_version=driver_version, device=0)
@@ -30,9 +33,23 @@ def configured(runtime_version: int = 13040, driver_version: int = 13040) -> Cud
 def cuda(cuda_no_driver):
     """A cuda backend bound to the real binding, with one device and one pinned range known."""
     backend = configured()
-    backend._track(Allocation(DEVICE_PTR, 1 << 20, MemoryKind.DEVICE, 0, "cuda"))
-    backend._track(Allocation(HOST_PTR, 1 << 20, MemoryKind.PINNED, -1, "cuda"))
+    return with_ranges(backend)
+
+
+def with_ranges(backend):
+    backend._track(Allocation(DEVICE_PTR, 1 << 20, MemoryKind.DEVICE, 0, backend.name))
+    backend._track(Allocation(HOST_PTR, 1 << 20, MemoryKind.PINNED, -1, backend.name))
     return backend
+
+
+@pytest.fixture
+def rocm(hip_rt):
+    """A rocm backend bound to hip-python, HIP 7.2 reported, without libamdhip64 loadable."""
+    try:
+        hip_rt.hipGetDeviceCount()
+    except RuntimeError:
+        return with_ranges(configured(70_200_000, 70_200_000, RocmBackend))
+    pytest.skip("a HIP runtime is present; these tests pin the no-runtime behaviour")
 
 
 def stream(rt, handle: int = 0x1234) -> Stream:
@@ -69,6 +86,30 @@ def test_each_operation_reaches_its_runtime_call(cuda, cuda_no_driver):
         "cudaSetDevice": lambda: cuda.create_stream(),
     }
     assert {api: api_of(call) for api, call in calls.items()} == {api: api for api in calls}
+
+
+def test_each_rocm_operation_passes_hip_python_argument_conversion(rocm, hip_rt):
+    s = Stream("rocm", 0, hip_rt.hipStream_t(0x1234))
+    ev, ev2 = (Event("rocm", True, hip_rt.hipEvent_t(h)) for h in (5, 6))
+    calls = [lambda: rocm.copy_async(DEVICE_PTR, HOST_PTR, 4096, s),
+             lambda: rocm.copy_2d_async(DEVICE_PTR, 256, HOST_PTR, 512, 128, 16, s),
+             lambda: rocm.copy_batch_async([DEVICE_PTR], [HOST_PTR], [64], s),
+             lambda: rocm.alloc_pinned(4096), lambda: rocm.register_host(1 << 42, 4096),
+             lambda: rocm.stream_query(s), lambda: rocm.stream_synchronize(s),
+             lambda: rocm.stream_wait_event(s, ev), lambda: rocm.record_event(ev, s),
+             lambda: rocm.event_query(ev), lambda: rocm.event_synchronize(ev),
+             lambda: rocm.event_elapsed_ms(ev, ev2), lambda: rocm.destroy_event(ev),
+             lambda: rocm.create_stream(), lambda: rocm.create_event(True)]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="libamdhip64.so"):
+            call()
+
+
+def test_rocm_without_library_symbol_loops(rocm):
+    caps = rocm.capabilities()
+    assert caps.native_batch is False
+    assert caps.notes == ("runtime 7.2, driver 7.2",
+                          "hipMemcpyBatchAsync not found in libamdhip64.so; per-copy loop")
 
 
 def test_native_batch_is_one_call_with_attributes(cuda, cuda_no_driver):
