@@ -17,13 +17,13 @@ import numpy as np
 
 from kvhal.backends.cpu.memory import RangeRegistry
 from kvhal.hal import (Allocation, Availability, BackendUnavailableError, Capabilities, Event,
-                       HalError, InvalidValueError, MemoryKind, Stream)
+                       HalError, InvalidValueError, MemoryKind, Stream, as_int)
 
 from .batch import chunk_bounds, select_batch_mode, uses_native
 from .calls import binding_batch_call, ctypes_batch_call, load_ctypes_symbol
 from .errors import Errors, code_of
 from .probe import error_enum, import_binding, probe
-from .validate import batch_arrays, check_2d
+from .validate import batch_arrays, copy_2d_args, copy_args, host_range
 from .vendor import CONSTANTS, OPERATIONS, VendorTable
 
 #: `Allocation.handle` of device memory adopted with `adopt_device` (freed by its owner).
@@ -88,6 +88,8 @@ class RuntimeBackend:
         self._ranges = RangeRegistry(self.name)
         self._host_ranges = RangeRegistry(self.name)
         self._device_ranges = RangeRegistry(self.name)
+        self._live_streams: dict[int, bool] = {}  # int(handle) -> created elsewhere
+        self._live_events: set[int] = set()
 
     def _make_batch_call(self):
         table, quirks = self.table, self.table.batch
@@ -114,10 +116,11 @@ class RuntimeBackend:
         return True
 
     def _check_device(self, device: int) -> int:
-        if not isinstance(device, (int, np.integer)) or not 0 <= device < self.device_count:
-            raise InvalidValueError(f"device {device!r} does not exist ({self.device_count} "
+        device = as_int(device, "device", self.name)
+        if device >= self.device_count:
+            raise InvalidValueError(f"device {device} does not exist ({self.device_count} "
                                     "device(s))", backend=self.name)
-        return int(device)
+        return device
 
     def capabilities(self) -> Capabilities:
         """See `DeviceBackend.capabilities`: versions and the batch path are in `notes`."""
@@ -136,12 +139,6 @@ class RuntimeBackend:
                             notes=tuple(notes))
 
     # -- memory ------------------------------------------------------------------------------
-    def _check_size(self, nbytes: int) -> int:
-        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-            raise InvalidValueError(f"nbytes must be a non-negative int, got {nbytes!r}",
-                                    backend=self.name)
-        return int(nbytes)
-
     def _track(self, alloc: Allocation) -> Allocation:
         self._ranges.add(alloc.ptr, alloc.nbytes)
         side = self._device_ranges if alloc.kind is MemoryKind.DEVICE else self._host_ranges
@@ -152,7 +149,7 @@ class RuntimeBackend:
 
     def alloc_device(self, nbytes: int, device: int | None = None) -> Allocation:
         """See `DeviceBackend.alloc_device` (`*Malloc`: 256-byte aligned, exact size)."""
-        nbytes = self._check_size(nbytes)
+        nbytes = as_int(nbytes, "nbytes", self.name)
         device = self.device if device is None else self._check_device(device)
         if nbytes == 0:
             return Allocation(0, 0, MemoryKind.DEVICE, device, self.name)
@@ -162,7 +159,7 @@ class RuntimeBackend:
 
     def alloc_pinned(self, nbytes: int) -> Allocation:
         """See `DeviceBackend.alloc_pinned` (`cudaHostAlloc`/`hipHostMalloc`, portable)."""
-        nbytes = self._check_size(nbytes)
+        nbytes = as_int(nbytes, "nbytes", self.name)
         if nbytes == 0:
             return Allocation(0, 0, MemoryKind.PINNED, -1, self.name)
         ptr = int(self._call("host_alloc", nbytes, self._const["host_alloc_portable"]))
@@ -171,14 +168,12 @@ class RuntimeBackend:
     def register_host(self, ptr: int, nbytes: int) -> Allocation:
         """See `DeviceBackend.register_host` (`*HostRegister`, portable and mapped, so kernels
         reach it too): pins exactly [ptr, ptr + nbytes), no rounding of the region."""
-        nbytes = self._check_size(nbytes)
+        ptr, nbytes = host_range(self.name, ptr, nbytes)
         if nbytes == 0:
             return Allocation(0, 0, MemoryKind.REGISTERED, -1, self.name)
-        if not ptr:
-            raise InvalidValueError("register_host: ptr is NULL", backend=self.name)
-        alloc = self._track(Allocation(int(ptr), nbytes, MemoryKind.REGISTERED, -1, self.name))
+        alloc = self._track(Allocation(ptr, nbytes, MemoryKind.REGISTERED, -1, self.name))
         try:
-            self._call("host_register", int(ptr), nbytes,
+            self._call("host_register", ptr, nbytes,
                        self._const["host_register_portable"] | self._const["host_register_mapped"])
         except HalError:
             self._forget(alloc)
@@ -193,14 +188,18 @@ class RuntimeBackend:
             InvalidValueError: ptr is 0, nbytes ≤ 0, an unknown device, or overlap with a live
                 range of this backend.
         """
-        nbytes = self._check_size(nbytes)
+        nbytes = as_int(nbytes, "nbytes", self.name)
+        ptr = as_int(ptr, "ptr", self.name)
         if not ptr or nbytes == 0:
             raise InvalidValueError(f"adopt_device needs ptr ≠ 0 and nbytes > 0, got "
                                     f"ptr={ptr:#x} nbytes={nbytes}", backend=self.name)
-        return self._track(Allocation(int(ptr), nbytes, MemoryKind.DEVICE,
+        return self._track(Allocation(ptr, nbytes, MemoryKind.DEVICE,
                                       self._check_device(device), self.name, handle=EXTERNAL))
 
     def _forget(self, alloc: Allocation) -> None:
+        if not isinstance(alloc, Allocation):
+            raise InvalidValueError(f"free: expected an Allocation, got {alloc!r}",
+                                    backend=self.name)
         with self._lock:
             if self._allocs.get(alloc.ptr) != alloc:
                 raise InvalidValueError(f"free: {alloc.ptr:#x} is not a live allocation of this "
@@ -211,8 +210,9 @@ class RuntimeBackend:
         side.remove(alloc.ptr)
 
     def free(self, allocation: Allocation) -> None:
-        """See `DeviceBackend.free` (`*Free`, `*FreeHost`/`hipHostFree`, `*HostUnregister`)."""
-        if allocation.nbytes == 0:
+        """See `DeviceBackend.free` (`*Free`, `*FreeHost`/`hipHostFree`, `*HostUnregister`;
+        the runtime waits for queued device work first)."""
+        if isinstance(allocation, Allocation) and allocation.nbytes == 0:
             return
         self._forget(allocation)
         if allocation.handle == EXTERNAL:
@@ -222,23 +222,29 @@ class RuntimeBackend:
         self._call(op, allocation.ptr)
 
     # -- streams and events ------------------------------------------------------------------
+    def _live(self, obj: Any, cls: type, live: Any) -> Any:
+        """`obj.handle` if obj is a `cls` (Stream/Event) of this backend still in `live`."""
+        if not isinstance(obj, cls) or obj.backend != self.name or int(obj.handle) not in live:
+            raise InvalidValueError(f"not a live {self.name} {cls.__name__.lower()} of this "
+                                    f"backend (destroyed or foreign?): {obj!r}",
+                                    backend=self.name)
+        return obj.handle
+
     def _stream(self, stream: Stream) -> Any:
-        if stream.backend != self.name:
-            raise InvalidValueError(f"not a {self.name} stream: {stream!r}", backend=self.name)
-        return stream.handle
+        return self._live(stream, Stream, self._live_streams)
 
     def _event(self, event: Event) -> Any:
-        if event.backend != self.name:
-            raise InvalidValueError(f"not a {self.name} event: {event!r}", backend=self.name)
-        return event.handle
+        return self._live(event, Event, self._live_events)
 
     def create_stream(self, device: int | None = None) -> Stream:
         """See `DeviceBackend.create_stream` (non-blocking: never syncs with the legacy
         default stream)."""
         device = self.device if device is None else self._check_device(device)
         self._call("set_device", device)
-        return Stream(self.name, device,
-                      self._call("stream_create", self._const["stream_non_blocking"]))
+        handle = self._call("stream_create", self._const["stream_non_blocking"])
+        with self._lock:
+            self._live_streams[int(handle)] = False
+        return Stream(self.name, device, handle)
 
     def external_stream(self, handle: int, device: int) -> Stream:
         """Wrap a stream created elsewhere (e.g. torch's current stream) by its raw handle.
@@ -246,12 +252,26 @@ class RuntimeBackend:
         The caller keeps ownership: do not `destroy_stream` it. Handle 0 is the legacy
         default stream; batches on it use the per-copy loop (see `batch.uses_native`).
         """
+        device = self._check_device(device)
+        handle = as_int(handle, "handle", self.name)
+        with self._lock:
+            self._live_streams[handle] = True
         stream_type = getattr(self._rt, self.table.prefix + "Stream_t")
-        return Stream(self.name, self._check_device(device), stream_type(int(handle)))
+        return Stream(self.name, device, stream_type(handle))
 
     def destroy_stream(self, stream: Stream) -> None:
-        """See `DeviceBackend.destroy_stream`."""
+        """See `DeviceBackend.destroy_stream`.
+
+        Raises:
+            InvalidValueError: the stream is not live, or came from `external_stream` (its
+                owner destroys it).
+        """
         handle = self._stream(stream)
+        if self._live_streams[int(handle)]:
+            raise InvalidValueError("destroy_stream: this stream was created elsewhere "
+                                    "(external_stream); its owner destroys it", backend=self.name)
+        with self._lock:
+            del self._live_streams[int(handle)]
         self._call("stream_synchronize", handle)
         self._call("stream_destroy", handle)
 
@@ -271,11 +291,18 @@ class RuntimeBackend:
         """See `DeviceBackend.create_event` (timing off uses `*EventDisableTiming`)."""
         self._call("set_device", self.device)
         flags = self._const["event_default" if timing else "event_disable_timing"]
-        return Event(self.name, bool(timing), self._call("event_create", flags))
+        handle = self._call("event_create", flags)
+        with self._lock:
+            self._live_events.add(int(handle))
+        return Event(self.name, bool(timing), handle)
 
     def destroy_event(self, event: Event) -> None:
-        """See `DeviceBackend.destroy_event`."""
-        self._call("event_destroy", self._event(event))
+        """See `DeviceBackend.destroy_event`; later use of the event raises
+        `InvalidValueError`."""
+        handle = self._event(event)
+        with self._lock:
+            self._live_events.discard(int(handle))
+        self._call("event_destroy", handle)
 
     def record_event(self, event: Event, stream: Stream) -> None:
         """See `DeviceBackend.record_event`."""
@@ -297,6 +324,7 @@ class RuntimeBackend:
                 (the runtime's not-ready is reported as invalid here, per the HAL contract).
         """
         for which, ev in (("start", start), ("end", end)):
+            self._event(ev)
             if not ev.timing:
                 raise InvalidValueError(f"{which} event was created without timing",
                                         backend=self.name)
@@ -311,23 +339,18 @@ class RuntimeBackend:
     def copy_async(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         """See `DeviceBackend.copy_async` (`*MemcpyAsync`, direction from the addresses)."""
         handle = self._stream(stream)
-        nbytes = self._check_size(nbytes)
-        if nbytes == 0:
-            return
-        self._ranges.check(dst, nbytes, "dst")
-        self._ranges.check(src, nbytes, "src")
-        self._call("memcpy_async", dst, src, nbytes, self._copy_kind, handle)
+        nbytes = copy_args(self.name, self._ranges, dst, src, nbytes)
+        if nbytes:
+            self._call("memcpy_async", int(dst), int(src), nbytes, self._copy_kind, handle)
 
     def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
                       height: int, stream: Stream) -> None:
         """See `DeviceBackend.copy_2d_async`: one `*Memcpy2DAsync` call."""
         handle = self._stream(stream)
-        if not check_2d(self.name, dst_pitch, src_pitch, width, height):
-            return
-        self._ranges.check(dst, (height - 1) * dst_pitch + width, "dst")
-        self._ranges.check(src, (height - 1) * src_pitch + width, "src")
-        self._call("memcpy_2d_async", dst, dst_pitch, src, src_pitch, width, height,
-                   self._copy_kind, handle)
+        args = copy_2d_args(self.name, self._ranges, dst, dst_pitch, src, src_pitch, width,
+                            height)
+        if args is not None:
+            self._call("memcpy_2d_async", *args, self._copy_kind, handle)
 
     def _all_inside(self, ranges: RangeRegistry, ptrs: np.ndarray, sizes: np.ndarray) -> bool:
         try:
