@@ -11,11 +11,12 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import time
 
 from kvhal.keys import ChunkKey
 
-from .format import (ALIGN, HEADER_BYTES, FormatError, Header, chunk_path, decode_header,
-                     encode_header, file_nbytes, payload_checksum, temp_path)
+from .format import (ALIGN, HEADER_BYTES, QUARANTINE_DIR, FormatError, Header, chunk_path,
+                     decode_header, encode_header, file_nbytes, payload_checksum, temp_path)
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -226,3 +227,15 @@ def verify_file(path: str, namespace: bytes, key: ChunkKey | None) -> Header:
     if payload_checksum(payload) != header.checksum:
         raise CorruptChunk("checksum mismatch")
     return header
+
+
+def quarantine_file(ns_dir: str, path: str) -> bool:
+    """Move the chunk file at `path` into `ns_dir/quarantine/` under a unique name (kept for
+    inspection, never read again). Returns False if it could not be moved (e.g. already gone)."""
+    dest = os.path.join(ns_dir, QUARANTINE_DIR,
+                        f"{os.path.basename(path)}.{time.time_ns()}.{os.urandom(4).hex()}")
+    try:
+        os.rename(path, dest)
+    except OSError:
+        return False
+    return True

@@ -84,6 +84,7 @@ class ChunkIndex:
         self._lock = threading.Lock()
         self._lru: collections.OrderedDict[ChunkKey, int] = collections.OrderedDict()
         self._added_epoch: dict[ChunkKey, int] = {}
+        self._removed_epoch: dict[ChunkKey, int] = {}
         self._epoch = 0
         self._indexed = 0
         self._reserved = 0
@@ -109,15 +110,17 @@ class ChunkIndex:
             return dict(self._lru), self._epoch
 
     def reconcile(self, scan: ScanResult, epoch: int) -> None:
-        """Merge a scan started at `epoch`: add new files (as most recently used), drop entries
-        whose files are gone unless they were added after the scan began."""
+        """Merge a scan started at `epoch`: add new files (as most recently used) unless they
+        were removed after the scan began, and drop entries whose files are gone unless they
+        were added after the scan began."""
         with self._lock:
+            removed, self._removed_epoch = self._removed_epoch, {}
             for key in [k for k in self._lru if k not in scan.found
                         and self._added_epoch.get(k, 0) < epoch]:
                 self._indexed -= self._lru.pop(key)
                 self._added_epoch.pop(key, None)
             for key, nbytes in scan.found.items():
-                if key not in self._lru:
+                if key not in self._lru and removed.get(key, -1) < epoch:
                     self._lru[key] = nbytes
                     self._indexed += nbytes
                     self._added_epoch[key] = epoch
@@ -141,8 +144,10 @@ class ChunkIndex:
             self._added_epoch[key] = self._epoch + 1
 
     def discard(self, key: ChunkKey) -> None:
-        """Forget `key` (its file is gone or bad)."""
+        """Forget `key` after its file was deleted or moved away (a scan that listed the file
+        before that does not bring it back)."""
         with self._lock:
+            self._removed_epoch[key] = self._epoch
             if key in self._lru:
                 self._indexed -= self._lru.pop(key)
                 self._added_epoch.pop(key, None)
@@ -150,7 +155,8 @@ class ChunkIndex:
     def reserve(self, nbytes: int, max_bytes: int) -> list[tuple[ChunkKey, int]] | None:
         """Reserve `nbytes` for a store, taking least recently used entries out of the index
         until everything fits in `max_bytes`. Returns the victims (their files must be
-        deleted by the caller), or None if `nbytes` alone exceeds `max_bytes`."""
+        deleted by the caller, who then calls `discard` for each), or None if `nbytes` alone
+        exceeds `max_bytes`."""
         with self._lock:
             if nbytes > max_bytes:
                 return None
@@ -166,7 +172,8 @@ class ChunkIndex:
             self._reserved -= nbytes
 
     def evict_lru(self, nbytes: int) -> list[tuple[ChunkKey, int]]:
-        """Take least recently used entries totalling at least `nbytes` out of the index."""
+        """Take least recently used entries totalling at least `nbytes` out of the index (the
+        caller deletes their files, then calls `discard` for each)."""
         with self._lock:
             victims, freed = [], 0
             while self._lru and freed < nbytes:

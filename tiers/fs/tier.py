@@ -30,7 +30,8 @@ from kvhal.keys import ChunkKey
 
 from ..base import JobKind, JobResult, Lookup, SecondaryTier, TierError, TierJob
 from .config import parse_config
-from .fileio import CorruptChunk, Scratch, SizeMismatch, fsync_dir, probe_o_direct, read_chunk, write_chunk
+from .fileio import (CorruptChunk, Scratch, SizeMismatch, fsync_dir, probe_o_direct,
+                     quarantine_file, read_chunk, write_chunk)
 from .format import (ALIGN, CHUNKS_DIR, QUARANTINE_DIR, TEMP_DIR, chunk_path, file_nbytes,
                      namespace_dir)
 from .index import ChunkIndex, orphaned_temp_files, scan_namespace
@@ -82,8 +83,8 @@ class FsTier(SecondaryTier):
         self._stats: collections.Counter[str] = collections.Counter()
         self._remove_orphaned_temps()
         self._index = ChunkIndex()
-        known, epoch = self._index.snapshot()
-        self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known), epoch)
+        self._scan_lock = threading.Lock()
+        self.refresh()
         self.max_bytes = cfg.max_bytes or self._default_max_bytes()
         self._scratch = threading.local()
         self._lock = threading.Condition()
@@ -134,9 +135,11 @@ class FsTier(SecondaryTier):
 
     def refresh(self) -> None:
         """Re-scan the namespace folder now (the background thread does this every
-        `refresh_interval_s`): index files other processes wrote, forget deleted ones."""
-        known, epoch = self._index.snapshot()
-        self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known), epoch)
+        `refresh_interval_s`): index files other processes wrote, forget deleted ones.
+        Thread-safe; scans run one at a time."""
+        with self._scan_lock:
+            known, epoch = self._index.snapshot()
+            self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known), epoch)
 
     # -- SecondaryTier ------------------------------------------------------------------------
     def lookup(self, key: ChunkKey) -> Lookup:
@@ -274,17 +277,17 @@ class FsTier(SecondaryTier):
             self._count("missing")
             return "not found"
         except CorruptChunk as exc:
-            self._index.discard(job.key)
             self._count("corrupt")
             self._quarantine(path)
+            self._index.discard(job.key)
             return f"corrupt: {exc}"
         except SizeMismatch as exc:
             return str(exc)
         except OSError as exc:
-            self._index.discard(job.key)
             self._count("io_errors")
             if exc.errno in _BAD_FILE_ERRNOS:
                 self._quarantine(path)
+            self._index.discard(job.key)
             return _errno_text(exc)
         if not self._index.touch(job.key):
             self._index.add(job.key, file_nbytes(job.nbytes))
@@ -297,13 +300,8 @@ class FsTier(SecondaryTier):
             self._stats[name] += n
 
     def _quarantine(self, path: str) -> None:
-        dest = os.path.join(self.ns_dir, QUARANTINE_DIR,
-                            f"{os.path.basename(path)}.{time.time_ns()}.{os.urandom(4).hex()}")
-        try:
-            os.rename(path, dest)
+        if quarantine_file(self.ns_dir, path):
             self._count("quarantined")
-        except OSError:
-            pass
 
     def _delete(self, victims: list[tuple[ChunkKey, int]], counter: str) -> None:
         for key, _ in victims:
@@ -311,4 +309,5 @@ class FsTier(SecondaryTier):
                 os.unlink(chunk_path(self.ns_dir, key))
             except OSError:
                 pass
+            self._index.discard(key)
             self._count(counter)
