@@ -11,6 +11,7 @@ import importlib
 BENCH_MODULES = (
     "kvhal.bench.copy",
     "kvhal.bench.tier",
+    "kvhal.bench.layout",
 )
 
 
