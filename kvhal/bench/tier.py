@@ -196,6 +196,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--root-dir", default=None,
                    help="folder for the files (default: a temp folder, removed afterwards)")
     p.add_argument("--config", default=None,
-                   help="JSON object merged into the tier's config, e.g. '{\"n_write_threads\": 8}'")
+                   help="JSON object merged into the tier's config, e.g. "
+                        "'{\"n_write_threads\": 8}'")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

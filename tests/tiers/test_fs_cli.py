@@ -35,7 +35,8 @@ def _damaged_dir(root) -> tuple[str, list[str]]:
         f.seek(5000)
         f.write(bytes([byte ^ 0x10]))
     os.truncate(paths[3], 6000)
-    temp = os.path.join(tier.ns_dir, TEMP_DIR, f"{chunk_key(NAMESPACE, 9).hex()}.{dead_pid()}.ab.tmp")
+    temp = os.path.join(tier.ns_dir, TEMP_DIR,
+                        f"{chunk_key(NAMESPACE, 9).hex()}.{dead_pid()}.ab.tmp")
     with open(temp, "wb") as f:
         f.write(b"x" * 777)
     os.utime(temp, (time.time() - 60,) * 2)
