@@ -89,6 +89,7 @@ class Manager:
         index, state = self.slots.index, self.slots.state
         out: list[Lookup] = []
         pins: list[int] = []
+        protect: frozenset | None = None       # the prefix, never evicted for a promotion
         for key in keys:
             slot = index.get(key)
             if slot is not None:
@@ -98,7 +99,9 @@ class Manager:
                 else:
                     out.append(_RETRY)
                 continue
-            answer = self._promote(key, keys)
+            if protect is None and self.tiers:
+                protect = frozenset(keys)
+            answer = self._promote(key, protect)
             out.append(answer)
             if answer is _MISS:
                 break
@@ -115,7 +118,7 @@ class Manager:
                 _LOOKUP[answer].inc(count)
         return out
 
-    def _promote(self, key: ChunkKey, batch: Sequence[ChunkKey]) -> Lookup:
+    def _promote(self, key: ChunkKey, protect: frozenset | None) -> Lookup:
         if not self.tiers:
             return _MISS
         if key in self._failed_promotions:
@@ -127,7 +130,7 @@ class Manager:
             if found is _RETRY:
                 answer = _RETRY
             elif found is _HIT:
-                placed, evicted = self.slots.reserve([key], frozenset(batch))
+                placed, evicted = self.slots.reserve([key], protect)
                 self._removed(evicted)
                 if not placed:
                     return _MISS
