@@ -283,3 +283,30 @@ def test_kv_events_reach_hook_implementations(monkeypatch):
                         BlockStored((b.block_hash,), 0, "CPU")]
     finally:
         rig.close()
+
+
+def test_chunks_survive_a_restart_through_the_fs_tier(tmp_path):
+    """Store with an fs tier, drop the whole engine, build a new one on the same folder: the
+    chunks come back by promotion (RETRY while the tier's threads read, then HIT)."""
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
+    keys = synthetic_keys(3)
+    first = make_rig(capacity=4, blocks_per_chunk=2, block_bytes=2048, num_blocks=16,
+                     tiers=tiers)
+    try:
+        want = np.random.default_rng(3).integers(0, 256, (6, 2048), dtype=np.uint8)
+        first.dev[0:6] = want
+        first.store(keys, chunk_blocks(0, 3, 2))
+        first.manager.drain()
+        assert first.manager.stats()["reading_slots"] == 0
+    finally:
+        first.close()
+    second = make_rig(capacity=4, blocks_per_chunk=2, block_bytes=2048, num_blocks=16,
+                      tiers=tiers)
+    try:
+        assert second.manager.lookup(keys, request_id="r") == [RETRY, RETRY, RETRY]
+        second.manager.drain()
+        assert second.manager.lookup(keys, request_id="r") == [HIT, HIT, HIT]
+        assert second.load(keys, chunk_blocks(8, 3, 2), request_id="r").num_ok == 3
+        assert np.array_equal(second.dev[8:14], want)
+    finally:
+        second.close()
