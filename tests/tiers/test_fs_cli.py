@@ -84,6 +84,38 @@ def test_fsck_of_a_missing_directory_says_why(tmp_path):
     assert out.stderr.strip() == f"kvhal fsck: error: not a directory: {tmp_path / 'nope'}"
 
 
+
+def test_fsck_of_a_namespace_folder_points_at_its_parent(tmp_path):
+    ns_dir, _ = _damaged_dir(tmp_path)
+    out = kvhal("fsck", ns_dir)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"kvhal fsck: error: {ns_dir} is a namespace folder; pass the "
+                                  f"tier's root_dir (its parent, {tmp_path})")
+
+
+def test_fsck_of_odd_directories_finds_nothing_and_touches_nothing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_bytes(b"x")
+    garbage = tmp_path / "garbage"
+    (garbage / NAMESPACE.hex() / "chunks" / "zz" / "deeper").mkdir(parents=True)
+    (garbage / NAMESPACE.hex() / "chunks" / "00").write_bytes(b"not a folder")
+    (garbage / ("cd" * 16)).write_bytes(b"a file named like a namespace")
+    before = sorted(str(p) for p in garbage.rglob("*"))
+
+    outs = {name: kvhal("fsck", str(tmp_path / name), "--repair", "--json")
+            for name in ("empty", "a_file", "garbage")}
+
+    assert outs["a_file"].returncode == 1
+    assert outs["a_file"].stderr.strip() == (f"kvhal fsck: error: not a directory: "
+                                             f"{tmp_path / 'a_file'}")
+    for name in ("empty", "garbage"):
+        assert outs[name].returncode == 0, outs[name].stderr
+        report = json.loads(outs[name].stdout)
+        assert (report["namespaces"], report["good"], report["corrupt"],
+                report["other_files"]) == (0 if name == "empty" else 1, 0, 0, 0)
+    assert sorted(str(p) for p in garbage.rglob("*")) == before
+
+
 def test_bench_tier_json_reports_both_directions_with_ratios(tmp_path):
     out = kvhal("bench", "tier", "--chunk-bytes", "64KiB", "--count", "8", "--repeats", "1",
                 "--root-dir", str(tmp_path), "--json")

@@ -79,6 +79,32 @@ def test_restart_indexes_without_rewriting_files(tmp_path, region):
     second.close()
 
 
+
+def test_a_chunk_file_replaced_by_another_keys_valid_file_is_a_miss(tmp_path, region):
+    host, array = region
+    tier = _open(tmp_path, host)
+    victim, other = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
+    for i, key in ((1, victim), (2, other)):
+        array[:5000] = payload(i, 5000)
+        assert store(tier, key, 0, 5000).ok
+    victim_path = chunk_path(tier.ns_dir, victim)
+    shutil.copy(chunk_path(tier.ns_dir, other), victim_path)  # valid header and checksum
+    array[8192:13192] = 0
+
+    result = load(tier, victim, 8192, 5000)
+
+    assert (result.ok, result.error) == (False, "corrupt: file holds another key than its "
+                                                "name says")
+    assert tier.lookup(victim) is Lookup.MISS and not os.path.exists(victim_path)
+    assert load(tier, other, 16384, 5000).ok
+    np.testing.assert_array_equal(array[16384:21384], payload(2, 5000))
+    tier.close()
+    shutil.copy(chunk_path(tier.ns_dir, other), victim_path)  # and again, seen at restart
+    again = _open(tmp_path, host)
+    assert (again.lookup(victim), again.lookup(other)) == (Lookup.MISS, Lookup.HIT)
+    again.close()
+
+
 def test_other_namespaces_are_left_alone(tmp_path, region):
     host, array = region
     mine = _open(tmp_path, host)
