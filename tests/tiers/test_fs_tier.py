@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -161,6 +162,52 @@ def test_another_instance_sees_new_and_deleted_chunks_after_refresh(tmp_path, re
     assert reader.lookup(key) is Lookup.MISS
     writer.close()
     reader.close()
+
+
+
+class FaultyPausedReadOs:
+    """The `os` module, except that `preadv` first waits for `resume` (after setting
+    `reading`): holds a load between opening its file and reading it, so that a test can evict
+    the chunk in that window (a real disk cannot pause a read on demand)."""
+
+    def __init__(self):
+        self.reading, self.resume = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    def preadv(self, *args):
+        self.reading.set()
+        assert self.resume.wait(30)
+        return os.preadv(*args)
+
+
+def test_a_chunk_evicted_while_being_read_is_served_once_and_stays_evicted(tmp_path, region):
+    host, array = region
+    faulty = FaultyPausedReadOs()
+    tier = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600,
+                   "max_bytes": 4096 + 8192}, host, NAMESPACE, os_module=faulty)
+    old, new = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
+    array[:8192] = payload(1, 8192)
+    assert store(tier, old, 0, 8192).ok
+    tier.submit_load(TierJob(10, JobKind.LOAD, old, 8192, 8192))
+    assert faulty.reading.wait(30)
+    array[:8192] = payload(2, 8192)
+    tier.submit_store(TierJob(11, JobKind.STORE, new, 0, 8192))    # evicts old mid-read
+    results, deadline = [], time.monotonic() + 30
+    while not results and time.monotonic() < deadline:             # the store ends first
+        results = tier.get_finished_jobs()
+    faulty.resume.set()
+    tier.drain(30)
+
+    results += tier.get_finished_jobs()
+    assert [(r.job_id, r.ok) for r in results] == [(11, True), (10, True)]
+    assert not os.path.exists(chunk_path(tier.ns_dir, old))        # the open file was intact
+    np.testing.assert_array_equal(array[8192:16384], payload(1, 8192))
+    assert (tier.lookup(old), tier.lookup(new)) == (Lookup.MISS, Lookup.HIT)
+    stats = tier.stats()
+    assert (stats["chunks"], stats["used_bytes"], stats["evictions"]) == (1, 4096 + 8192, 1)
+    tier.close()
 
 
 def test_enospc_fails_the_store_evicts_and_serving_continues(tmp_path):

@@ -295,8 +295,9 @@ class FsTier(SecondaryTier):
                 self._quarantine(path)
             self._index.discard(job.key)
             return _errno_text(exc)
-        if not self._index.touch(job.key):
-            self._index.add(job.key, file_nbytes(job.nbytes))
+        # touch only: a chunk evicted while this load read its open file stays evicted (its
+        # file is gone); an unindexed file another process wrote arrives with the next refresh
+        self._index.touch(job.key)
         self._count("bytes_loaded", job.nbytes)
         return None
 
