@@ -211,19 +211,23 @@ def read_header(path: str, namespace: bytes) -> tuple[Header, int]:
 
 
 def verify_file(path: str, namespace: bytes, key: ChunkKey | None) -> Header:
-    """Fully verify the chunk file at `path` (buffered read): header, key, size, checksum.
+    """Fully verify the chunk file at `path` (buffered read): header, key, size, checksum. Reads
+    the payload only after the header and the file size agree (a huge file with a chunk name
+    costs one header read, never its size in memory).
 
     Raises:
         OSError: the file cannot be opened or read.
         CorruptChunk: any check fails.
     """
     with open(path, "rb", buffering=0) as f:
-        data = memoryview(f.read())
-    header = _checked_header(data[:HEADER_BYTES], key, namespace)
-    if len(data) != file_nbytes(header.payload_nbytes):
-        raise CorruptChunk(f"file size {len(data)} != expected "
-                           f"{file_nbytes(header.payload_nbytes)}")
-    payload = data[HEADER_BYTES:HEADER_BYTES + header.payload_nbytes]
+        header = _checked_header(f.read(HEADER_BYTES), key, namespace)
+        size = os.fstat(f.fileno()).st_size
+        if size != file_nbytes(header.payload_nbytes):  # checked before reading the payload
+            raise CorruptChunk(f"file size {size} != expected "
+                               f"{file_nbytes(header.payload_nbytes)}")
+        payload = f.read(header.payload_nbytes)
+    if len(payload) != header.payload_nbytes:
+        raise CorruptChunk(f"short read: {len(payload)} of {header.payload_nbytes} payload bytes")
     if payload_checksum(payload) != header.checksum:
         raise CorruptChunk("checksum mismatch")
     return header
