@@ -106,6 +106,32 @@ def test_a_chunk_file_replaced_by_another_keys_valid_file_is_a_miss(tmp_path, re
     again.close()
 
 
+
+def test_a_fifo_under_a_chunk_name_never_blocks_start_or_loads(tmp_path, region):
+    host, array = region
+    tier = _open(tmp_path, host, o_direct=False)               # O_DIRECT refuses FIFOs anyway
+    planted, served = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
+    array[:5000] = payload(2, 5000)
+    assert store(tier, served, 0, 5000).ok
+    os.mkfifo(chunk_path(tier.ns_dir, planted))              # no writer: a blocking open hangs
+    os.unlink(chunk_path(tier.ns_dir, served))
+    os.mkfifo(chunk_path(tier.ns_dir, served))               # replaces an indexed chunk
+
+    result = load(tier, served, 8192, 5000)
+
+    assert (result.ok, result.error) == (False, "corrupt: not a regular file (mode prw-r--r--)")
+    assert not os.path.exists(chunk_path(tier.ns_dir, served))
+    tier.close()
+    started: list[FsTier] = []
+    opener = threading.Thread(target=lambda: started.append(_open(tmp_path, host,
+                                                                  o_direct=False)), daemon=True)
+    opener.start()
+    opener.join(60)
+    assert len(started) == 1, "start blocked on a FIFO"
+    assert (started[0].lookup(planted), started[0].stats()["chunks"]) == (Lookup.MISS, 0)
+    started[0].close()
+
+
 def test_other_namespaces_are_left_alone(tmp_path, region):
     host, array = region
     mine = _open(tmp_path, host)
