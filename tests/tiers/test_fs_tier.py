@@ -2,7 +2,9 @@
 orphaned temp files, ENOSPC, O_DIRECT detection, bad jobs."""
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import shutil
 import threading
 import time
@@ -233,6 +235,30 @@ def test_a_chunk_evicted_while_being_read_is_served_once_and_stays_evicted(tmp_p
     assert (tier.lookup(old), tier.lookup(new)) == (Lookup.MISS, Lookup.HIT)
     stats = tier.stats()
     assert (stats["chunks"], stats["used_bytes"], stats["evictions"]) == (1, 4096 + 8192, 1)
+    tier.close()
+
+
+
+def test_a_folder_that_cannot_be_listed_keeps_the_index(tmp_path, region):
+    host, array = region
+    tier = _open(tmp_path, host)
+    keys = [chunk_key(NAMESPACE, i) for i in range(3)]
+    for i, key in enumerate(keys):
+        array[:4096] = payload(i, 4096)
+        assert store(tier, key, 0, 4096).ok
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.open(os.devnull, os.O_RDONLY)             # open() takes the lowest free fd
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # no fd can be opened
+    try:
+        with pytest.raises(OSError) as err:                      # EMFILE: no fd for scandir
+            tier.refresh()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    assert err.value.errno == errno.EMFILE
+    assert [tier.lookup(k) for k in keys] == [Lookup.HIT] * 3
+    assert (tier.stats()["chunks"], tier.stats()["used_bytes"]) == (3, 3 * 8192)
     tier.close()
 
 
