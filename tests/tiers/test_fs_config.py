@@ -29,7 +29,8 @@ BAD = [
      "refresh_interval_s: must be a number of seconds in [0.001, 86400.0], got inf"),
     ({"root_dir": "/x", "refresh_interval_s": 1e-300},
      "refresh_interval_s: must be a number of seconds in [0.001, 86400.0], got 1e-300"),
-    ({"root_dir": "/x\0y"}, "root_dir: required, a non-empty path string without NUL; got '/x\\x00y'"),
+    ({"root_dir": "/x\0y"},
+     "root_dir: required, a non-empty path string without NUL; got '/x\\x00y'"),
     ({"root_dir": "/x", "rootdir": "/y"}, "rootdir: unknown key for the fs tier; accepted: "
                                           "max_bytes, n_read_threads, n_write_threads, o_direct, "
                                           "refresh_interval_s, root_dir"),

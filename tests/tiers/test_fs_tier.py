@@ -32,6 +32,15 @@ def _open(root, host, namespace=NAMESPACE, **config) -> FsTier:
     return FsTier({"root_dir": str(root), "refresh_interval_s": 3600} | config, host, namespace)
 
 
+def _store_chunks(tier, array, count, nbytes) -> list[ChunkKey]:
+    """Store chunks 0..count-1 of `nbytes` (payload i) through slot 0; returns their keys."""
+    keys = [chunk_key(NAMESPACE, i) for i in range(count)]
+    for i, key in enumerate(keys):
+        array[:nbytes] = payload(i, nbytes)
+        assert store(tier, key, 0, nbytes).ok
+    return keys
+
+
 @pytest.mark.parametrize("o_direct", ["auto", False])
 def test_o_direct_is_detected_and_reported(tmp_path, region, o_direct):
     tier = _open(tmp_path, region[0], o_direct=o_direct)
@@ -65,10 +74,7 @@ def test_a_corrupt_chunk_is_quarantined_and_counted(tmp_path, region):
 def test_restart_indexes_without_rewriting_files(tmp_path, region):
     host, array = region
     first = _open(tmp_path, host)
-    keys = [chunk_key(NAMESPACE, i) for i in range(3)]
-    for i, key in enumerate(keys):
-        array[:70000] = payload(i, 70000)
-        assert store(first, key, 0, 70000).ok
+    keys = _store_chunks(first, array, 3, 70000)
     first.close()
     before = {k: os.stat(chunk_path(first.ns_dir, k)) for k in keys}
 
@@ -238,14 +244,10 @@ def test_a_chunk_evicted_while_being_read_is_served_once_and_stays_evicted(tmp_p
     tier.close()
 
 
-
 def test_a_folder_that_cannot_be_listed_keeps_the_index(tmp_path, region):
     host, array = region
     tier = _open(tmp_path, host)
-    keys = [chunk_key(NAMESPACE, i) for i in range(3)]
-    for i, key in enumerate(keys):
-        array[:4096] = payload(i, 4096)
-        assert store(tier, key, 0, 4096).ok
+    keys = _store_chunks(tier, array, 3, 4096)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     lowest_free = os.open(os.devnull, os.O_RDONLY)             # open() takes the lowest free fd
     os.close(lowest_free)
