@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhal.layout import plan_copies
+from kvhal.layout import plan_copies, plan_job_copies
 from kvhal.layout.plan import CopyPlan
 
 from .types import Direction
@@ -82,7 +82,7 @@ class BlockPlanner:
 
 
 class LayoutPlanner:
-    """A `Planner` over `kvhal.layout`: one TP rank's chunk mapper and its layer tensors.
+    """A `JobPlanner` over `kvhal.layout`: one TP rank's chunk mapper and its layer tensors.
 
     Args:
         mapper: From `kvhal.layout.chunk_mapper(spec, layout, tp_size, tp_rank,
@@ -106,3 +106,14 @@ class LayoutPlanner:
         """
         return plan_copies(self.mapper, block_ids, self.device, slot_addr, direction.value,
                            self.expand_up_to)
+
+    def plan_job(self, block_ids: np.ndarray, slot_addrs: np.ndarray,
+                 direction: Direction) -> CopyPlan:
+        """See `kvhal.engine.worker.JobPlanner`: every chunk of a job in one vectorised call
+        (`kvhal.layout.plan_job_copies`).
+
+        Raises:
+            LayoutError: bad block ids or slot addresses (the worker then plans chunk by chunk).
+        """
+        return plan_job_copies(self.mapper, block_ids, self.device, slot_addrs,
+                               direction.value, self.expand_up_to)
