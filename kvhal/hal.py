@@ -371,6 +371,44 @@ def as_int(value: Any, what: str, backend: str) -> int:
     return value
 
 
+def coalesce_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, max_bytes: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Re-cut a batch into pieces of at most `max_bytes`: merge descriptors that continue one
+    another, then split every merged range longer than `max_bytes`.
+
+    Descriptor i+1 continues descriptor i when `dsts[i] + sizes[i] == dsts[i + 1]` and
+    `srcs[i] + sizes[i] == srcs[i + 1]` (e.g. consecutive device blocks to consecutive bytes of
+    a host slot). Each maximal run of continuing descriptors becomes one range, cut into
+    `max_bytes` pieces from its start (the last piece holds the rest). The result moves exactly
+    the same bytes; since `copy_batch_async` ranges are independent and unordered, a backend
+    may issue it instead of the original.
+
+    Args:
+        dsts, srcs, sizes: uint64 arrays of shape (n,), addresses and byte counts (bytes),
+            sizes > 0, ranges already checked (no sum wraps past 2**64).
+        max_bytes: Largest piece (bytes, > 0).
+
+    Returns:
+        (dsts, srcs, sizes): uint64 arrays of shape (m,), in the original order; the inputs
+        themselves when nothing merges and nothing is longer than `max_bytes`.
+    """
+    if len(sizes) == 0:
+        return dsts, srcs, sizes
+    head = sizes[:-1]
+    joins = (dsts[:-1] + head == dsts[1:]) & (srcs[:-1] + head == srcs[1:])
+    cap = np.uint64(max_bytes)
+    if not joins.any() and int(sizes.max()) <= max_bytes:
+        return dsts, srcs, sizes
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    dsts, srcs, sizes = dsts[starts], srcs[starts], np.add.reduceat(sizes, starts)
+    pieces = ((sizes - np.uint64(1)) // cap + np.uint64(1)).astype(np.int64)
+    run = np.repeat(np.arange(len(sizes)), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    offset = (np.arange(len(run)) - first).astype(np.uint64) * cap
+    return (dsts[run] + offset, srcs[run] + offset,
+            np.minimum(sizes[run] - offset, cap))
+
+
 def as_u64(values: Any, what: str, backend: str) -> np.ndarray:
     """Coerce `values` to a contiguous 1-D uint64 array, naming `what` in the error.
 

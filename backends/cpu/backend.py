@@ -16,7 +16,8 @@ from typing import ClassVar
 import numpy as np
 
 from kvhal.hal import (Allocation, Availability, Capabilities, Event, InvalidValueError,
-                       MemoryKind, OutOfMemoryError, Stream, as_int, as_u64, DeviceFaultError)
+                       MemoryKind, OutOfMemoryError, Stream, as_int, as_u64, coalesce_batch,
+                       DeviceFaultError)
 
 from .memory import (PAGE_BYTES, RangeRegistry, lock_pages, map_anonymous, probe_page_locking,
                      unlock_pages, unmap, unmapped_or_read_only)
@@ -26,6 +27,11 @@ from .streams import EventState, StreamWorker
 CHAOS_ENV = "KVHAL_CPU_CHAOS"
 #: The loop-based batch has no descriptor limit; this is the size we chunk queue items at.
 BATCH_CHUNK = 1 << 16
+#: A batch is re-cut into memmoves of at most this many bytes (`coalesce_batch`): fewer calls
+#: save ~1 µs of ctypes overhead each, and on the project machine (AMD EPYC, 2 cores, glibc 2.36)
+#: larger copies are slower: the memcpy column of `kvhal bench copy --backend cpu --sizes 128KiB
+#: 256KiB 512KiB 1MiB 2MiB 16MiB` read 19.3 / 20.9 / 23.5 / 18.4 / 18.1 / 19.8 GB/s.
+MEMMOVE_PIECE_BYTES = 512 << 10
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -332,7 +338,10 @@ class CpuBackend:
 
     def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                          stream: Stream) -> None:
-        """See `DeviceBackend.copy_batch_async`: a memmove loop on the stream's thread."""
+        """See `DeviceBackend.copy_batch_async`: the batch is re-cut into memmoves of at most
+        `MEMMOVE_PIECE_BYTES` (descriptors that continue one another merged, longer ones split;
+        `kvhal.hal.coalesce_batch`), then a memmove loop runs on the stream's thread (each
+        ctypes.memmove releases the GIL)."""
         worker = self._worker(stream)
         d = as_u64(dsts, "dsts", self.name)
         s = as_u64(srcs, "srcs", self.name)
@@ -347,6 +356,7 @@ class CpuBackend:
             return
         self._ranges.check_many(d, n, "dsts")
         self._ranges.check_many(s, n, "srcs")
+        d, s, n = coalesce_batch(d, s, n, MEMMOVE_PIECE_BYTES)
         for lo in range(0, len(n), BATCH_CHUNK):
             triples = list(zip(d[lo:lo + BATCH_CHUNK].tolist(), s[lo:lo + BATCH_CHUNK].tolist(),
                                n[lo:lo + BATCH_CHUNK].tolist()))

@@ -1,4 +1,5 @@
-"""Planners: one chunk's device block ids + host slot address → the `CopyPlan` that moves it.
+"""Planners: one chunk's device block ids + host slot address → the `CopyPlan` that moves it
+(and, where a planner offers `plan_job`, a whole job's chunks → one `CopyPlan`).
 
 `LayoutPlanner` covers real model layouts (layers, TP ranks, NHD/HND, MLA) through
 `kvhal.layout`. `BlockPlanner` is the simplest layout, for single-buffer caches, harnesses and
@@ -11,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from kvhal.layout import plan_copies
+from kvhal.layout import plan_copies, plan_job_copies
 from kvhal.layout.plan import CopyPlan
 
 from .types import Direction
 
 
 class BlockPlanner:
-    """A `Planner` for one contiguous buffer of blocks (see the module docstring).
+    """A `JobPlanner` for one contiguous buffer of blocks (see the module docstring).
 
     Args:
         device_base: Address of device block 0 (bytes).
@@ -35,7 +36,7 @@ class BlockPlanner:
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         self.block_stride = block_bytes if block_stride is None else block_stride
-        self._within: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> (offsets, sizes)
+        self._offsets: dict[int, np.ndarray] = {}  # blocks per chunk -> offsets in the slot
 
     def __call__(self, block_ids: np.ndarray, slot_addr: int, direction: Direction) -> CopyPlan:
         """See `kvhal.engine.worker.Planner`; one batch of `len(block_ids)` contiguous copies.
@@ -43,24 +44,45 @@ class BlockPlanner:
         Raises:
             ValueError: a block id is outside [0, num_blocks).
         """
-        ids = np.asarray(block_ids, dtype=np.int64).astype(np.uint64)  # negatives wrap high
-        if (ids >= self.num_blocks).any():
-            raise ValueError(f"block ids {block_ids.tolist()} outside [0, {self.num_blocks})")
-        device = ids * np.uint64(self.block_stride) + np.uint64(self.device_base)
-        within = self._within.get(len(ids))
-        if within is None:
-            within = self._within[len(ids)] = (
-                np.arange(len(ids), dtype=np.uint64) * np.uint64(self.block_bytes),
-                np.full(len(ids), self.block_bytes, dtype=np.uint64))
-        host = within[0] + np.uint64(slot_addr)
-        sizes = within[1]
+        return self.plan_job(np.asarray(block_ids).reshape(1, -1), np.array([slot_addr]),
+                             direction)
+
+    def plan_job(self, block_ids: np.ndarray, slot_addrs: np.ndarray,
+                 direction: Direction) -> CopyPlan:
+        """See `kvhal.engine.worker.JobPlanner`: the copies of every chunk of a job, chunk-major.
+
+        Args:
+            block_ids: int array (n, blocks_per_chunk): chunk i's device block ids.
+            slot_addrs: int array (n,): address of chunk i's host slot (bytes).
+            direction: D2H or H2D.
+
+        Returns:
+            A `CopyPlan` of n * blocks_per_chunk `block_bytes`-byte copies (no 2D copies):
+            chunk i's block j moves to/from `slot_addrs[i] + j * block_bytes`.
+
+        Raises:
+            ValueError: a block id is outside [0, num_blocks).
+        """
+        signed = np.asarray(block_ids, dtype=np.int64)
+        ids = signed.astype(np.uint64)  # negatives wrap high
+        bad = ids >= self.num_blocks
+        if bad.any():
+            raise ValueError(f"block ids {signed[bad].tolist()} outside [0, {self.num_blocks})")
+        device = (ids * np.uint64(self.block_stride) + np.uint64(self.device_base)).ravel()
+        offsets = self._offsets.get(ids.shape[1])
+        if offsets is None:
+            offsets = self._offsets[ids.shape[1]] = (
+                np.arange(ids.shape[1], dtype=np.uint64) * np.uint64(self.block_bytes))
+        host = (np.asarray(slot_addrs, dtype=np.int64).astype(np.uint64)[:, None]
+                + offsets).ravel()
+        sizes = np.full(ids.size, self.block_bytes, dtype=np.uint64)
         if direction is Direction.D2H:
             return CopyPlan((), host, device, sizes)
         return CopyPlan((), device, host, sizes)
 
 
 class LayoutPlanner:
-    """A `Planner` over `kvhal.layout`: one TP rank's chunk mapper and its layer tensors.
+    """A `JobPlanner` over `kvhal.layout`: one TP rank's chunk mapper and its layer tensors.
 
     Args:
         mapper: From `kvhal.layout.chunk_mapper(spec, layout, tp_size, tp_rank,
@@ -84,3 +106,14 @@ class LayoutPlanner:
         """
         return plan_copies(self.mapper, block_ids, self.device, slot_addr, direction.value,
                            self.expand_up_to)
+
+    def plan_job(self, block_ids: np.ndarray, slot_addrs: np.ndarray,
+                 direction: Direction) -> CopyPlan:
+        """See `kvhal.engine.worker.JobPlanner`: every chunk of a job in one vectorised call
+        (`kvhal.layout.plan_job_copies`).
+
+        Raises:
+            LayoutError: bad block ids or slot addresses (the worker then plans chunk by chunk).
+        """
+        return plan_job_copies(self.mapper, block_ids, self.device, slot_addrs,
+                               direction.value, self.expand_up_to)

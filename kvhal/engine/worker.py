@@ -6,14 +6,16 @@ the worker does not know the layout. Stores run on a dedicated store stream, loa
 dedicated load stream; a store first makes its stream wait on the caller's event recorded after
 the compute that produced the KV, so it never copies KV before it is written.
 
-A job's chunks are planned one by one, then issued together: every 2D copy, then one
-`copy_batch_async` for all contiguous copies, then one event (few HAL calls per job, so the
-issuing thread does not compete with the copies). A job is finished when that event completes;
-its device blocks are then free (stores) or hold the KV (loads). A sub-transfer that fails fails
-its chunk and every later chunk of the job — `num_ok` counts only the leading chunks that fully
-arrived, so wrong bytes are never reported as loaded:
-- a chunk the planner refuses, or a batch the backend refuses when issued (`HalError`), is
-  found by issuing chunk by chunk (one event per chunk); the first refused chunk ends the job;
+A job is planned in one call when the planner offers `plan_job` (`JobPlanner`), else chunk by
+chunk, then issued together: every 2D copy, then one `copy_batch_async` for all contiguous
+copies, then one event (few HAL calls per job, so the issuing thread does not compete with the
+copies). A job is finished when that event completes; its device blocks are then free (stores)
+or hold the KV (loads). A sub-transfer that fails fails its chunk and every later chunk of the
+job — `num_ok` counts only the leading chunks that fully arrived, so wrong bytes are never
+reported as loaded:
+- a chunk the planner refuses (found by planning chunk by chunk when `plan_job` refuses the
+  job), or a batch the backend refuses when issued (`HalError`), is found by issuing chunk by
+  chunk (one event per chunk); the first refused chunk ends the job;
 - a fault on the device (`DeviceFaultError` at the job's event) replays the job chunk by chunk
   (its blocks and slots are still reserved, so copying them again is harmless) and the first
   chunk whose event faults ends it; a transient fault that does not recur costs only time.
@@ -29,7 +31,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from kvhal.hal import DeviceBackend, DeviceFaultError, Event, HalError
-from kvhal.layout.plan import CopyPlan
+from kvhal.layout.plan import CopyPlan, merge_plans
 
 from .types import Direction, EngineError, TransferResult
 
@@ -56,12 +58,35 @@ class Planner(Protocol):
                  ) -> CopyPlan: ...
 
 
+class JobPlanner(Planner, Protocol):
+    """A `Planner` that can also plan a whole job in one call (the worker prefers it).
+
+    Args (of `plan_job`):
+        block_ids: int64 array (n, blocks_per_chunk): chunk i's device block ids, in order.
+        slot_addrs: int64 array (n,): address of chunk i's host slot (bytes).
+        direction: D2H or H2D.
+
+    Returns:
+        One `CopyPlan` with exactly the copies of the n per-chunk calls, merged in chunk order
+        (`kvhal.layout.plan.merge_plans`).
+
+    Raises:
+        ValueError or `HalError`: some chunk cannot be planned; the worker then plans chunk by
+        chunk to find the first one.
+    """
+
+    def plan_job(self, block_ids: np.ndarray, slot_addrs: np.ndarray, direction: Direction
+                 ) -> CopyPlan: ...
+
+
 @dataclass(slots=True)
 class _Job:
     job_id: int
     direction: Direction
     block_ids: np.ndarray
-    plans: list[CopyPlan]          # one per chunk that could be planned (and issued)
+    slot_addrs: np.ndarray
+    num_planned: int               # leading chunks that could be planned (and issued)
+    plans: list[CopyPlan] | None   # per-chunk plans; None while the job was planned as one
     tail: Event | None = None      # recorded after everything issued for the job
     events: list[Event] | None = None  # per-chunk events when issued chunk by chunk
     issue_error: str | None = None
@@ -73,7 +98,8 @@ class Worker:
 
     Args:
         backend: The device HAL backend.
-        planner: Chunk → `CopyPlan` (see `Planner`).
+        planner: Chunk → `CopyPlan` (see `Planner`); with `plan_job` (`JobPlanner`), a whole
+            job is planned in one call.
         host_ptr: Address of host slot 0 (the host region's base).
         slot_bytes: Bytes per host slot.
         device: Device ordinal for the streams.
@@ -129,20 +155,23 @@ class Worker:
                               f"(n,), got {block_ids.shape} and {slots.shape}")
         if job_id in self._by_id:
             raise EngineError(f"job {job_id} is already in flight")
-        plans: list[CopyPlan] = []
-        error = None
-        for c in range(len(slots)):
+        slot_addrs = slots * self.slot_bytes + self.host_ptr
+        plan_job = getattr(self.planner, "plan_job", None)
+        plans, error = None, None
+        if plan_job is not None:
             try:
-                plans.append(self.planner(block_ids[c], self.host_ptr
-                                          + int(slots[c]) * self.slot_bytes, direction))
-            except (HalError, ValueError) as exc:
-                error = f"chunk {c}: {exc}"
-                break
-        job = _Job(job_id, direction, block_ids, plans, issue_error=error)
+                merged = plan_job(block_ids, slot_addrs, direction)
+            except (HalError, ValueError):
+                plan_job = None  # plan chunk by chunk to find the first refused chunk
+        if plan_job is None:
+            plans, error = self._plan_chunks(direction, block_ids, slot_addrs)
+            merged = merge_plans(plans)
+        job = _Job(job_id, direction, block_ids, slot_addrs,
+                   len(slots) if plans is None else len(plans), plans, issue_error=error)
         if after is not None:
             self.backend.stream_wait_event(self._streams[direction], after)
         try:
-            _issue_merged(self.backend, plans, self._streams[direction])
+            _issue(self.backend, merged, self._streams[direction])
         except HalError:
             self._issue_per_chunk(job)
         else:
@@ -150,9 +179,26 @@ class Worker:
         self._inflight[direction].append(job)
         self._by_id[job_id] = job
 
+    def _plan_chunks(self, direction: Direction, block_ids: np.ndarray, slot_addrs: np.ndarray
+                     ) -> tuple[list[CopyPlan], str | None]:
+        """Plan chunk by chunk: the plans of the leading chunks the planner accepts, and the
+        error of the first one it refuses (None if none)."""
+        plans: list[CopyPlan] = []
+        for c in range(len(slot_addrs)):
+            try:
+                plans.append(self.planner(block_ids[c], int(slot_addrs[c]), direction))
+            except (HalError, ValueError) as exc:
+                return plans, f"chunk {c}: {exc}"
+        return plans, None
+
     def _issue_per_chunk(self, job: _Job) -> None:
-        """Issue `job.plans` one chunk at a time with an event after each; a chunk refused
-        at issue ends the job there."""
+        """Issue the job's planned chunks one at a time with an event after each (planning
+        them chunk by chunk first if the job was planned as one); a chunk refused at issue
+        ends the job there."""
+        if job.plans is None:
+            job.plans, error = self._plan_chunks(job.direction, job.block_ids[:job.num_planned],
+                                                 job.slot_addrs[:job.num_planned])
+            job.issue_error = job.issue_error or error
         job.events = []
         for i, plan in enumerate(job.plans):
             try:
@@ -162,6 +208,7 @@ class Worker:
                 del job.plans[i:]
                 break
             job.events.append(self._record(job.direction))
+        job.num_planned = len(job.plans)
         job.tail = self._record(job.direction)
 
     def _record(self, direction: Direction) -> Event:
@@ -186,7 +233,7 @@ class Worker:
     def _finish(self, job: _Job) -> None:
         """Judge a job whose tail event completed: report it, or replay it after a fault."""
         backend = self.backend
-        num_ok, error = len(job.plans), job.issue_error
+        num_ok, error = job.num_planned, job.issue_error
         faulted, merged = False, job.events is None
         for i, event in enumerate([job.tail] if merged else job.events):
             try:
@@ -270,20 +317,8 @@ class Worker:
         self._spare_events.clear()
 
 
-def _issue_merged(backend: DeviceBackend, plans: list[CopyPlan], stream) -> None:
-    """Every 2D copy of `plans`, then all their contiguous copies as one batch."""
-    for plan in plans:
-        for c in plan.copies_2d:
-            backend.copy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height,
-                                  stream)
-    batches = [p for p in plans if len(p.sizes)]
-    if batches:
-        backend.copy_batch_async(np.concatenate([p.dsts for p in batches]),
-                                 np.concatenate([p.srcs for p in batches]),
-                                 np.concatenate([p.sizes for p in batches]), stream)
-
-
 def _issue(backend: DeviceBackend, plan: CopyPlan, stream) -> None:
+    """Every 2D copy of `plan`, then its contiguous copies as one batch."""
     for c in plan.copies_2d:
         backend.copy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height, stream)
     if len(plan.sizes):

@@ -35,7 +35,8 @@ from .devices import (BUILTIN_LAYOUTS, DeviceLayout, default_layouts, get_layout
                       tensor_element_bytes)
 from .geometry import (ATTENTION_KINDS, ELEMENT_BYTES, Kind, KVCacheSpec, LayerGroup,
                        LayoutError, attention_spec, mla_spec)
-from .mapper import D2H, H2D, ChunkMapper, DeviceCache, chunk_mapper, device_cache, plan_copies
+from .mapper import (D2H, H2D, ChunkMapper, DeviceCache, chunk_mapper, device_cache, plan_copies,
+                     plan_job_copies)
 from .plan import Copy2D, CopyPlan, CopyRun
 
 __all__ = [
@@ -44,6 +45,6 @@ __all__ = [
     "GroupMapping", "H2D", "KVCacheSpec", "Kind", "LayerGroup", "LayoutError", "RankShare",
     "attention_spec", "canonical_page_bytes", "check_tiles", "chunk_layout", "chunk_mapper",
     "coalesce", "default_layouts", "device_cache", "get_layout", "layouts_for", "map_group",
-    "mapping_status", "mla_spec", "plan_copies", "rank_share", "run_fragments",
+    "mapping_status", "mla_spec", "plan_copies", "plan_job_copies", "rank_share", "run_fragments",
     "tensor_element_bytes", "verify_tiling",
 ]

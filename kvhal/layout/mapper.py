@@ -293,6 +293,36 @@ def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
             too many, out of [0, device.num_blocks), or repeated (a chunk holds each device
             block once; a repeated id would make two loads write the same device bytes).
     """
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise LayoutError(f"block_ids: must be a 1-D integer array, got {ids.dtype} "
+                          f"shape {ids.shape}", field="block_ids")
+    if (not isinstance(host_addr, (int, np.integer)) or isinstance(host_addr, bool)
+            or not 0 <= host_addr <= 2**63 - 1 - mapper.chunk.chunk_bytes):
+        raise LayoutError(f"host_addr: must be a non-negative int address, got {host_addr!r}",
+                          field="host_addr")
+    return plan_job_copies(mapper, ids[None], device, np.array([host_addr], np.int64),
+                           direction, expand_up_to)
+
+
+def plan_job_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
+                    host_addrs: np.ndarray, direction: str, expand_up_to: int = 1) -> CopyPlan:
+    """`plan_copies` for n chunks at once, in one set of vectorised gathers.
+
+    Args:
+        block_ids: int array (n, k), 1 ≤ k ≤ blocks_per_chunk: chunk i's device block ids in
+            chunk order (k < blocks_per_chunk plans the same prefix of every chunk).
+        host_addrs: int array (n,): address of chunk i's host slot (bytes).
+        mapper, device, direction, expand_up_to: As `plan_copies`.
+
+    Returns:
+        One `CopyPlan` equal to `kvhal.layout.plan.merge_plans` of the n `plan_copies` results,
+        in chunk order (chunk 0's 2D copies, chunk 1's, ...; likewise the batch descriptors).
+
+    Raises:
+        LayoutError: as `plan_copies`; block_ids not a 2-D integer array, or host_addrs not of
+            shape (n,).
+    """
     if direction not in (D2H, H2D):
         raise LayoutError(f"direction: must be {D2H!r} or {H2D!r}, got {direction!r}",
                           field="direction")
@@ -300,44 +330,56 @@ def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
         raise LayoutError(f"expand_up_to: must be an int >= 1, got {expand_up_to!r}",
                           field="expand_up_to")
     ids = np.asarray(block_ids)
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise LayoutError(f"block_ids: must be a 1-D integer array, got {ids.dtype} "
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise LayoutError(f"block_ids: must be a 2-D integer array, got {ids.dtype} "
                           f"shape {ids.shape}", field="block_ids")
-    if not 1 <= ids.size <= mapper.blocks_per_chunk:
-        raise LayoutError(f"block_ids: {ids.size} blocks, must be 1..{mapper.blocks_per_chunk}",
-                          field="block_ids")
-    if ids.min() < 0 or ids.max() >= device.num_blocks:
+    if not 1 <= ids.shape[1] <= mapper.blocks_per_chunk:
+        raise LayoutError(f"block_ids: {ids.shape[1]} blocks, must be "
+                          f"1..{mapper.blocks_per_chunk}", field="block_ids")
+    addrs = np.asarray(host_addrs)
+    if addrs.size and not np.issubdtype(addrs.dtype, np.integer):
+        raise LayoutError(f"host_addrs: must be integer addresses, got {addrs.dtype}",
+                          field="host_addrs")
+    addrs = addrs.astype(np.int64)
+    if addrs.shape != ids.shape[:1]:
+        raise LayoutError(f"host_addrs: shape {addrs.shape}, must be ({ids.shape[0]},)",
+                          field="host_addrs")
+    if ids.size and (ids.min() < 0 or ids.max() >= device.num_blocks):
         raise LayoutError(f"block_ids: ids must be in [0, {device.num_blocks}), got "
                           f"{ids.min()}..{ids.max()}", field="block_ids")
     if np.unique(ids).size != ids.size:
-        raise LayoutError(f"block_ids: ids repeat in {ids.tolist()}", field="block_ids")
-    if (not isinstance(host_addr, (int, np.integer)) or isinstance(host_addr, bool)
-            or not 0 <= host_addr <= 2**63 - 1 - mapper.chunk.chunk_bytes):
-        raise LayoutError(f"host_addr: must be a non-negative int address, got {host_addr!r}",
-                          field="host_addr")
+        raise LayoutError(f"block_ids: ids repeat in {ids.ravel().tolist()}", field="block_ids")
+    if addrs.size and (addrs.min() < 0
+                       or addrs.max() > 2**63 - 1 - mapper.chunk.chunk_bytes):
+        raise LayoutError(f"host_addrs: must be non-negative int addresses, got "
+                          f"{addrs.tolist()}", field="host_addrs")
     ids = ids.astype(np.int64)
     single, strided = mapper._split_runs(direction, expand_up_to)
-    s_dev, s_host, s = _addresses(single, ids, device, host_addr)
-    sizes = s.width.astype(np.uint64)
-    d_dev, d_host, d = _addresses(strided, ids, device, host_addr)
+    s_dev, s_host, s = _addresses(single, ids, device, addrs)
+    sizes = np.tile(s.width.astype(np.uint64), len(addrs))
+    d_dev, d_host, d = _addresses(strided, ids, device, addrs)
+    n = len(addrs)
+    dev_pitch, host_pitch = (np.tile(d.local_stride, n).tolist(),
+                             np.tile(d.canonical_stride, n).tolist())
+    width, count = np.tile(d.width, n).tolist(), np.tile(d.count, n).tolist()
     if direction == D2H:
         dsts, srcs = s_host, s_dev
-        copies = tuple(map(Copy2D, d_host.tolist(), d.canonical_stride.tolist(),
-                           d_dev.tolist(), d.local_stride.tolist(), d.width.tolist(),
-                           d.count.tolist()))
+        copies = tuple(map(Copy2D, d_host.tolist(), host_pitch, d_dev.tolist(), dev_pitch,
+                           width, count))
     else:
         dsts, srcs = s_dev, s_host
-        copies = tuple(map(Copy2D, d_dev.tolist(), d.local_stride.tolist(),
-                           d_host.tolist(), d.canonical_stride.tolist(), d.width.tolist(),
-                           d.count.tolist()))
+        copies = tuple(map(Copy2D, d_dev.tolist(), dev_pitch, d_host.tolist(), host_pitch,
+                           width, count))
     return CopyPlan(copies, dsts, srcs, sizes)
 
 
-def _addresses(t: _Runs, ids: np.ndarray, device: DeviceCache, host_addr: int):
-    n = ids.size * t.per_block
+def _addresses(t: _Runs, ids: np.ndarray, device: DeviceCache, host_addrs: np.ndarray):
+    """Device and host addresses (uint64, chunk-major, flat) of the first ids.shape[1] block
+    positions' entries of `t` for every chunk (row) of `ids`, and the per-chunk entries."""
+    n = ids.shape[1] * t.per_block
     layer = t.layer[:n]
-    dev = (device.bases[layer].astype(np.int64) + ids[t.block[:n]] * device.block_strides[layer]
+    dev = (device.bases[layer].astype(np.int64) + ids[:, t.block[:n]] * device.block_strides[layer]
            + t.plane[:n] * device.plane_strides[layer] + t.local[:n])
-    host = t.host[:n] + np.int64(host_addr)
+    host = t.host[:n] + host_addrs[:, None]
     view = _Runs(*(getattr(t, f)[:n] for f in _FIELDS), t.per_block)
-    return dev.astype(np.uint64), host.astype(np.uint64), view
+    return dev.astype(np.uint64).ravel(), host.astype(np.uint64).ravel(), view

@@ -56,3 +56,18 @@ class CopyPlan:
     def nbytes(self) -> int:
         """Total bytes the plan moves."""
         return int(self.sizes.sum()) + sum(c.width * c.height for c in self.copies_2d)
+
+
+def merge_plans(plans: list[CopyPlan]) -> CopyPlan:
+    """One `CopyPlan` with every copy of `plans`, in order (2D copies, then batch descriptors).
+
+    Returns:
+        The concatenation; an empty plan (uint64 arrays of shape (0,)) for no plans.
+    """
+    if len(plans) == 1:
+        return plans[0]
+    empty = np.empty(0, dtype=np.uint64)
+    return CopyPlan(tuple(c for p in plans for c in p.copies_2d),
+                    np.concatenate([p.dsts for p in plans] or [empty]),
+                    np.concatenate([p.srcs for p in plans] or [empty]),
+                    np.concatenate([p.sizes for p in plans] or [empty]))

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from kvhal.backends.cpu import CpuBackend
-from kvhal.engine import Direction, EngineError
+from kvhal.engine import BlockPlanner, Direction, EngineError
 from kvhal.hal import host_array
+from kvhal.layout.plan import merge_plans
 from kvhal.tiers.base import Lookup
 
 from .rig import chunk_blocks, make_rig, synthetic_keys
@@ -274,5 +275,41 @@ def test_every_job_ends_exactly_once_under_faults_cancels_and_waits():
         assert sorted(r.job_id for r in seen) == list(range(300))
         assert {r.job_id: r.num_ok for r in seen} == want
         assert rig.worker.fenced_blocks().size == 0
+    finally:
+        rig.close()
+
+
+def test_block_planner_plans_a_job_as_its_chunks_merged():
+    planner = BlockPlanner(device_base=1 << 20, block_bytes=256, num_blocks=10, block_stride=512)
+    ids, addrs = np.array([[3, 1], [0, 9]]), np.array([8000, 4000])
+    job = planner.plan_job(ids, addrs, Direction.D2H)
+    assert job.dsts.tolist() == [8000, 8256, 4000, 4256]
+    assert job.srcs.tolist() == [(1 << 20) + 512 * b for b in (3, 1, 0, 9)]
+    assert job.sizes.tolist() == [256] * 4 and job.copies_2d == ()
+    for direction in Direction:
+        merged = merge_plans([planner(ids[c], int(addrs[c]), direction) for c in range(2)])
+        job = planner.plan_job(ids, addrs, direction)
+        assert [a.tolist() for a in (job.dsts, job.srcs, job.sizes)] == \
+            [a.tolist() for a in (merged.dsts, merged.srcs, merged.sizes)]
+    with pytest.raises(ValueError, match=r"block ids \[10, -1\] outside \[0, 10\)"):
+        planner.plan_job(np.array([[1, 10], [-1, 2]]), addrs, Direction.H2D)
+
+
+def test_a_chunk_the_job_planner_refuses_ends_the_job_there():
+    """plan_job refuses the job (chunk 2 has a block id out of range): the worker plans chunk
+    by chunk, moves chunks 0 and 1 and reports chunk 2 as the failure."""
+    rig = make_rig(capacity=4, blocks_per_chunk=CHUNK_BLOCKS, block_bytes=BLOCK_BYTES,
+                   num_blocks=8)
+    try:
+        data = _blocks_data(rig, 0, 2)
+        ids = np.array([[0, 1], [2, 3], [4, 99], [6, 7]])
+        rig.worker.submit_store(1, ids, np.array([3, 2, 1, 0]))
+        rig.worker.wait(1)
+        (result,) = rig.worker.get_finished()
+        assert (result.num_ok, result.num_chunks) == (2, 4)
+        assert result.error.startswith("chunk 2: block ids [99] outside [0, 8)")
+        slots = rig.region.array.reshape(4, -1)[:, :CHUNK_BYTES]
+        assert np.array_equal(slots[3], data[0:2].ravel())
+        assert np.array_equal(slots[2], data[2:4].ravel())
     finally:
         rig.close()

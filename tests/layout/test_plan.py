@@ -1,11 +1,13 @@
-"""plan_copies: exact addresses, writer-only stores, replica loads, prefixes, bad input."""
+"""plan_copies / plan_job_copies: exact addresses, writer-only stores, replica loads, prefixes,
+bad input."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from kvhal.layout import (D2H, H2D, Copy2D, DeviceCache, LayoutError, attention_spec,
-                          chunk_mapper, device_cache, plan_copies)
+                          chunk_mapper, device_cache, plan_copies, plan_job_copies)
+from kvhal.layout.plan import merge_plans
 
 TINY = attention_spec(num_layers=1, num_kv_heads=2, head_size=1, dtype="bf16", block_size=2)
 
@@ -182,3 +184,33 @@ def test_device_cache_takes_views_whose_memory_is_the_layout(layout, array, bloc
     dev = device_cache(mapper, [NumpyTensor(array)])
     assert (dev.block_strides.tolist(), dev.plane_strides.tolist(), dev.num_blocks) == (
         [block_stride], [plane_stride], 10)
+def test_a_job_plan_is_its_chunk_plans_merged_in_chunk_order():
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
+    job = plan_job_copies(mapper, np.array([[5, 2], [0, 7]]), cache([1000], 16),
+                          np.array([5000, 9000]), D2H)
+    assert job.copies_2d == (Copy2D(5000, 16, 1080, 8, 8, 2), Copy2D(5008, 16, 1032, 8, 8, 2),
+                             Copy2D(9000, 16, 1000, 8, 8, 2), Copy2D(9008, 16, 1112, 8, 8, 2))
+    spec = attention_spec(num_layers=2, num_kv_heads=2, head_size=1, dtype="bf16",
+                          block_size=2)
+    for layout, expand in (("packed-hnd", 1), ("packed-hnd", 2), ("separate-kv", 1)):
+        for direction in (D2H, H2D):
+            mapper = chunk_mapper(spec, layout, 2, 1, 2)
+            ids, addrs = np.array([[3, 1], [0, 6], [7, 2]]), np.array([5000, 6000, 7000])
+            dev = cache([1000, 9000], 64, plane_stride=512 if layout == "separate-kv" else 0)
+            job = plan_job_copies(mapper, ids, dev, addrs, direction, expand)
+            merged = merge_plans([plan_copies(mapper, ids[c], dev, int(addrs[c]), direction,
+                                              expand) for c in range(3)])
+            assert job.copies_2d == merged.copies_2d
+            assert [a.tolist() for a in (job.dsts, job.srcs, job.sizes)] == \
+                [a.tolist() for a in (merged.dsts, merged.srcs, merged.sizes)]
+
+
+@pytest.mark.parametrize("ids,addrs,message", [
+    (np.array([1, 2]), [5000], r"block_ids: must be a 2-D integer array, got int64 shape \(2,\)"),
+    (np.array([[1, 2]]), [5000, 6000], r"host_addrs: shape \(2,\), must be \(1,\)"),
+    (np.array([[1, 2], [3, 8]]), [5000, 6000], r"block_ids: ids must be in \[0, 8\), got 1..8"),
+])
+def test_bad_job_input_is_refused(ids, addrs, message):
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
+    with pytest.raises(LayoutError, match=message):
+        plan_job_copies(mapper, ids, cache([1000], 16), np.array(addrs), D2H)
