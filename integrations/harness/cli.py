@@ -140,8 +140,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="modeled prefill cost (default 32.5: Llama-3.1-8B on one H100 at 50%% "
                         "MFU; derivation in kvhal.integrations.harness.report)")
     p.add_argument("--time-scale", type=float, default=0.0,
-                   help="replay on the trace's timestamps divided by this (0 = as fast as "
-                        "possible, default)")
+                   help="replay on the trace's timestamps multiplied by this (1 = the "
+                        "trace's pace, 0 = as fast as possible, default)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--sweep", type=parse_sweep, default=None,
                    help="replay once per capacity, e.g. host=1G,2G,4G (device, host or a "

@@ -119,7 +119,10 @@ class ReplayReport:
 
 
 def _gib(nbytes: int | None) -> str:
-    return "default" if nbytes is None else f"{nbytes / (1 << 30):.3g} GiB"
+    if nbytes is None:
+        return "default"
+    return (f"{nbytes / (1 << 30):.3g} GiB" if nbytes >= 1 << 30 else
+            f"{nbytes / (1 << 20):.3g} MiB")
 
 
 def print_report(report: ReplayReport, as_json: bool) -> None:
@@ -129,24 +132,33 @@ def print_report(report: ReplayReport, as_json: bool) -> None:
         print_json(d)
         return
     ref = report.reference
-    print_table(
-        f"kvhal replay — {report.trace}",
-        ["requests", "input tokens", "hit tokens", "hit ratio", "reference ratio",
-         "TTFT saved (s)", "wall (s)", "chunks/s", "GB/s", "engine µs/chunk"],
-        [[report.requests, report.input_tokens, report.total_hit_tokens,
-          f"{report.hit_ratio:.4f}", f"{ref.hit_ratio:.4f}", round(report.ttft_saved_s, 1),
-          round(report.wall_s, 1), round(d["chunks_per_s"]), round(d["gb_per_s"], 2),
-          round(report.engine_us_per_chunk, 1)]])
+    print_table(f"kvhal replay — {report.trace}", ["metric", "value"], [
+        ["requests", report.requests],
+        ["input tokens", report.input_tokens],
+        ["hit tokens", report.total_hit_tokens],
+        ["hit ratio", f"{report.hit_ratio:.4f}"],
+        ["reference ratio (unlimited capacity)", f"{ref.hit_ratio:.4f} ({ref.hit_tokens} "
+                                                 f"tokens, {ref.distinct_chunks} chunks)"],
+        ["chunk", f"{report.chunk_tokens} tokens, {report.chunk_bytes} bytes"],
+        ["modeled TTFT saved", f"{report.ttft_saved_s:.1f} s at "
+                               f"{report.prefill_us_per_token} µs/token prefill"],
+        ["measured load time", f"{report.load_s:.2f} s"],
+        ["verified hit chunks", report.verified_chunks],
+        ["wall time", f"{report.wall_s:.1f} s"],
+        ["throughput (device↔host)", f"{d['chunks_per_s']:.0f} chunks/s, "
+                                     f"{d['gb_per_s']:.2f} GB/s"],
+        ["engine bookkeeping", f"{report.engine_us_per_chunk:.1f} µs/chunk"]])
     rows = []
     for level, tokens in report.hit_tokens.items():
         traffic = report.traffic.get(level, {})
+        moved = [traffic.get(k) for k in (("d2h", "h2d") if level == "host" else
+                                          ("store", "load"))]
         rows.append([level, _gib(report.capacities.get(level)), tokens,
                      f"{tokens / report.input_tokens if report.input_tokens else 0:.4f}",
-                     *(f"{traffic[k].chunks} / {traffic[k].nbytes / 1e9:.3f} GB"
-                       if k in traffic else "-" for k in ("d2h", "h2d", "store", "load"))])
-    print_table("hits and traffic by level (chunks / bytes)",
-                ["level", "capacity", "hit tokens", "share of input", "D2H", "H2D",
-                 "store", "load"], rows)
+                     *(f"{t.chunks} / {t.nbytes / 1e9:.3f} GB" if t else "-" for t in moved)])
+    print_table("hits and traffic by level (host: written = D2H, read = H2D)",
+                ["level", "capacity", "hit tokens", "share of input", "written (chunks / bytes)",
+                 "read (chunks / bytes)"], rows)
 
 
 def print_sweep(what: str, reports: list[ReplayReport], as_json: bool) -> None:

@@ -10,22 +10,31 @@ Formats (one JSON object per line; blank lines are skipped):
 - **Token ids**: `{"prompt_token_ids": [int, ...]}` with optional `timestamp` (ms) and
   `output_length` (tokens, default 0). Chunks are `chunk_tokens` consecutive token ids.
 
-Each full chunk of a request is named by a block-hash chain (`kvhal.keys`) over the chunk
-contents, so equal hashes mean equal prefixes, exactly as a serving engine keys its KV. Only full
+Each full chunk of a request is named by vLLM's block-hash chain (`kvhal.keys.block_hashes`,
+sha256, seed `HASH_SEED`) over the chunk's contents — its token ids, or for Mooncake its one
+hash id — so equal hashes mean equal prefixes, exactly as a serving engine keys its KV. Only full
 chunks are named: a partial last chunk is never stored nor hit.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from kvhal.keys import block_hashes, hash_function, none_hash
+
 #: Tokens per block in Mooncake traces (fixed by the format, see module docstring).
 MOONCAKE_BLOCK_TOKENS = 512
 
 FORMATS = ("auto", "mooncake", "tokens")
+
+#: Block-hash function and NONE_HASH seed of replay keys (fixed, so a persistent tier written by
+#: one replay is hit by the next).
+HASH_NAME = "sha256"
+HASH_SEED = "kvhal-replay"
+_HASH_FN = hash_function(HASH_NAME)
+_ROOT = none_hash(HASH_NAME, HASH_SEED)
 
 
 class TraceFormatError(ValueError):
@@ -59,19 +68,10 @@ class TraceRequest:
     chunk_hashes: tuple[bytes, ...]
 
 
-def _chain(parent: bytes, ids: list[int]) -> bytes:
-    """Hash of one chunk given its parent's hash and its ids (sha256 over both)."""
-    return hashlib.sha256(parent + b"".join(i.to_bytes(8, "little", signed=True)
-                                            for i in ids)).digest()
-
-
-def chain_hashes(blocks: list[list[int]]) -> tuple[bytes, ...]:
-    """Prefix-chained hashes of consecutive blocks of ids (see module docstring)."""
-    out, parent = [], b""
-    for ids in blocks:
-        parent = _chain(parent, ids)
-        out.append(parent)
-    return tuple(out)
+def chain_hashes(ids: list[int], ids_per_chunk: int) -> tuple[bytes, ...]:
+    """Block hashes of every full chunk of `ids_per_chunk` consecutive `ids` (see module
+    docstring); a partial last chunk gets none."""
+    return tuple(block_hashes(ids, ids_per_chunk, _HASH_FN, root=_ROOT))
 
 
 def _is_int(v: Any) -> bool:
@@ -113,16 +113,14 @@ def _parse_mooncake(obj: dict, line: int, err) -> TraceRequest:
         raise err("hash_ids", f"expected {expected} ids for input_length {n_in} "
                               f"({MOONCAKE_BLOCK_TOKENS} tokens per block), got {len(ids)}")
     full = n_in // MOONCAKE_BLOCK_TOKENS
-    return TraceRequest(line, float(ts), n_in, n_out, chain_hashes([[i] for i in ids[:full]]))
+    return TraceRequest(line, float(ts), n_in, n_out, chain_hashes(ids[:full], 1))
 
 
 def _parse_tokens(obj: dict, line: int, err, chunk_tokens: int) -> TraceRequest:
     tokens = _int_list(obj, "prompt_token_ids", err)
     ts = _number(obj, "timestamp", err, default=0.0, integer=False)
     n_out = _number(obj, "output_length", err, default=0, integer=True)
-    full = len(tokens) // chunk_tokens
-    blocks = [tokens[i * chunk_tokens:(i + 1) * chunk_tokens] for i in range(full)]
-    return TraceRequest(line, float(ts), len(tokens), n_out, chain_hashes(blocks))
+    return TraceRequest(line, float(ts), len(tokens), n_out, chain_hashes(tokens, chunk_tokens))
 
 
 def _detect(obj: dict) -> str | None:

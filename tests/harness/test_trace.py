@@ -14,7 +14,7 @@ def test_mooncake_full_blocks_only_and_chained(write_trace):
     first, second = read_trace(path)
     assert (first.line, first.input_tokens, first.output_tokens) == (1, 1025, 1)
     assert len(first.chunk_hashes) == 2  # id 9 covers the 1 token of the partial block
-    assert first.chunk_hashes == second.chunk_hashes == chain_hashes([[7], [8]])
+    assert first.chunk_hashes == second.chunk_hashes == chain_hashes([7, 8], 1)
 
 
 def test_mooncake_same_id_under_different_prefix_is_a_different_chunk(write_trace):
@@ -34,7 +34,7 @@ def test_token_trace_chunks_by_chunk_tokens(write_trace):
                         {"prompt_token_ids": toks[:8] + [99]}])
     a, b = read_trace(path, chunk_tokens=4)
     assert (a.timestamp_ms, a.input_tokens, a.output_tokens) == (5.0, 10, 0)
-    assert a.chunk_hashes == chain_hashes([toks[:4], toks[4:8]])
+    assert a.chunk_hashes == chain_hashes(toks[:8], 4)
     assert b.chunk_hashes == a.chunk_hashes
 
 
