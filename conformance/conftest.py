@@ -18,6 +18,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="backend(s) to run the conformance suite on (default: all registered)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse an unknown `--kvhal-backend` name with one line listing the registered ones,
+    instead of an error per test (an unavailable one still skips with its probe's reason)."""
+    names = config.getoption("--kvhal-backend") or []
+    registered = plugins.backends()
+    unknown = [n for n in names if n not in registered]
+    if unknown:
+        raise pytest.UsageError(f"--kvhal-backend: {', '.join(map(repr, unknown))} not "
+                                f"registered; registered: {', '.join(registered) or 'none'}")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize `backend_name` over the selected backends."""
     if "backend_name" in metafunc.fixturenames:
