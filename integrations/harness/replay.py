@@ -31,8 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvhal.config import ConfigError, EngineConfig, parse_config
-from kvhal.engine import BlockPlanner, Manager, Worker, build_manager, chunks_to_store, \
-    leading_hits
+from kvhal.engine import BlockPlanner, Worker, build_manager, chunks_to_store, leading_hits
 from kvhal.hal import DeviceBackend, host_array
 from kvhal.host import HostRegion, host_geometry
 from kvhal.keys import ChunkKey, namespace_digest
@@ -135,9 +134,32 @@ class _Counters:
         self.hits = {level: 0 for level in levels}
         self.d2h = [0, 0]   # chunks, bytes
         self.h2d = [0, 0]
-        self.engine_s = 0.0
         self.load_s = 0.0
         self.verified = 0
+
+
+class _Timed:
+    """Proxy that adds the wall time of each method call on `target` to `seconds`, except the
+    `untimed` methods (those that block on I/O)."""
+
+    def __init__(self, target: Any, untimed: tuple[str, ...]):
+        self._target = target
+        self._untimed = untimed
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if name in self._untimed or not callable(attr):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
 
 
 class _Replayer:
@@ -171,12 +193,14 @@ class _Replayer:
             geometry = host_geometry(self.chunk_bytes, cfg.cpu_bytes_to_use)
             self.region = HostRegion.allocate(backend, geometry)
             self._closers.append(self.region.close)
-            self.manager: Manager = build_manager(cfg, geometry, self.region.view,
-                                                  self.namespace, emit_events=False)
+            self.manager = _Timed(build_manager(cfg, geometry, self.region.view,
+                                                self.namespace, emit_events=False),
+                                  untimed=("drain", "close"))
             self._closers.append(self.manager.close)
             planner = BlockPlanner(self.device.ptr, self.chunk_bytes, num_blocks)
-            self.worker = Worker(backend, planner, host_ptr=self.region.ptr,
-                                 slot_bytes=geometry.slot_bytes)
+            self.worker = _Timed(Worker(backend, planner, host_ptr=self.region.ptr,
+                                        slot_bytes=geometry.slot_bytes),
+                                 untimed=("wait", "close"))
             self._closers.append(self.worker.close)
         except BaseException:
             self.close()
@@ -282,9 +306,7 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
             saved[r] = hits[r] * options.prefill_us_per_token * 1e-6 - load_s
             if on_request is not None:
                 on_request()
-        t0 = time.perf_counter()
         rep.manager.drain()
-        counters.engine_s += time.perf_counter() - t0
         traffic = _traffic(rep, counters, tier_stats_before)
     finally:
         rep.close()
@@ -297,8 +319,8 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
         trace=trace, capacities=capacities, chunk_tokens=options.chunk_tokens,
         chunk_bytes=rep.chunk_bytes, requests=n, input_tokens=int(inputs.sum()),
         hit_tokens={k: v * options.chunk_tokens for k, v in counters.hits.items()},
-        traffic=traffic, reference=reference, wall_s=wall_s, engine_s=counters.engine_s,
-        load_s=counters.load_s, verified_chunks=counters.verified,
+        traffic=traffic, reference=reference, wall_s=wall_s, manager_s=rep.manager.seconds,
+        worker_s=rep.worker.seconds, load_s=counters.load_s, verified_chunks=counters.verified,
         prefill_us_per_token=options.prefill_us_per_token, ttft_saved_s=float(saved.sum()),
         timeline=Timeline(times, inputs, hits, saved))
 
@@ -316,19 +338,15 @@ def _traffic(rep: _Replayer, c: _Counters, before: list[dict]) -> dict[str, dict
     return out
 
 
-def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int,
-                    c: _Counters) -> tuple[int, list[Lookup]]:
+def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
+                    ) -> tuple[int, list[Lookup]]:
     """Lookup until no RETRY precedes the first MISS; returns (leading hits, first answers)."""
     manager = rep.manager
-    t0 = time.perf_counter()
     first = answers = manager.lookup(keys, request_id=rid)
-    c.engine_s += time.perf_counter() - t0
     n = leading_hits(answers)
     while n is None:
         time.sleep(_RETRY_POLL_S)
-        t0 = time.perf_counter()
         answers = manager.lookup(keys, request_id=rid)
-        c.engine_s += time.perf_counter() - t0
         n = leading_hits(answers)
     return n, first
 
@@ -340,11 +358,10 @@ def _tier_of(rep: _Replayer, key: ChunkKey) -> str:
     return rep.tier_names[0] if rep.tier_names else "host"
 
 
-def _wait(rep: _Replayer, job_id: int, c: _Counters) -> int:
+def _wait(rep: _Replayer, job_id: int) -> int:
+    """Block until worker job `job_id` ends; its number of chunks that arrived."""
     rep.worker.wait(job_id)
-    t0 = time.perf_counter()
     results = rep.worker.get_finished()
-    c.engine_s += time.perf_counter() - t0
     (result,) = [r for r in results if r.job_id == job_id]
     return result.num_ok
 
@@ -359,24 +376,19 @@ def _replay_request(rep: _Replayer, req: TraceRequest, rid: int,
     d = rep.pool.match_prefix(hashes)
     keys = [ChunkKey(ns, 0, h) for h in hashes[d:]]
     t_load = time.perf_counter()
-    n_hit, first = _resolve_lookup(rep, keys, rid, c) if keys else (0, [])
+    n_hit, first = _resolve_lookup(rep, keys, rid) if keys else (0, [])
     blocks = rep.pool.acquire(hashes, d)
     tail = blocks[d:]
     manager, worker = rep.manager, rep.worker
     loaded = 0
-    t0 = time.perf_counter()
     plan = manager.prepare_load(keys[:n_hit], request_id=rid) if n_hit else None
     if plan is None:
         manager.release(rid)
     else:
         ids = np.asarray(tail[:len(plan.keys)], dtype=np.int64).reshape(-1, 1)
         worker.submit_load(plan.job_id, ids, plan.slots)
-    c.engine_s += time.perf_counter() - t0
-    if plan is not None:
-        loaded = _wait(rep, plan.job_id, c)
-        t0 = time.perf_counter()
+        loaded = _wait(rep, plan.job_id)
         manager.complete_load(plan.job_id, loaded)
-        c.engine_s += time.perf_counter() - t0
         c.h2d[0] += loaded
         c.h2d[1] += loaded * rep.chunk_bytes
     load_s = time.perf_counter() - t_load
@@ -405,17 +417,12 @@ def _prefill_and_store(rep: _Replayer, req: TraceRequest, keys: list[ChunkKey],
     due = chunks_to_store(req.input_tokens, d + loaded, rep.options.chunk_tokens,
                           rep.max_offload_tokens)
     first = due.start - d
-    t0 = time.perf_counter()
     plan = rep.manager.prepare_store(keys[first:due.stop - d]) if len(due) else None
     if plan is not None:
         ids = np.asarray(blocks, dtype=np.int64)[first + plan.indices].reshape(-1, 1)
         rep.worker.submit_store(plan.job_id, ids, plan.slots, after=rep.computed)
-    c.engine_s += time.perf_counter() - t0
-    if plan is not None:
-        num_ok = _wait(rep, plan.job_id, c)
-        t0 = time.perf_counter()
+        num_ok = _wait(rep, plan.job_id)
         rep.manager.complete_store(plan.job_id, num_ok)
-        c.engine_s += time.perf_counter() - t0
         c.d2h[0] += num_ok
         c.d2h[1] += num_ok * rep.chunk_bytes
     rep.backend.stream_synchronize(rep.compute_stream)
