@@ -15,7 +15,7 @@ from kvhal.report import progress
 from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
 from .plot import plot_sweep, plot_timeline
 from .reference import reference_hits
-from .replay import DEFAULT_CONFIG, ReplayOptions, run_replay, with_capacity
+from .replay import DEFAULT_CONFIG, ReplayOptions, check_replay, run_replay, with_capacity
 from .report import DEFAULT_PREFILL_US_PER_TOKEN, print_report, print_sweep
 from .trace import FORMATS, MOONCAKE_BLOCK_TOKENS, read_trace
 
@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
                             time_scale=args.time_scale)
     runs = ([(config, options)] if args.sweep is None else
             [with_capacity(config, options, args.sweep[0], size) for size in args.sweep[1]])
+    for cfg, opts in runs:
+        check_replay(requests, cfg, opts)
     reports = []
     with progress(disable=args.json) as bar:
         for i, (cfg, opts) in enumerate(runs):

@@ -118,12 +118,28 @@ def replay_namespace(options: ReplayOptions) -> bytes:
                             hash_seed=HASH_SEED)
 
 
-def _engine_config(config: dict[str, Any], options: ReplayOptions) -> EngineConfig:
+def check_replay(requests: Sequence[TraceRequest], config: dict[str, Any],
+                 options: ReplayOptions) -> EngineConfig:
+    """Validate a replay before anything is allocated.
+
+    Returns:
+        The parsed engine config.
+
+    Raises:
+        ConfigError: invalid config, or a chunk other than the trace's block (names the key).
+        DevicePoolError: a request has more full chunks than `options.device_bytes` holds.
+    """
     cfg = parse_config(config)
     if cfg.blocks_per_chunk_for(options.chunk_tokens) != 1:
         key = "block_size" if cfg.block_size is not None else "blocks_per_chunk"
         raise ConfigError(key, f"a replay's chunk is the trace's block ({options.chunk_tokens} "
                           "tokens): use block_size equal to it or blocks_per_chunk 1")
+    max_chunks = max((len(r.chunk_hashes) for r in requests), default=0)
+    num_blocks = options.device_bytes // options.chunk_bytes
+    if max_chunks > num_blocks or num_blocks == 0:
+        raise DevicePoolError(f"--device-bytes: {options.device_bytes} bytes hold "
+                              f"{num_blocks} chunks of {options.chunk_bytes} bytes, but a "
+                              f"request has {max_chunks} full chunks")
     return cfg
 
 
@@ -173,10 +189,6 @@ class _Replayer:
         self.page_bytes = options.chunk_tokens * options.geometry.page_bytes_per_token
         num_blocks = options.device_bytes // self.chunk_bytes
         self.pool = DevicePool(num_blocks)
-        if max_chunks > num_blocks:
-            raise DevicePoolError(f"--device-bytes: {options.device_bytes} bytes hold "
-                                  f"{num_blocks} chunks of {self.chunk_bytes} bytes, but a "
-                                  f"request has {max_chunks} full chunks")
         self.namespace = replay_namespace(options)
         self._closers: list[Callable[[], None]] = []
         try:
@@ -274,12 +286,11 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
         The report; the engine, tiers and buffers are closed (persistent tiers keep their data).
 
     Raises:
-        ConfigError: invalid config (names the key path).
-        DevicePoolError: a request has more full chunks than the device pool holds.
+        ConfigError, DevicePoolError: see `check_replay`.
         PayloadMismatchError: a hit chunk held wrong bytes.
         HalError: the backend failed.
     """
-    cfg = _engine_config(config, options)
+    cfg = check_replay(requests, config, options)
     backend = select_backend(options.backend)
     max_chunks = max((len(r.chunk_hashes) for r in requests), default=0)
     rep = _Replayer(cfg, options, backend, max_chunks)
