@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "kvhal.doctor",
     "kvhal.bench",
     "kvhal.integrations.harness.cli",
+    "kvhal.layout_cli",
 )
 
 
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `kvhal ... --json | head`: the reader left, not an error
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("kvhal: interrupted", file=sys.stderr)
         return 130
