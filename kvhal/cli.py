@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "kvhal.doctor",
     "kvhal.bench",
     "kvhal.integrations.harness.cli",
+    "kvhal.fsck",
     "kvhal.layout_cli",
 )
 
