@@ -12,6 +12,7 @@ BENCH_MODULES = (
     "kvhal.bench.copy",
     "kvhal.bench.tier",
     "kvhal.bench.layout",
+    "kvhal.integrations.harness.bench",
 )
 
 

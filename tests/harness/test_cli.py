@@ -74,3 +74,16 @@ def test_sweep_of_unknown_level_names_it(write_trace):
     out = kvhal("replay", str(write_trace(TRACE)), "--sweep", "fs=1G")
     assert out.returncode == 1
     assert "--sweep: 'fs' is neither device, host nor a secondary tier type" in out.stderr
+
+
+def test_bench_replay_reports_wall_time_and_engine_time(write_trace, tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    out = kvhal("bench", "replay", "--trace", str(write_trace(TRACE)), "--tmp-dir",
+                str(scratch), "--json")
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    assert figures["hit_tokens"] == {"device": 1024, "host": 0, "fs": 0}  # 64 MiB device pool
+    assert figures["wall_vs_target"] == figures["wall_s"] / 300.0
+    assert figures["chunks_moved"] == 4 and figures["verified_chunks"] == 2
+    assert list(scratch.iterdir()) == []  # the fs tier's folder is removed
