@@ -55,7 +55,7 @@ class DevicePool:
                                   f"fit a device pool of {self.num_blocks} blocks")
         blocks = [self._cached[h] for h in hashes[:num_hit]]
         for b in blocks:
-            self._free.pop(b, None)  # a hit block may already be held by nobody else
+            del self._free[b]  # requests run one at a time: every cached block is free
         for _ in range(len(hashes) - num_hit):
             b, old = self._free.popitem(last=False)
             if old is not None and self._cached.get(old) == b:

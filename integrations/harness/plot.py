@@ -51,11 +51,13 @@ def plot_timeline(path: str | os.PathLike, time_s: np.ndarray, input_tokens: np.
 def plot_sweep(path: str | os.PathLike, what: str, capacities: Sequence[int],
                hit_ratios: Sequence[float], reference_ratio: float, title: str) -> None:
     """Draw hit ratio against the capacity of `what` (e.g. "host"), with the unlimited-capacity
-    reference as a dashed line. Capacities are bytes, plotted in GiB."""
+    reference as a dashed line. Capacities are bytes, plotted in GiB on a log2 axis (sweeps
+    usually double)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     gib = np.asarray(capacities, dtype=np.float64) / (1 << 30)
     ax.plot(gib, hit_ratios, marker="o", label="replay")
+    ax.set_xscale("log", base=2)
     ax.axhline(reference_ratio, linestyle="--", color="gray",
                label=f"unlimited capacity ({reference_ratio:.4f})")
     ax.set_xlabel(f"{what} capacity (GiB)")

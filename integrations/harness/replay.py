@@ -350,23 +350,31 @@ def _traffic(rep: _Replayer, c: _Counters, before: list[dict]) -> dict[str, dict
 
 
 def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
-                    ) -> tuple[int, list[Lookup]]:
-    """Lookup until no RETRY precedes the first MISS; returns (leading hits, first answers)."""
+                    ) -> tuple[int, list[str]]:
+    """Lookup until no RETRY precedes the first MISS.
+
+    Returns:
+        (leading hits, level of each key answered at the first lookup): "host" for a HIT, the
+        first secondary tier holding it for a RETRY (a promotion), "" otherwise.
+    """
     manager = rep.manager
-    first = answers = manager.lookup(keys, request_id=rid)
+    answers = manager.lookup(keys, request_id=rid)
+    levels = ["host" if a is Lookup.HIT else _tier_of(rep, keys[i]) if a is Lookup.RETRY
+              else "" for i, a in enumerate(answers)]
     n = leading_hits(answers)
     while n is None:
         time.sleep(_RETRY_POLL_S)
         answers = manager.lookup(keys, request_id=rid)
         n = leading_hits(answers)
-    return n, first
+    return n, levels
 
 
 def _tier_of(rep: _Replayer, key: ChunkKey) -> str:
+    """The first secondary tier holding `key` ("host" if none: a store still in flight)."""
     for tier in rep.manager.tiers:
         if tier.lookup(key) is Lookup.HIT:
             return tier.name
-    return rep.tier_names[0] if rep.tier_names else "host"
+    return "host"
 
 
 def _wait(rep: _Replayer, job_id: int) -> int:
@@ -387,7 +395,7 @@ def _replay_request(rep: _Replayer, req: TraceRequest, rid: int,
     d = rep.pool.match_prefix(hashes)
     keys = [ChunkKey(ns, 0, h) for h in hashes[d:]]
     t_load = time.perf_counter()
-    n_hit, first = _resolve_lookup(rep, keys, rid) if keys else (0, [])
+    n_hit, levels = _resolve_lookup(rep, keys, rid) if keys else (0, [])
     blocks = rep.pool.acquire(hashes, d)
     tail = blocks[d:]
     manager, worker = rep.manager, rep.worker
@@ -404,8 +412,7 @@ def _replay_request(rep: _Replayer, req: TraceRequest, rid: int,
         c.h2d[1] += loaded * rep.chunk_bytes
     load_s = time.perf_counter() - t_load
     c.load_s += load_s
-    sources = ["host" if first[i] is Lookup.HIT else _tier_of(rep, keys[i])
-               for i in range(loaded)]
+    sources = levels[:loaded]
     for level in sources:
         c.hits[level] += 1
     c.hits["device"] += d
