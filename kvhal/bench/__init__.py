@@ -12,6 +12,8 @@ BENCH_MODULES = (
     "kvhal.bench.copy",
     "kvhal.bench.tier",
     "kvhal.bench.layout",
+    "kvhal.bench.copy_kernel",
+    "kvhal.bench.engine",
     "kvhal.integrations.harness.bench",
 )
 

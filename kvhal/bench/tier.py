@@ -4,7 +4,9 @@
 tier (all jobs submitted, then drained), then loaded back after the page cache is emptied with
 `posix_fadvise(DONTNEED)` on every file. The baseline in the same run is a single-threaded
 loop over the same bytes with the same durability: one file per chunk, opened with O_DIRECT
-when the tier uses it, `fdatasync` before close; reads after the same DONTNEED. Each figure is
+when the tier uses it, `fdatasync` before close, then an fsync of the folder (a new file's
+name is durable only once its directory is synced: fsync(2), NOTES); reads after the same
+DONTNEED. Each figure is
 the best of `--repeats` passes (fresh keys and files per pass); raw and tier passes alternate.
 """
 from __future__ import annotations
@@ -78,6 +80,11 @@ def _raw_write(folder: str, host: memoryview, chunk: int, count: int, direct: bo
             os.fdatasync(fd)
         finally:
             os.close(fd)
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _raw_read(folder: str, host: memoryview, chunk: int, count: int, direct: bool) -> None:
