@@ -10,9 +10,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kvhal.layout import ATTENTION_KINDS, ELEMENT_BYTES
+from kvhal.plugins import layouts
 from kvhal.report import progress
 
-from .geometry import DTYPE_BYTES, PRESETS, Geometry, preset
+from .geometry import PRESETS, Geometry, preset
 from .plot import plot_sweep, plot_timeline
 from .reference import reference_hits
 from .replay import DEFAULT_CONFIG, ReplayOptions, check_replay, run_replay, with_capacity
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     options = ReplayOptions(geometry=_geometry(args), chunk_tokens=chunk_tokens,
                             device_bytes=args.device_bytes, backend=args.backend,
                             prefill_us_per_token=args.prefill_us_per_token,
-                            time_scale=args.time_scale)
+                            time_scale=args.time_scale, layout=args.layout)
     runs = ([(config, options)] if args.sweep is None else
             [with_capacity(config, options, args.sweep[0], size) for size in args.sweep[1]])
     for cfg, opts in runs:
@@ -137,7 +139,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--layers", type=int, default=None)
     g.add_argument("--kv-heads", type=int, default=None)
     g.add_argument("--head-size", type=int, default=None)
-    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None)
+    g.add_argument("--dtype", choices=sorted(ELEMENT_BYTES), default=None)
+    g.add_argument("--layout", default="packed-hnd",
+                   choices=sorted(n for n, lay in layouts().items()
+                                  if lay.kinds & ATTENTION_KINDS),
+                   help="device layout of the per-layer KV tensors (default packed-hnd)")
     p.add_argument("--prefill-us-per-token", type=float, default=DEFAULT_PREFILL_US_PER_TOKEN,
                    help="modeled prefill cost (default 32.5: Llama-3.1-8B on one H100 at 50%% "
                         "MFU; derivation in kvhal.integrations.harness.report)")

@@ -1,30 +1,36 @@
-"""Model geometry for a replay: how many KV bytes one token costs, and named presets.
+"""Model geometry of a replay: full-attention layers × KV heads × head size × dtype, TP 1.
 
-Only the byte size of a chunk matters to a replay (hit counts depend on capacities measured in
-chunks), so a geometry is full-attention layers × KV heads × head size × dtype, TP 1.
+Sizes and validation come from `kvhal.layout` (`attention_spec`, `ELEMENT_BYTES`); this module
+only adds named presets and maps layout errors onto the CLI flags. Hit counts depend on
+capacities in chunks, so the geometry matters through the chunk's byte size.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Bytes per element of the KV dtypes a replay accepts.
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1,
-               "float8_e5m2": 1}
+from kvhal.layout import KVCacheSpec, LayoutError, attention_spec, chunk_layout
+
+#: `kvhal.layout` field → the `kvhal replay` flag that sets it.
+_FLAGS = {"num_layers": "--layers", "num_kv_heads": "--kv-heads", "head_size": "--head-size",
+          "dtype": "--dtype"}
 
 
 class GeometryError(ValueError):
-    """A geometry option is invalid; the message names the option and the accepted values."""
+    """A geometry option is invalid; the message names the flag and the accepted values."""
 
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """Full-attention KV geometry at TP 1.
+    """Full-attention KV geometry at TP 1 (validated by `kvhal.layout` on construction).
 
     Attributes:
-        layers: Attention layers (one page per layer per chunk).
+        layers: Attention layers (one canonical page per layer per chunk).
         kv_heads: KV heads (total, TP 1).
         head_size: Elements per head.
-        dtype: Key of `DTYPE_BYTES`.
+        dtype: A key of `kvhal.layout.ELEMENT_BYTES`.
+
+    Raises:
+        GeometryError: an invalid value, named by its flag (e.g. "--head-size: ...").
     """
 
     layers: int
@@ -33,24 +39,24 @@ class Geometry:
     dtype: str
 
     def __post_init__(self) -> None:
-        for name in ("layers", "kv_heads", "head_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise GeometryError(f"--{name.replace('_', '-')}: must be a positive integer, "
-                                    f"got {v!r}")
-        if self.dtype not in DTYPE_BYTES:
-            raise GeometryError(f"--dtype: must be one of {', '.join(DTYPE_BYTES)}, "
-                                f"got {self.dtype!r}")
+        self.spec(1)
 
-    @property
-    def page_bytes_per_token(self) -> int:
-        """K and V bytes of one token in one layer."""
-        return 2 * self.kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+    def spec(self, block_size: int) -> KVCacheSpec:
+        """The one-group `KVCacheSpec` with `block_size`-token device blocks."""
+        try:
+            return attention_spec(num_layers=self.layers, num_kv_heads=self.kv_heads,
+                                  head_size=self.head_size, dtype=self.dtype,
+                                  block_size=block_size)
+        except LayoutError as exc:
+            message = str(exc)
+            for field, flag in _FLAGS.items():
+                message = message.replace(f"groups[0].{field}", flag)
+            raise GeometryError(message) from None
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V bytes of one token over all layers."""
-        return self.layers * self.page_bytes_per_token
+        """Canonical K and V bytes of one token over all layers."""
+        return chunk_layout(self.spec(1), 1).chunk_bytes
 
 
 #: Named geometries. `tiny` is 64 B/token (32 KiB per 512-token chunk), the issue-7 benchmark

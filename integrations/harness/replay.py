@@ -17,9 +17,11 @@ Per request, in trace order (one request at a time, as one engine step each):
    secondary tier.
 5. The request's device blocks are freed into the device pool's prefix cache.
 
-Chunk = the trace's block (512 tokens for Mooncake); a device block holds one chunk, all layers
-back to back (page l = layer l), moved with `BlockPlanner`. Partial last blocks are never
-stored nor hit (their tokens are always recomputed).
+Chunk = the trace's block (512 tokens for Mooncake) = one device block. The device KV pool is
+one device allocation cut into per-layer tensors of a `kvhal.layout` device layout (default
+packed-hnd, vLLM's GPU layout) at TP 1; the worker moves chunks with a `LayoutPlanner`, and the
+replay's own compute and verification copies use the same plans from a canonical staging
+buffer. Partial last blocks are never stored nor hit (their tokens are always recomputed).
 """
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvhal.config import ConfigError, EngineConfig, parse_config
-from kvhal.engine import BlockPlanner, Worker, build_manager, chunks_to_store, leading_hits
+from kvhal.engine import Direction, LayoutPlanner, Worker, build_manager, chunks_to_store, \
+    leading_hits
 from kvhal.hal import DeviceBackend, host_array
 from kvhal.host import HostRegion, host_geometry
 from kvhal.keys import ChunkKey, namespace_digest
+from kvhal.layout import CopyPlan, chunk_mapper, device_cache, get_layout, tensor_element_bytes
 from kvhal.plugins import select_backend
 from kvhal.tiers.base import Lookup
 
@@ -65,6 +69,7 @@ class ReplayOptions:
         prefill_us_per_token: Modeled prefill cost per prompt token, µs.
         time_scale: Request i starts `timestamp_ms × time_scale / 1000` s after the replay
             starts (1 = the trace's pace, 0 = as fast as possible).
+        layout: Device layout of the per-layer KV tensors (a `kvhal.layout` name).
     """
 
     geometry: Geometry
@@ -73,10 +78,11 @@ class ReplayOptions:
     backend: str = "cpu"
     prefill_us_per_token: float = DEFAULT_PREFILL_US_PER_TOKEN
     time_scale: float = 0.0
+    layout: str = "packed-hnd"
 
     @property
     def chunk_bytes(self) -> int:
-        """Canonical bytes of one chunk (all layers)."""
+        """Canonical bytes of one chunk (all layers; `kvhal.layout.chunk_layout`)."""
         return self.chunk_tokens * self.geometry.bytes_per_token
 
 
@@ -178,6 +184,46 @@ class _Timed:
         return timed
 
 
+@dataclass(frozen=True, slots=True)
+class _LayerTensor:
+    """One layer's KV tensor inside the replay's device allocation, described the way
+    `kvhal.layout.device_cache` reads vLLM's (C-contiguous) torch tensors."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    itemsize: int
+
+    def data_ptr(self) -> int:
+        """Address of element 0."""
+        return self.ptr
+
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return self.itemsize
+
+    def stride(self) -> tuple[int, ...]:
+        """C-contiguous strides, in elements."""
+        out, step = [], 1
+        for dim in reversed(self.shape):
+            out.append(step)
+            step *= dim
+        return tuple(reversed(out))
+
+
+def _issue(backend: DeviceBackend, plans: Sequence[CopyPlan], stream: Any) -> None:
+    """Issue the copies of `plans` on `stream`: every 2D copy, then one batch of the rest."""
+    if not plans:
+        return
+    for plan in plans:
+        for c in plan.copies_2d:
+            backend.copy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height,
+                                  stream)
+    sizes = np.concatenate([p.sizes for p in plans])
+    if len(sizes):
+        backend.copy_batch_async(np.concatenate([p.dsts for p in plans]),
+                                 np.concatenate([p.srcs for p in plans]), sizes, stream)
+
+
 class _Replayer:
     """One replay's live objects (see module docstring); `close` releases all of them."""
 
@@ -185,8 +231,11 @@ class _Replayer:
                  max_chunks: int):
         self.options = options
         self.backend = backend
-        self.chunk_bytes = options.chunk_bytes
-        self.page_bytes = options.chunk_tokens * options.geometry.page_bytes_per_token
+        spec = options.geometry.spec(options.chunk_tokens)
+        mapper = chunk_mapper(spec, options.layout, 1, 0, 1)
+        self.chunk_bytes = mapper.chunk.chunk_bytes
+        self.page_offsets = mapper.chunk.page_offsets
+        self.page_bytes = mapper.chunk.page_bytes
         num_blocks = options.device_bytes // self.chunk_bytes
         self.pool = DevicePool(num_blocks)
         self.namespace = replay_namespace(options)
@@ -194,6 +243,12 @@ class _Replayer:
         try:
             self.device = backend.alloc_device(num_blocks * self.chunk_bytes)
             self._closers.append(lambda: backend.free(self.device))
+            group = spec.groups[0]
+            shape = get_layout(options.layout).shape(group, group.num_kv_heads, num_blocks)
+            layer_bytes = num_blocks * mapper.device_block_bytes // spec.num_layers
+            tensors = [_LayerTensor(self.device.ptr + i * layer_bytes, shape,
+                                    tensor_element_bytes(group)) for i in range(spec.num_layers)]
+            self.planner = LayoutPlanner(mapper, device_cache(mapper, tensors))
             staging_bytes = max(max_chunks, 1) * self.chunk_bytes
             self.staging = backend.alloc_pinned(staging_bytes)
             self._closers.append(lambda: backend.free(self.staging))
@@ -209,8 +264,7 @@ class _Replayer:
                                                 self.namespace, emit_events=False),
                                   untimed=("drain", "close"))
             self._closers.append(self.manager.close)
-            planner = BlockPlanner(self.device.ptr, self.chunk_bytes, num_blocks)
-            self.worker = _Timed(Worker(backend, planner, host_ptr=self.region.ptr,
+            self.worker = _Timed(Worker(backend, self.planner, host_ptr=self.region.ptr,
                                         slot_bytes=geometry.slot_bytes),
                                  untimed=("wait", "close"))
             self._closers.append(self.worker.close)
@@ -227,20 +281,17 @@ class _Replayer:
             self._closers.pop()()
 
     # -- byte movement outside the engine (compute and verification) -------------------------
-    def _copy_blocks(self, blocks: Sequence[int], to_device: bool) -> None:
-        n = len(blocks)
-        dev = np.uint64(self.device.ptr) + np.asarray(blocks, dtype=np.uint64) * np.uint64(
-            self.chunk_bytes)
-        host = np.uint64(self.staging.ptr) + np.arange(n, dtype=np.uint64) * np.uint64(
-            self.chunk_bytes)
-        sizes = np.full(n, self.chunk_bytes, dtype=np.uint64)
-        dsts, srcs = (dev, host) if to_device else (host, dev)
-        self.backend.copy_batch_async(dsts, srcs, sizes, self.compute_stream)
+    def _copy_blocks(self, blocks: Sequence[int], direction: Direction) -> None:
+        """Move chunk i of the staging buffer to/from device block `blocks[i]` (layout plans)."""
+        base = self.staging.ptr
+        _issue(self.backend, [self.planner(np.array([b], dtype=np.int64),
+                                           base + i * self.chunk_bytes, direction)
+                              for i, b in enumerate(blocks)], self.compute_stream)
 
     def _chunk_pages(self, i: int) -> list[np.ndarray]:
         base = i * self.chunk_bytes
-        return [self.staging_array[base + p * self.page_bytes: base + (p + 1) * self.page_bytes]
-                for p in range(self.options.geometry.layers)]
+        return [self.staging_array[base + int(o): base + int(o) + int(n)]
+                for o, n in zip(self.page_offsets, self.page_bytes)]
 
     def compute(self, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> None:
         """Write the payload of `keys` into device `blocks`; records `self.computed` after."""
@@ -248,7 +299,7 @@ class _Replayer:
             seed = chunk_seed(key.to_bytes())
             for p, page in enumerate(self._chunk_pages(i)):
                 fill_page(page, seed, p)
-        self._copy_blocks(blocks, to_device=True)
+        self._copy_blocks(blocks, Direction.H2D)
         self.backend.record_event(self.computed, self.compute_stream)
 
     def verify(self, keys: Sequence[ChunkKey], blocks: Sequence[int], line: int,
@@ -258,7 +309,7 @@ class _Replayer:
         Raises:
             PayloadMismatchError: names the trace line, chunk, key and the level it came from.
         """
-        self._copy_blocks(blocks, to_device=False)
+        self._copy_blocks(blocks, Direction.D2H)
         self.backend.stream_synchronize(self.compute_stream)
         for i, key in enumerate(keys):
             seed = chunk_seed(key.to_bytes())

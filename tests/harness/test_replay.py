@@ -6,7 +6,7 @@ import pytest
 from kvhal.config import ConfigError
 from kvhal.integrations.harness import read_trace, reference_hits
 from kvhal.integrations.harness.device_pool import DevicePoolError
-from kvhal.integrations.harness.geometry import PRESETS
+from kvhal.integrations.harness.geometry import PRESETS, Geometry, GeometryError
 from kvhal.integrations.harness.payload import PayloadMismatchError
 from kvhal.integrations.harness.replay import ReplayOptions, run_replay
 
@@ -116,3 +116,26 @@ def test_time_scale_paces_requests(write_trace):
     path = write_trace([mooncake([1], ts=0), mooncake([2], ts=300)])
     report = replay(path, BIG_HOST, device_chunks=1, time_scale=1.0)
     assert report.wall_s >= 0.3
+
+
+@pytest.mark.parametrize("layout", ["packed-hnd", "packed-nhd", "split-nhd", "separate-kv",
+                                    "vllm-cpu"])
+def test_device_layouts_and_multi_layer_pages_verify(write_trace, layout):
+    geometry = Geometry(3, 2, 8, "bfloat16")  # 3 layers × 2 heads × (K+V) × 8 × 2 B = 192 B/token
+    path = write_trace([mooncake([1, 2]), mooncake([3, 4]), mooncake([1, 2])])
+    requests = read_trace(path)
+    options = ReplayOptions(geometry, device_bytes=2 * 512 * 192, layout=layout)
+    report = run_replay(requests, reference_hits(requests, CHUNK), BIG_HOST, options)
+    assert report.chunk_bytes == 512 * 192
+    assert report.hit_tokens == {"device": 0, "host": 2 * CHUNK}
+    assert report.verified_chunks == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0, 1, 16, "float16"), "--layers: must be a positive int, got 0"),
+    ((1, 1, -2, "float16"), "--head-size: must be a positive int, got -2"),
+    ((1, 1, 16, "int4"), "--dtype: unknown dtype 'int4'"),
+], ids=["layers", "head-size", "dtype"])
+def test_bad_geometry_names_the_flag(args, message):
+    with pytest.raises(GeometryError, match=message):
+        Geometry(*args)
