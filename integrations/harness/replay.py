@@ -473,6 +473,7 @@ def _replay_request(rep: _Replayer, req: TraceRequest, rid: int,
     c.verified += d + loaded
     _prefill_and_store(rep, req, keys, tail, d, loaded, c)
     rep.pool.release(hashes, blocks, len(hashes))
+    manager.take_events()  # a serving engine forwards KV events each step; a replay drops them
     return d + loaded, load_s
 
 

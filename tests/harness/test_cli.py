@@ -87,3 +87,18 @@ def test_bench_replay_reports_wall_time_and_engine_time(write_trace, tmp_path):
     assert figures["wall_vs_target"] == figures["wall_s"] / 300.0
     assert figures["chunks_moved"] == 4 and figures["verified_chunks"] == 2
     assert list(scratch.iterdir()) == []  # the fs tier's folder is removed
+
+
+def test_token_id_trace_replays_by_chunk_tokens(write_trace):
+    shared = list(range(40))
+    path = write_trace([{"prompt_token_ids": shared + [1000 + i for i in range(8)]},
+                        {"prompt_token_ids": [5000 + i for i in range(64)]},  # flushes device
+                        {"prompt_token_ids": shared + [7] * 30}])
+    out = kvhal("replay", str(path), "--chunk-tokens", "16", "--device-bytes", "4K", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    # 16-token chunks of 64 B/token: requests 1 and 3 share chunks 0 and 1 (tokens 0..31), and
+    # request 2 took all 4 device blocks in between, so the host serves them.
+    assert report["chunk_bytes"] == 16 * 64
+    assert report["hit_tokens"] == {"device": 0, "host": 32}
+    assert report["reference"]["hit_tokens"] == 32
