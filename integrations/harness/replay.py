@@ -273,7 +273,10 @@ class _Replayer:
             raise
         self.host_capacity_bytes = geometry.nbytes
         self.max_offload_tokens = cfg.max_offload_tokens
-        self.tier_names = [t.name for t in self.manager.tiers]
+        names = [t.name for t in self.manager.tiers]
+        #: Report level of each secondary tier: its type name, "name[i]" if the type repeats.
+        self.tier_names = [name if names.count(name) == 1 else f"{name}[{i}]"
+                           for i, name in enumerate(names)]
 
     def close(self) -> None:
         """Drain and release everything, newest first (tiers keep what they persisted)."""
@@ -352,7 +355,6 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
     inputs = np.zeros(n, dtype=np.int64)
     hits = np.zeros(n, dtype=np.int64)
     saved = np.zeros(n)
-    tier_stats_before: list[dict] = []
     t_start = time.perf_counter()
     try:
         tier_stats_before = [dict(t.stats()) for t in rep.manager.tiers]
@@ -390,13 +392,13 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
 def _traffic(rep: _Replayer, c: _Counters, before: list[dict]) -> dict[str, dict[str,
                                                                                   TierTraffic]]:
     out = {"host": {"d2h": TierTraffic(*c.d2h), "h2d": TierTraffic(*c.h2d)}}
-    for tier, old in zip(rep.manager.tiers, before):
+    for tier, name, old in zip(rep.manager.tiers, rep.tier_names, before):
         now = tier.stats()
         moved = {}
         for direction, stat in (("store", "bytes_stored"), ("load", "bytes_loaded")):
             nbytes = int(now.get(stat, 0)) - int(old.get(stat, 0))
             moved[direction] = TierTraffic(nbytes // rep.chunk_bytes, nbytes)
-        out[tier.name] = moved
+        out[name] = moved
     return out
 
 
@@ -422,9 +424,9 @@ def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
 
 def _tier_of(rep: _Replayer, key: ChunkKey) -> str:
     """The first secondary tier holding `key` ("host" if none: a store still in flight)."""
-    for tier in rep.manager.tiers:
+    for tier, name in zip(rep.manager.tiers, rep.tier_names):
         if tier.lookup(key) is Lookup.HIT:
-            return tier.name
+            return name
     return "host"
 
 

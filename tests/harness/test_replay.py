@@ -139,3 +139,13 @@ def test_device_layouts_and_multi_layer_pages_verify(write_trace, layout):
 def test_bad_geometry_names_the_flag(args, message):
     with pytest.raises(GeometryError, match=message):
         Geometry(*args)
+
+
+def test_two_tiers_of_one_type_are_reported_apart(write_trace):
+    path = write_trace([mooncake([i]) for i in (1, 2, 3, 1)])
+    config = {"cpu_bytes_to_use": 2 * CHUNK_BYTES, "secondary_tiers": [
+        {"type": "memory"}, {"type": "memory"}]}
+    report = replay(path, config, device_chunks=1)
+    # 1 left the host (capacity 2) when 3 was stored; both tiers hold it, the first one serves.
+    assert report.hit_tokens == {"device": 0, "host": 0, "memory[0]": CHUNK, "memory[1]": 0}
+    assert report.traffic["memory[1]"]["store"].chunks == 3
