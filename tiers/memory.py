@@ -17,14 +17,23 @@ from kvhal.keys import ChunkKey
 from .base import JobKind, JobResult, Lookup, SecondaryTier, TierError, TierJob
 
 DEFAULT_MAX_BYTES = 1 << 30
+#: Keys of a `secondary_tiers` entry this tier accepts ("type"/"module_path" are the loader's).
+_KEYS = ("max_bytes", "module_path", "type")
 
 
 class MemoryTier(SecondaryTier):
-    """In-memory LRU tier (see module docstring)."""
+    """In-memory LRU tier (see module docstring).
+
+    Raises:
+        TierError: an unknown config key or a `max_bytes` that is not a positive integer.
+    """
 
     name = "memory"
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes):
+        unknown = sorted(str(k) for k in config if k not in _KEYS)
+        if unknown:
+            raise TierError(f"{unknown[0]}: unknown key for the memory tier; accepted: max_bytes")
         max_bytes = config.get("max_bytes", DEFAULT_MAX_BYTES)
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
             raise TierError(f"max_bytes: must be a positive integer, got {max_bytes!r}")

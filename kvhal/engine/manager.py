@@ -158,13 +158,18 @@ class Manager:
         it and every later key are skipped (stored keys stay a contiguous prefix).
 
         Args:
-            keys: Chunk keys of one prefix, in order.
+            keys: Chunk keys of one prefix, in order. A key given more than once is stored
+                once, at its first position (`StorePlan.indices`).
 
         Returns:
             The plan, or None if nothing needs storing or nothing fits (no job is created).
         """
         index = self.slots.index
-        todo = [i for i, key in enumerate(keys) if key not in index]
+        todo, seen = [], set()
+        for i, key in enumerate(keys):
+            if key not in index and key not in seen:  # a repeated key is stored once
+                seen.add(key)
+                todo.append(i)
         if not todo:
             return None
         protect = frozenset(keys) if len(todo) > self.slots.num_free else frozenset()

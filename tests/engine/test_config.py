@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvhal import plugins
-from kvhal.config import ConfigError, parse_config
+from kvhal.config import ConfigError, build_tiers, parse_config
 from kvhal.tiers.base import Lookup
+from kvhal.tiers.memory import MemoryTier
 
 from .rig import chunk_blocks, make_rig, synthetic_keys
 
@@ -138,6 +139,62 @@ def test_module_path_without_the_tier_names_what_it_found(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.module_path: cannot import "
                                           "'no_such_module'"):
         make_rig(tiers=[{"type": "x", "module_path": "no_such_module"}])
+
+
+
+BROKEN_TIER_MODULES = {
+    "raises_at_import": "raise RuntimeError('no licence server')\n",
+    "bad_syntax": "def (:\n",
+    "register_fails": "def kvhal_register_tiers():\n    raise KeyError('x')\n",
+    "register_junk": "def kvhal_register_tiers():\n    return [1, 2]\nNOT_CALLABLE = 5\n",
+    "factory_bugs": ("def no_args():\n    pass\n"
+                     "def denied(config, host, namespace):\n"
+                     "    raise PermissionError(13, 'Permission denied')\n"),
+}
+
+
+@pytest.mark.parametrize("module_path,message", [
+    ("raises_at_import", r"secondary_tiers\[1\]\.module_path: cannot import 'raises_at_import': "
+                         "RuntimeError: no licence server$"),
+    ("bad_syntax", r"secondary_tiers\[1\]\.module_path: cannot import 'bad_syntax': SyntaxError"),
+    ("register_fails", r"secondary_tiers\[1\]\.module_path: register_fails\.kvhal_register_tiers"
+                       r"\(\) failed: KeyError: 'x'$"),
+    ("register_junk", r"secondary_tiers\[1\]\.module_path: 'register_junk' registers no tier of "
+                      r"type 'x' \(kvhal_register_tiers returned names \[None, None\]\)$"),
+    ("register_junk:NOT_CALLABLE", r"secondary_tiers\[1\]\.module_path: 'register_junk' has no "
+                                   "callable attribute 'NOT_CALLABLE'$"),
+    ("factory_bugs:no_args", r"secondary_tiers\[1\]: building the 'x' tier failed: TypeError: "),
+    ("factory_bugs:denied", r"secondary_tiers\[1\]: building the 'x' tier failed: "
+                            r"PermissionError: \[Errno 13\] Permission denied$"),
+    (":", r"secondary_tiers\[1\]\.module_path: cannot import '': ValueError"),
+    ("..relative", r"secondary_tiers\[1\]\.module_path: cannot import '\.\.relative': TypeError"),
+])
+def test_a_broken_module_path_is_a_config_error_and_closes_built_tiers(tmp_path, monkeypatch,
+                                                                        module_path, message):
+    for name, text in BROKEN_TIER_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    closed = []
+    monkeypatch.setattr(MemoryTier, "close", lambda self: closed.append(self))
+    cfg = parse_config({"cpu_bytes_to_use": 1, "secondary_tiers": [
+        {"type": "memory"}, {"type": "x", "module_path": module_path}]})
+    with pytest.raises(ConfigError, match=message):
+        build_tiers(cfg, memoryview(bytearray(64)), bytes(16))
+    assert len(closed) == 1
+
+
+@pytest.mark.parametrize("source,message", [
+    ("[" * 100_000, "<config>: not valid JSON: nested too deeply"),
+    ({"cpu_bytes_to_use": 1, "eviction_policy": ["lru"]},
+     "eviction_policy: ['lru'] is not a registered cache policy; registered: lru, arc"),
+    ({"cpu_bytes_to_use": 1, 7: "x", "z": 0}, "7: unknown key; accepted: spec_name"),
+    ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "memory", "max_byte": 5}]},
+     "secondary_tiers[0].max_byte: unknown key for the memory tier; accepted: max_bytes"),
+])
+def test_garbage_values_are_config_errors(source, message):
+    with pytest.raises(ConfigError) as err:
+        build_tiers(parse_config(source), memoryview(bytearray(64)), bytes(16))
+    assert str(err.value).startswith(message)
 
 
 THROWAWAY_POLICY = '''

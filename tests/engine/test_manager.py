@@ -55,6 +55,21 @@ def test_prepare_store_skips_slots_with_readers_or_writers(rig):
     rig.manager.complete_store(writer.job_id)
 
 
+
+def test_a_key_repeated_in_one_store_batch_takes_one_slot(rig):
+    a, b = synthetic_keys(2)
+    plan = rig.manager.prepare_store([a, a, b])
+    assert plan.keys == (a, b) and plan.indices.tolist() == [0, 2]
+    rig.manager.complete_store(plan.job_id, 1)                    # b failed
+
+    assert rig.manager.stats()["resident"] == 1 and rig.manager.slots.num_free == 3
+    assert rig.manager.lookup([a, b]) == [HIT, MISS]
+    churn = synthetic_keys(8, tag=1)
+    for key in churn:                                             # evicts a, never raises
+        rig.manager.complete_store(rig.manager.prepare_store([key]).job_id)
+    assert rig.manager.stats()["resident"] == 4 and rig.manager.slots.num_free == 0
+
+
 def test_eviction_defers_while_a_reader_holds_the_slot_and_the_reader_gets_its_bytes():
     rig = make_rig(capacity=2, blocks_per_chunk=2, block_bytes=4096, num_blocks=16,
                    chaos_seed=11)
