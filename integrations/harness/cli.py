@@ -10,8 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvhal.layout import ATTENTION_KINDS, ELEMENT_BYTES
-from kvhal.plugins import layouts
+from kvhal.layout import ELEMENT_BYTES
 from kvhal.report import progress
 
 from .geometry import PRESETS, Geometry, preset
@@ -141,9 +140,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--head-size", type=int, default=None)
     g.add_argument("--dtype", choices=sorted(ELEMENT_BYTES), default=None)
     g.add_argument("--layout", default="packed-hnd",
-                   choices=sorted(n for n, lay in layouts().items()
-                                  if lay.kinds & ATTENTION_KINDS),
-                   help="device layout of the per-layer KV tensors (default packed-hnd)")
+                   help="device layout of the per-layer KV tensors, a registered attention "
+                        "layout (packed-hnd default, packed-nhd, split-nhd, split-hnd, "
+                        "separate-kv, vllm-cpu, or a plugin's)")
     p.add_argument("--prefill-us-per-token", type=float, default=DEFAULT_PREFILL_US_PER_TOKEN,
                    help="modeled prefill cost (default 32.5: Llama-3.1-8B on one H100 at 50%% "
                         "MFU; derivation in kvhal.integrations.harness.report)")

@@ -38,7 +38,8 @@ from kvhal.engine import Direction, LayoutPlanner, Worker, build_manager, chunks
 from kvhal.hal import DeviceBackend, host_array
 from kvhal.host import HostRegion, host_geometry
 from kvhal.keys import ChunkKey, namespace_digest
-from kvhal.layout import CopyPlan, chunk_mapper, device_cache, get_layout, tensor_element_bytes
+from kvhal.layout import (CopyPlan, LayoutError, chunk_mapper, device_cache, get_layout,
+                          tensor_element_bytes)
 from kvhal.plugins import select_backend
 from kvhal.tiers.base import Lookup
 
@@ -133,6 +134,7 @@ def check_replay(requests: Sequence[TraceRequest], config: dict[str, Any],
 
     Raises:
         ConfigError: invalid config, or a chunk other than the trace's block (names the key).
+        LayoutError: `options.layout` is unknown or cannot store the geometry ("--layout: ...").
         DevicePoolError: a request has more full chunks than `options.device_bytes` holds.
     """
     cfg = parse_config(config)
@@ -140,6 +142,10 @@ def check_replay(requests: Sequence[TraceRequest], config: dict[str, Any],
         key = "block_size" if cfg.block_size is not None else "blocks_per_chunk"
         raise ConfigError(key, f"a replay's chunk is the trace's block ({options.chunk_tokens} "
                           "tokens): use block_size equal to it or blocks_per_chunk 1")
+    try:
+        chunk_mapper(options.geometry.spec(options.chunk_tokens), options.layout, 1, 0, 1)
+    except LayoutError as exc:
+        raise LayoutError(f"--layout: {exc}", field="layout") from None
     max_chunks = max((len(r.chunk_hashes) for r in requests), default=0)
     num_blocks = options.device_bytes // options.chunk_bytes
     if max_chunks > num_blocks or num_blocks == 0:

@@ -102,3 +102,10 @@ def test_token_id_trace_replays_by_chunk_tokens(write_trace):
     assert report["chunk_bytes"] == 16 * 64
     assert report["hit_tokens"] == {"device": 0, "host": 32}
     assert report["reference"]["hit_tokens"] == 32
+
+
+def test_unknown_layout_is_refused_in_one_line(write_trace):
+    out = kvhal("replay", str(write_trace(TRACE)), "--layout", "nope")
+    assert out.returncode == 1
+    assert out.stderr.startswith("kvhal replay: error: --layout: layout: unknown layout 'nope'; "
+                                 "registered: packed-hnd")
