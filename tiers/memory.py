@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
 
-from .base import JobKind, JobResult, Lookup, SecondaryTier, TierError, TierJob
+from .base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
 
 DEFAULT_MAX_BYTES = 1 << 30
 #: Keys of a `secondary_tiers` entry this tier accepts ("type"/"module_path" are the loader's).
@@ -55,6 +55,8 @@ class MemoryTier(SecondaryTier):
         """Copy the slot's bytes in; evict least recently used chunks to fit."""
         t0 = time.perf_counter()
         with self._lock:
+            if (problem := job_problem(job, len(self._host), self._namespace)) is not None:
+                return self._finish(job, t0, problem)
             if job.nbytes > self.max_bytes:
                 return self._finish(job, t0, "chunk larger than max_bytes")
             if job.key in self._data:
@@ -73,6 +75,8 @@ class MemoryTier(SecondaryTier):
         """Copy the chunk into the slot, or fail if absent or of another size."""
         t0 = time.perf_counter()
         with self._lock:
+            if (problem := job_problem(job, len(self._host), self._namespace)) is not None:
+                return self._finish(job, t0, problem)
             data = self._data.get(job.key)
             if data is None:
                 return self._finish(job, t0, "not found")

@@ -292,24 +292,6 @@ def test_enospc_fails_the_store_evicts_and_serving_continues(tmp_path):
         tier.close()
 
 
-@pytest.mark.parametrize("offset,nbytes", [(-1, 10), (0, 0), ((8 << 20) - 5, 10)])
-def test_job_outside_the_host_region_fails_without_raising(tmp_path, region, offset, nbytes):
-    tier = _open(tmp_path, region[0])
-    results = [store(tier, chunk_key(NAMESPACE, 1), offset, nbytes, job_id=1),
-               load(tier, chunk_key(NAMESPACE, 1), offset, nbytes, job_id=2)]
-    tier.close()
-    assert [(r.ok, r.error) for r in results] == [
-        (False, f"slot [{offset}, {offset + nbytes}) outside the host region of "
-                f"{8 << 20} bytes")] * 2
-
-
-def test_key_of_another_namespace_is_refused(tmp_path, region):
-    tier = _open(tmp_path, region[0])
-    result = store(tier, chunk_key(OTHER_NAMESPACE, 1), 0, 4096)
-    tier.close()
-    assert (result.ok, result.error) == (False, "key namespace differs from the tier's namespace")
-
-
 def test_jobs_after_close_fail_once_and_close_is_idempotent(tmp_path, region):
     tier = _open(tmp_path, region[0])
     tier.close()

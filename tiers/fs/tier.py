@@ -28,7 +28,7 @@ import numpy as np
 
 from kvhal.keys import ChunkKey
 
-from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob
+from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
 from .config import parse_config
 from .fileio import (CorruptChunk, Scratch, SizeMismatch, fsync_dir, probe_o_direct,
                      quarantine_file, read_chunk, write_chunk)
@@ -234,12 +234,7 @@ class FsTier(SecondaryTier):
             self._stats[f"{job.kind.value}_failed"] += 1
 
     def _check_job(self, job: TierJob) -> str | None:
-        if job.key.namespace != self.namespace:
-            return "key namespace differs from the tier's namespace"
-        if job.offset < 0 or job.nbytes <= 0 or job.offset + job.nbytes > len(self._host):
-            return (f"slot [{job.offset}, {job.offset + job.nbytes}) outside the host region "
-                    f"of {len(self._host)} bytes")
-        return None
+        return job_problem(job, len(self._host), self.namespace)
 
     def _direct(self, job: TierJob) -> bool:
         return self.o_direct and (self._host_addr + job.offset) % ALIGN == 0
