@@ -13,6 +13,7 @@ import sys
 COMMAND_MODULES = (
     "kvhal.doctor",
     "kvhal.bench",
+    "kvhal.integrations.harness.cli",
     "kvhal.fsck",
     "kvhal.layout_cli",
 )

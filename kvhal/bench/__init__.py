@@ -14,6 +14,7 @@ BENCH_MODULES = (
     "kvhal.bench.layout",
     "kvhal.bench.copy_kernel",
     "kvhal.bench.engine",
+    "kvhal.integrations.harness.bench",
 )
 
 

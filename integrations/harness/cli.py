@@ -1,0 +1,159 @@
+"""`kvhal replay TRACE`: replay a trace through the real engine and tiers, report hits by tier.
+
+See `kvhal replay --help`; the engine run itself is `replay.run_replay`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from kvhal.layout import ELEMENT_BYTES
+from kvhal.report import progress
+
+from .geometry import PRESETS, Geometry, preset
+from .plot import plot_sweep, plot_timeline
+from .reference import reference_hits
+from .replay import DEFAULT_CONFIG, ReplayOptions, check_replay, run_replay, with_capacity
+from .report import DEFAULT_PREFILL_US_PER_TOKEN, print_report, print_sweep
+from .trace import FORMATS, MOONCAKE_BLOCK_TOKENS, read_trace
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte size: "512", "32K", "1.5G", "2GiB" (binary units).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size, or not positive.
+    """
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512M, 2G, 1.5GiB)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
+    return value
+
+
+def parse_sweep(text: str) -> tuple[str, list[int]]:
+    """`LEVEL=SIZE,SIZE,...` (LEVEL: device, host, or a secondary tier type) → (level, sizes)."""
+    level, sep, sizes = text.partition("=")
+    if not sep or not level or not sizes:
+        raise argparse.ArgumentTypeError(f"--sweep must look like host=1G,2G,4G, got {text!r}")
+    return level.strip(), [parse_bytes(s) for s in sizes.split(",")]
+
+
+def load_config(text: str | None) -> dict[str, Any]:
+    """The engine config: inline JSON (starting with "{"), a path to a JSON file, or None for
+    `DEFAULT_CONFIG`.
+
+    Raises:
+        ValueError: unreadable file or invalid JSON (names the source).
+    """
+    if text is None:
+        return dict(DEFAULT_CONFIG)
+    source = "--config"
+    if not text.lstrip().startswith("{"):
+        source = text
+        text = Path(text).read_text()
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                         f"{exc.colno})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{source}: must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _geometry(args: argparse.Namespace) -> Geometry:
+    explicit = [n for n in ("layers", "kv_heads", "head_size", "dtype")
+                if getattr(args, n) is not None]
+    if args.preset and explicit:
+        raise ValueError(f"--preset and --{explicit[0].replace('_', '-')} exclude each other")
+    if explicit:
+        base = PRESETS["tiny"]
+        return Geometry(args.layers or base.layers, args.kv_heads or base.kv_heads,
+                        args.head_size or base.head_size, args.dtype or base.dtype)
+    return preset(args.preset or "tiny")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read the trace, replay it (once, or once per swept capacity), print and plot."""
+    chunk_tokens = args.chunk_tokens
+    requests = read_trace(args.trace, fmt=args.format, chunk_tokens=chunk_tokens,
+                          limit=args.limit)
+    reference = reference_hits(requests, chunk_tokens)
+    config = load_config(args.config)
+    options = ReplayOptions(geometry=_geometry(args), chunk_tokens=chunk_tokens,
+                            device_bytes=args.device_bytes, backend=args.backend,
+                            prefill_us_per_token=args.prefill_us_per_token,
+                            time_scale=args.time_scale, layout=args.layout)
+    runs = ([(config, options)] if args.sweep is None else
+            [with_capacity(config, options, args.sweep[0], size) for size in args.sweep[1]])
+    for cfg, opts in runs:
+        check_replay(requests, cfg, opts)
+    reports = []
+    with progress(disable=args.json) as bar:
+        for i, (cfg, opts) in enumerate(runs):
+            task = bar.add_task(f"replay {i + 1}/{len(runs)}", total=len(requests))
+            reports.append(run_replay(requests, reference, cfg, opts, str(args.trace),
+                                      on_request=lambda: bar.advance(task)))
+            bar.remove_task(task)
+    if args.sweep is None:
+        print_report(reports[0], args.json)
+        if args.plot:
+            t = reports[0].timeline
+            plot_timeline(args.plot, t.time_s, t.input_tokens, t.hit_tokens, t.ttft_saved_s,
+                          f"kvhal replay — {Path(args.trace).name}")
+    else:
+        what = args.sweep[0]
+        print_sweep(what, reports, args.json)
+        if args.plot:
+            plot_sweep(args.plot, what, args.sweep[1], [r.hit_ratio for r in reports],
+                       reference.hit_ratio, f"kvhal replay — {Path(args.trace).name}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `kvhal replay`."""
+    p = sub.add_parser("replay", help="replay a request trace through the real engine and tiers",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("trace", type=Path, help="Mooncake JSONL or token-id JSONL trace")
+    p.add_argument("--format", choices=FORMATS, default="auto", help="trace format")
+    p.add_argument("--chunk-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
+                   help="tokens per chunk of a token-id trace (Mooncake: 512, fixed)")
+    p.add_argument("--config", default=None,
+                   help="engine config: JSON text or a JSON file (default: "
+                        f"{json.dumps(DEFAULT_CONFIG)})")
+    p.add_argument("--device-bytes", type=parse_bytes, default=parse_bytes("1G"),
+                   help="device KV pool standing in for accelerator memory (default 1G)")
+    p.add_argument("--backend", default="cpu", help="device HAL backend (default cpu)")
+    g = p.add_argument_group("model geometry (default: --preset tiny, 64 B/token)")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    g.add_argument("--layers", type=int, default=None)
+    g.add_argument("--kv-heads", type=int, default=None)
+    g.add_argument("--head-size", type=int, default=None)
+    g.add_argument("--dtype", choices=sorted(ELEMENT_BYTES), default=None)
+    g.add_argument("--layout", default="packed-hnd",
+                   help="device layout of the per-layer KV tensors, a registered attention "
+                        "layout (packed-hnd default, packed-nhd, split-nhd, split-hnd, "
+                        "separate-kv, vllm-cpu, or a plugin's)")
+    p.add_argument("--prefill-us-per-token", type=float, default=DEFAULT_PREFILL_US_PER_TOKEN,
+                   help="modeled prefill cost (default 32.5: Llama-3.1-8B on one H100 at 50%% "
+                        "MFU; derivation in kvhal.integrations.harness.report)")
+    p.add_argument("--time-scale", type=float, default=0.0,
+                   help="replay on the trace's timestamps multiplied by this (1 = the "
+                        "trace's pace, 0 = as fast as possible, default)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--sweep", type=parse_sweep, default=None,
+                   help="replay once per capacity, e.g. host=1G,2G,4G (device, host or a "
+                        "secondary tier type)")
+    p.add_argument("--plot", default=None, help="write a PNG: hit ratio and TTFT saved over "
+                                                "time (or hit ratio vs capacity with --sweep)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)

@@ -1,0 +1,71 @@
+"""Plots of a replay (`--plot`) and of a capacity sweep (`--sweep`), drawn with matplotlib.
+
+matplotlib is the optional extra `plot` (`pip install -e '.[plot]'`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'kvhal[plot]'") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_timeline(path: str | os.PathLike, time_s: np.ndarray, input_tokens: np.ndarray,
+                  hit_tokens: np.ndarray, ttft_saved_s: np.ndarray, title: str) -> None:
+    """Draw cumulative hit ratio and cumulative modeled TTFT saved over the trace timeline.
+
+    Args:
+        path: Output image (format from the suffix, e.g. .png).
+        time_s: float64, shape (n,), each request's trace timestamp in seconds.
+        input_tokens, hit_tokens: int64, shape (n,), per request.
+        ttft_saved_s: float64, shape (n,), modeled TTFT saved per request, seconds.
+        title: Figure title.
+    """
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    ratio = np.cumsum(hit_tokens) / np.maximum(np.cumsum(input_tokens), 1)
+    ax1.plot(time_s, ratio)
+    ax1.set_ylabel("cumulative hit ratio")
+    ax1.set_ylim(0, 1)
+    ax1.grid(True, alpha=0.3)
+    ax2.plot(time_s, np.cumsum(ttft_saved_s))
+    ax2.set_ylabel("cumulative TTFT saved (s)")
+    ax2.set_xlabel("trace time (s)")
+    ax2.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_sweep(path: str | os.PathLike, what: str, capacities: Sequence[int],
+               hit_ratios: Sequence[float], reference_ratio: float, title: str) -> None:
+    """Draw hit ratio against the capacity of `what` (e.g. "host"), with the unlimited-capacity
+    reference as a dashed line. Capacities are bytes, plotted in GiB on a log2 axis (sweeps
+    usually double)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gib = np.asarray(capacities, dtype=np.float64) / (1 << 30)
+    ax.plot(gib, hit_ratios, marker="o", label="replay")
+    ax.set_xscale("log", base=2)
+    ax.axhline(reference_ratio, linestyle="--", color="gray",
+               label=f"unlimited capacity ({reference_ratio:.4f})")
+    ax.set_xlabel(f"{what} capacity (GiB)")
+    ax.set_ylabel("hit ratio (hit tokens / input tokens)")
+    ax.set_ylim(0, 1)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,506 @@
+"""The replay: trace requests through the real manager, worker, HAL and tiers, with real bytes.
+
+Per request, in trace order (one request at a time, as one engine step each):
+
+1. Device hits: the longest prefix of its full chunks cached in the device pool (`DevicePool`,
+   vLLM's GPU prefix cache).
+2. Tier hits: `Manager.lookup` over the rest; RETRY (a secondary tier promoting a chunk into a
+   host slot) is polled until it resolves. Leading HITs are loaded H2D by the `Worker` into
+   fresh device blocks; a HIT answered at once is a host hit, one that needed a promotion is a
+   hit of the secondary tier that holds it.
+3. Every hit chunk (device or loaded) is copied D2H into a staging buffer and verified byte for
+   byte against the payload its key generates (`payload`); a mismatch raises
+   `PayloadMismatchError` — the run is invalid.
+4. "Prefill": the missed chunks' payloads are written into their device blocks (H2D from a
+   staging buffer on a compute stream), then stored D2H through `Manager.prepare_store` /
+   `Worker.submit_store(after=compute event)` / `complete_store`, which cascades them to every
+   secondary tier.
+5. The request's device blocks are freed into the device pool's prefix cache.
+
+Chunk = the trace's block (512 tokens for Mooncake) = one device block. The device KV pool is
+one device allocation cut into per-layer tensors of a `kvhal.layout` device layout (default
+packed-hnd, vLLM's GPU layout) at TP 1; the worker moves chunks with a `LayoutPlanner`, and the
+replay's own compute and verification copies use the same plans from a canonical staging
+buffer. Partial last blocks are never stored nor hit (their tokens are always recomputed).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvhal.config import ConfigError, EngineConfig, parse_config
+from kvhal.engine import Direction, LayoutPlanner, Worker, build_manager, chunks_to_store, \
+    leading_hits
+from kvhal.hal import DeviceBackend, host_array
+from kvhal.host import HostRegion, host_geometry
+from kvhal.keys import ChunkKey, namespace_digest
+from kvhal.layout import (CopyPlan, LayoutError, chunk_mapper, device_cache, get_layout,
+                          tensor_element_bytes)
+from kvhal.plugins import select_backend
+from kvhal.tiers.base import Lookup
+
+from .device_pool import DevicePool, DevicePoolError
+from .geometry import Geometry
+from .payload import PayloadMismatchError, chunk_seed, fill_page, page_matches
+from .reference import ReferenceResult
+from .report import DEFAULT_PREFILL_US_PER_TOKEN, ReplayReport, TierTraffic, Timeline
+from .trace import HASH_NAME, HASH_SEED, TraceRequest
+
+#: Engine config used when none is given: a 2 GiB host tier, LRU, no secondary tier.
+DEFAULT_CONFIG: dict[str, Any] = {"cpu_bytes_to_use": 2 << 30, "eviction_policy": "lru"}
+#: Canonical page format of the chunks (TP 1, one contiguous page per layer).
+FORMAT_ID = "kvhal-hnd-v1"
+#: Seconds between polls while a secondary tier promotes a chunk (RETRY).
+_RETRY_POLL_S = 50e-6
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    """How to replay, besides the engine config.
+
+    Attributes:
+        geometry: KV bytes per token (chunk bytes = chunk_tokens × geometry.bytes_per_token).
+        chunk_tokens: Tokens per chunk (the trace's block).
+        device_bytes: Bytes of the device KV pool (whole chunks; the rest is unused).
+        backend: Device HAL backend name.
+        prefill_us_per_token: Modeled prefill cost per prompt token, µs.
+        time_scale: Request i starts `timestamp_ms × time_scale / 1000` s after the replay
+            starts (1 = the trace's pace, 0 = as fast as possible).
+        layout: Device layout of the per-layer KV tensors (a `kvhal.layout` name).
+    """
+
+    geometry: Geometry
+    chunk_tokens: int = 512
+    device_bytes: int = 1 << 30
+    backend: str = "cpu"
+    prefill_us_per_token: float = DEFAULT_PREFILL_US_PER_TOKEN
+    time_scale: float = 0.0
+    layout: str = "packed-hnd"
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Canonical bytes of one chunk (all layers; `kvhal.layout.chunk_layout`)."""
+        return self.chunk_tokens * self.geometry.bytes_per_token
+
+
+def with_capacity(config: dict[str, Any], options: ReplayOptions, level: str,
+                  nbytes: int) -> tuple[dict[str, Any], ReplayOptions]:
+    """The config and options of one sweep run: `level`'s capacity set to `nbytes`.
+
+    `level` is "device" (`device_bytes`), "host" (`cpu_bytes_to_use`) or a secondary tier type
+    (its `max_bytes`). Every tier with a `root_dir` gets a fresh subdirectory per capacity, so
+    sweep runs never see each other's chunks.
+
+    Raises:
+        ConfigError: `level` names no tier of the config (path "--sweep").
+    """
+    tiers = [dict(t) for t in config.get("secondary_tiers", [])]
+    for t in tiers:
+        if "root_dir" in t:
+            t["root_dir"] = os.path.join(t["root_dir"], f"sweep-{level}-{nbytes}")
+    config = dict(config, secondary_tiers=tiers) if tiers else dict(config)
+    if level == "device":
+        return config, replace(options, device_bytes=nbytes)
+    if level == "host":
+        return dict(config, cpu_bytes_to_use=nbytes), options
+    matching = [t for t in tiers if t.get("type") == level]
+    if not matching:
+        raise ConfigError("--sweep", f"{level!r} is neither device, host nor a secondary tier "
+                          f"type of the config ({', '.join(t.get('type', '?') for t in tiers)})")
+    matching[0]["max_bytes"] = nbytes
+    return config, options
+
+
+def replay_namespace(options: ReplayOptions) -> bytes:
+    """The namespace digest of replay chunks with this geometry and chunking (stable across
+    runs, so a persistent tier is reused by the next replay of the same geometry)."""
+    g = options.geometry
+    return namespace_digest(model=f"kvhal-replay/{g.layers}x{g.kv_heads}x{g.head_size}",
+                            revision="payload-v1", kv_dtype=g.dtype, format_id=FORMAT_ID,
+                            tokens_per_chunk=options.chunk_tokens, hash_name=HASH_NAME,
+                            hash_seed=HASH_SEED)
+
+
+def check_replay(requests: Sequence[TraceRequest], config: dict[str, Any],
+                 options: ReplayOptions) -> EngineConfig:
+    """Validate a replay before anything is allocated.
+
+    Returns:
+        The parsed engine config.
+
+    Raises:
+        ConfigError: invalid config, or a chunk other than the trace's block (names the key).
+        LayoutError: `options.layout` is unknown or cannot store the geometry ("--layout: ...").
+        DevicePoolError: a request has more full chunks than `options.device_bytes` holds.
+    """
+    cfg = parse_config(config)
+    if cfg.blocks_per_chunk_for(options.chunk_tokens) != 1:
+        key = "block_size" if cfg.block_size is not None else "blocks_per_chunk"
+        raise ConfigError(key, f"a replay's chunk is the trace's block ({options.chunk_tokens} "
+                          "tokens): use block_size equal to it or blocks_per_chunk 1")
+    try:
+        chunk_mapper(options.geometry.spec(options.chunk_tokens), options.layout, 1, 0, 1)
+    except LayoutError as exc:
+        raise LayoutError(f"--layout: {exc}", field="layout") from None
+    max_chunks = max((len(r.chunk_hashes) for r in requests), default=0)
+    num_blocks = options.device_bytes // options.chunk_bytes
+    if max_chunks > num_blocks or num_blocks == 0:
+        raise DevicePoolError(f"--device-bytes: {options.device_bytes} bytes hold "
+                              f"{num_blocks} chunks of {options.chunk_bytes} bytes, but a "
+                              f"request has {max_chunks} full chunks")
+    return cfg
+
+
+class _Counters:
+    """Mutable totals of one replay."""
+
+    def __init__(self, levels: Sequence[str]):
+        self.hits = {level: 0 for level in levels}
+        self.d2h = [0, 0]   # chunks, bytes
+        self.h2d = [0, 0]
+        self.load_s = 0.0
+        self.verified = 0
+
+
+class _Timed:
+    """Proxy that adds the wall time of each method call on `target` to `seconds`, except the
+    `untimed` methods (those that block on I/O)."""
+
+    def __init__(self, target: Any, untimed: tuple[str, ...]):
+        self._target = target
+        self._untimed = untimed
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if name in self._untimed or not callable(attr):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerTensor:
+    """One layer's KV tensor inside the replay's device allocation, described the way
+    `kvhal.layout.device_cache` reads vLLM's (C-contiguous) torch tensors."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    itemsize: int
+
+    def data_ptr(self) -> int:
+        """Address of element 0."""
+        return self.ptr
+
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return self.itemsize
+
+    def stride(self) -> tuple[int, ...]:
+        """C-contiguous strides, in elements."""
+        out, step = [], 1
+        for dim in reversed(self.shape):
+            out.append(step)
+            step *= dim
+        return tuple(reversed(out))
+
+
+def _issue(backend: DeviceBackend, plans: Sequence[CopyPlan], stream: Any) -> None:
+    """Issue the copies of `plans` on `stream`: every 2D copy, then one batch of the rest."""
+    if not plans:
+        return
+    for plan in plans:
+        for c in plan.copies_2d:
+            backend.copy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height,
+                                  stream)
+    sizes = np.concatenate([p.sizes for p in plans])
+    if len(sizes):
+        backend.copy_batch_async(np.concatenate([p.dsts for p in plans]),
+                                 np.concatenate([p.srcs for p in plans]), sizes, stream)
+
+
+class _Replayer:
+    """One replay's live objects (see module docstring); `close` releases all of them."""
+
+    def __init__(self, cfg: EngineConfig, options: ReplayOptions, backend: DeviceBackend,
+                 max_chunks: int):
+        self.options = options
+        self.backend = backend
+        spec = options.geometry.spec(options.chunk_tokens)
+        mapper = chunk_mapper(spec, options.layout, 1, 0, 1)
+        self.chunk_bytes = mapper.chunk.chunk_bytes
+        self.page_offsets = mapper.chunk.page_offsets
+        self.page_bytes = mapper.chunk.page_bytes
+        num_blocks = options.device_bytes // self.chunk_bytes
+        self.pool = DevicePool(num_blocks)
+        self.namespace = replay_namespace(options)
+        self._closers: list[Callable[[], None]] = []
+        try:
+            self.device = backend.alloc_device(num_blocks * self.chunk_bytes)
+            self._closers.append(lambda: backend.free(self.device))
+            group = spec.groups[0]
+            shape = get_layout(options.layout).shape(group, group.num_kv_heads, num_blocks)
+            layer_bytes = num_blocks * mapper.device_block_bytes // spec.num_layers
+            tensors = [_LayerTensor(self.device.ptr + i * layer_bytes, shape,
+                                    tensor_element_bytes(group)) for i in range(spec.num_layers)]
+            self.planner = LayoutPlanner(mapper, device_cache(mapper, tensors))
+            staging_bytes = max(max_chunks, 1) * self.chunk_bytes
+            self.staging = backend.alloc_pinned(staging_bytes)
+            self._closers.append(lambda: backend.free(self.staging))
+            self.staging_array = host_array(self.staging)
+            self.compute_stream = backend.create_stream()
+            self._closers.append(lambda: backend.destroy_stream(self.compute_stream))
+            self.computed = backend.create_event()
+            self._closers.append(lambda: backend.destroy_event(self.computed))
+            geometry = host_geometry(self.chunk_bytes, cfg.cpu_bytes_to_use)
+            self.region = HostRegion.allocate(backend, geometry)
+            self._closers.append(self.region.close)
+            self.manager = _Timed(build_manager(cfg, geometry, self.region.view,
+                                                self.namespace, emit_events=False),
+                                  untimed=("drain", "close"))
+            self._closers.append(self.manager.close)
+            self.worker = _Timed(Worker(backend, self.planner, host_ptr=self.region.ptr,
+                                        slot_bytes=geometry.slot_bytes),
+                                 untimed=("wait", "close"))
+            self._closers.append(self.worker.close)
+        except BaseException:
+            self.close()
+            raise
+        self.host_capacity_bytes = geometry.nbytes
+        self.max_offload_tokens = cfg.max_offload_tokens
+        names = [t.name for t in self.manager.tiers]
+        #: Report level of each secondary tier: its type name, "name[i]" if the type repeats.
+        self.tier_names = [name if names.count(name) == 1 else f"{name}[{i}]"
+                           for i, name in enumerate(names)]
+
+    def close(self) -> None:
+        """Drain and release everything, newest first (tiers keep what they persisted)."""
+        while self._closers:
+            self._closers.pop()()
+
+    # -- byte movement outside the engine (compute and verification) -------------------------
+    def _copy_blocks(self, blocks: Sequence[int], direction: Direction) -> None:
+        """Move chunk i of the staging buffer to/from device block `blocks[i]` (layout plans)."""
+        base = self.staging.ptr
+        _issue(self.backend, [self.planner(np.array([b], dtype=np.int64),
+                                           base + i * self.chunk_bytes, direction)
+                              for i, b in enumerate(blocks)], self.compute_stream)
+
+    def _chunk_pages(self, i: int) -> list[np.ndarray]:
+        base = i * self.chunk_bytes
+        return [self.staging_array[base + int(o): base + int(o) + int(n)]
+                for o, n in zip(self.page_offsets, self.page_bytes)]
+
+    def compute(self, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> None:
+        """Write the payload of `keys` into device `blocks`; records `self.computed` after."""
+        for i, key in enumerate(keys):
+            seed = chunk_seed(key.to_bytes())
+            for p, page in enumerate(self._chunk_pages(i)):
+                fill_page(page, seed, p)
+        self._copy_blocks(blocks, Direction.H2D)
+        self.backend.record_event(self.computed, self.compute_stream)
+
+    def verify(self, keys: Sequence[ChunkKey], blocks: Sequence[int], line: int,
+               level: Sequence[str]) -> None:
+        """Copy device `blocks` back and check each holds its key's payload.
+
+        Raises:
+            PayloadMismatchError: names the trace line, chunk, key and the level it came from.
+        """
+        self._copy_blocks(blocks, Direction.D2H)
+        self.backend.stream_synchronize(self.compute_stream)
+        for i, key in enumerate(keys):
+            seed = chunk_seed(key.to_bytes())
+            for p, page in enumerate(self._chunk_pages(i)):
+                if not page_matches(page, seed, p):
+                    raise PayloadMismatchError(
+                        f"trace line {line}: chunk {i} ({key.hex()}) from {level[i]} holds "
+                        f"wrong bytes in page {p} (device block {blocks[i]})")
+
+
+def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
+               config: dict[str, Any], options: ReplayOptions, trace: str = "",
+               on_request: Callable[[], None] | None = None) -> ReplayReport:
+    """Replay `requests` through a fresh engine (see module docstring) and report.
+
+    Args:
+        requests: From `read_trace`, in order.
+        reference: `reference_hits(requests, options.chunk_tokens)` (reported alongside).
+        config: Engine config (DESIGN §7 JSON object); its chunk must be the trace's block.
+        options: Geometry, device pool, backend, prefill model, pacing.
+        trace: Trace path, for the report.
+        on_request: Called after each request (progress bars).
+
+    Returns:
+        The report; the engine, tiers and buffers are closed (persistent tiers keep their data).
+
+    Raises:
+        ConfigError, DevicePoolError: see `check_replay`.
+        PayloadMismatchError: a hit chunk held wrong bytes.
+        HalError: the backend failed.
+    """
+    cfg = check_replay(requests, config, options)
+    backend = select_backend(options.backend)
+    max_chunks = max((len(r.chunk_hashes) for r in requests), default=0)
+    rep = _Replayer(cfg, options, backend, max_chunks)
+    levels = ["device", "host", *rep.tier_names]
+    counters = _Counters(levels)
+    n = len(requests)
+    times = np.zeros(n)
+    inputs = np.zeros(n, dtype=np.int64)
+    hits = np.zeros(n, dtype=np.int64)
+    saved = np.zeros(n)
+    t_start = time.perf_counter()
+    try:
+        tier_stats_before = [dict(t.stats()) for t in rep.manager.tiers]
+        for r, req in enumerate(requests):
+            if options.time_scale > 0:
+                delay = t_start + req.timestamp_ms * options.time_scale / 1000 - \
+                    time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            hit_chunks, load_s = _replay_request(rep, req, r, counters)
+            times[r], inputs[r] = req.timestamp_ms / 1000, req.input_tokens
+            hits[r] = hit_chunks * options.chunk_tokens
+            saved[r] = hits[r] * options.prefill_us_per_token * 1e-6 - load_s
+            if on_request is not None:
+                on_request()
+        rep.manager.drain()
+        traffic = _traffic(rep, counters, tier_stats_before)
+    finally:
+        rep.close()
+    wall_s = time.perf_counter() - t_start
+    capacities: dict[str, int | None] = {"device": rep.pool.num_blocks * rep.chunk_bytes,
+                                         "host": rep.host_capacity_bytes}
+    for tier_cfg, name in zip(cfg.secondary_tiers, rep.tier_names):
+        capacities[name] = tier_cfg.options.get("max_bytes")
+    return ReplayReport(
+        trace=trace, capacities=capacities, chunk_tokens=options.chunk_tokens,
+        chunk_bytes=rep.chunk_bytes, requests=n, input_tokens=int(inputs.sum()),
+        hit_tokens={k: v * options.chunk_tokens for k, v in counters.hits.items()},
+        traffic=traffic, reference=reference, wall_s=wall_s, manager_s=rep.manager.seconds,
+        worker_s=rep.worker.seconds, load_s=counters.load_s, verified_chunks=counters.verified,
+        prefill_us_per_token=options.prefill_us_per_token, ttft_saved_s=float(saved.sum()),
+        timeline=Timeline(times, inputs, hits, saved))
+
+
+def _traffic(rep: _Replayer, c: _Counters, before: list[dict]) -> dict[str, dict[str,
+                                                                                  TierTraffic]]:
+    out = {"host": {"d2h": TierTraffic(*c.d2h), "h2d": TierTraffic(*c.h2d)}}
+    for tier, name, old in zip(rep.manager.tiers, rep.tier_names, before):
+        now = tier.stats()
+        moved = {}
+        for direction, stat in (("store", "bytes_stored"), ("load", "bytes_loaded")):
+            nbytes = int(now.get(stat, 0)) - int(old.get(stat, 0))
+            moved[direction] = TierTraffic(nbytes // rep.chunk_bytes, nbytes)
+        out[name] = moved
+    return out
+
+
+def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
+                    ) -> tuple[int, list[str]]:
+    """Lookup until no RETRY precedes the first MISS.
+
+    Returns:
+        (leading hits, level of each key answered at the first lookup): "host" for a HIT, the
+        first secondary tier holding it for a RETRY (a promotion), "" otherwise.
+    """
+    manager = rep.manager
+    answers = manager.lookup(keys, request_id=rid)
+    levels = ["host" if a is Lookup.HIT else _tier_of(rep, keys[i]) if a is Lookup.RETRY
+              else "" for i, a in enumerate(answers)]
+    n = leading_hits(answers)
+    while n is None:
+        time.sleep(_RETRY_POLL_S)
+        answers = manager.lookup(keys, request_id=rid)
+        n = leading_hits(answers)
+    return n, levels
+
+
+def _tier_of(rep: _Replayer, key: ChunkKey) -> str:
+    """The first secondary tier holding `key` ("host" if none: a store still in flight)."""
+    for tier, name in zip(rep.manager.tiers, rep.tier_names):
+        if tier.lookup(key) is Lookup.HIT:
+            return name
+    return "host"
+
+
+def _wait(rep: _Replayer, job_id: int) -> int:
+    """Block until worker job `job_id` ends; its number of chunks that arrived."""
+    rep.worker.wait(job_id)
+    results = rep.worker.get_finished()
+    (result,) = [r for r in results if r.job_id == job_id]
+    return result.num_ok
+
+
+def _replay_request(rep: _Replayer, req: TraceRequest, rid: int,
+                    c: _Counters) -> tuple[int, float]:
+    """Replay one request; returns (hit chunks, load seconds)."""
+    hashes = req.chunk_hashes
+    if not hashes:
+        return 0, 0.0
+    ns = rep.namespace
+    d = rep.pool.match_prefix(hashes)
+    keys = [ChunkKey(ns, 0, h) for h in hashes[d:]]
+    t_load = time.perf_counter()
+    n_hit, levels = _resolve_lookup(rep, keys, rid) if keys else (0, [])
+    blocks = rep.pool.acquire(hashes, d)
+    tail = blocks[d:]
+    manager, worker = rep.manager, rep.worker
+    loaded = 0
+    plan = manager.prepare_load(keys[:n_hit], request_id=rid) if n_hit else None
+    if plan is None:
+        manager.release(rid)
+    else:
+        ids = np.asarray(tail[:len(plan.keys)], dtype=np.int64).reshape(-1, 1)
+        worker.submit_load(plan.job_id, ids, plan.slots)
+        loaded = _wait(rep, plan.job_id)
+        manager.complete_load(plan.job_id, loaded)
+        c.h2d[0] += loaded
+        c.h2d[1] += loaded * rep.chunk_bytes
+    load_s = time.perf_counter() - t_load
+    c.load_s += load_s
+    sources = levels[:loaded]
+    for level in sources:
+        c.hits[level] += 1
+    c.hits["device"] += d
+    device_keys = [ChunkKey(ns, 0, h) for h in hashes[:d]]
+    rep.verify(device_keys + keys[:loaded], blocks[:d + loaded], req.line,
+               ["device"] * d + sources)
+    c.verified += d + loaded
+    _prefill_and_store(rep, req, keys, tail, d, loaded, c)
+    rep.pool.release(hashes, blocks, len(hashes))
+    manager.take_events()  # a serving engine forwards KV events each step; a replay drops them
+    return d + loaded, load_s
+
+
+def _prefill_and_store(rep: _Replayer, req: TraceRequest, keys: list[ChunkKey],
+                       blocks: list[int], d: int, loaded: int, c: _Counters) -> None:
+    """Compute chunks `loaded..` of `keys` (the request's chunks after its `d` device hits)
+    into `blocks` and store the ones `chunks_to_store` says are due."""
+    if loaded == len(keys):
+        return
+    rep.compute(keys[loaded:], blocks[loaded:])
+    due = chunks_to_store(req.input_tokens, d + loaded, rep.options.chunk_tokens,
+                          rep.max_offload_tokens)
+    first = due.start - d
+    plan = rep.manager.prepare_store(keys[first:due.stop - d]) if len(due) else None
+    if plan is not None:
+        ids = np.asarray(blocks, dtype=np.int64)[first + plan.indices].reshape(-1, 1)
+        rep.worker.submit_store(plan.job_id, ids, plan.slots, after=rep.computed)
+        num_ok = _wait(rep, plan.job_id)
+        rep.manager.complete_store(plan.job_id, num_ok)
+        c.d2h[0] += num_ok
+        c.d2h[1] += num_ok * rep.chunk_bytes
+    rep.backend.stream_synchronize(rep.compute_stream)

@@ -1,0 +1,111 @@
+"""`kvhal replay` as a user runs it: report, JSON, malformed traces, sweeps and plots."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .conftest import mooncake
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TRACE = [mooncake([i]) for i in (1, 2, 1, 3, 4, 1)]  # see test_replay: LRU vs ARC
+
+
+def kvhal(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvhal.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_json_report_has_hits_by_level_and_reference(write_trace):
+    path = write_trace(TRACE)
+    out = kvhal("replay", str(path), "--device-bytes", "32K", "--config",
+                '{"cpu_bytes_to_use": 65536, "eviction_policy": "arc"}', "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["hit_tokens"] == {"device": 0, "host": 1024}
+    assert report["reference"]["hit_tokens"] == 1024
+    assert report["hit_ratio"] == report["reference"]["hit_ratio"] == 1024 / (6 * 512)
+    assert report["traffic"]["host"]["d2h"] == {"chunks": 4, "nbytes": 4 * 32768}
+    assert report["capacities"] == {"device": 32768, "host": 65536}
+    assert report["verified_chunks"] == 2
+
+
+def test_table_report_prints_ratio(write_trace):
+    out = kvhal("replay", str(write_trace(TRACE)), "--device-bytes", "32K")
+    assert out.returncode == 0, out.stderr
+    assert "reference ratio (unlimited capacity)" in out.stdout
+    assert "0.3333 (1024 tokens, 4 chunks)" in out.stdout
+
+
+def test_malformed_line_fails_in_one_line_naming_line_and_field(write_trace):
+    path = write_trace(TRACE[:2] + ['{"timestamp": 0, "input_length": 512, "hash_ids": [1]}'])
+    out = kvhal("replay", str(path))
+    assert out.returncode == 1
+    assert out.stderr == f"kvhal replay: error: {path} line 3: output_length: missing\n"
+
+
+def test_bad_config_names_the_key(write_trace):
+    out = kvhal("replay", str(write_trace(TRACE)), "--config", '{"cpu_bytes_to_use": 0}')
+    assert out.returncode == 1
+    assert out.stderr.startswith("kvhal replay: error: cpu_bytes_to_use: must be an integer")
+
+
+def test_sweep_replays_per_capacity_and_plots(write_trace, tmp_path):
+    plot = tmp_path / "sweep.png"
+    out = kvhal("replay", str(write_trace(TRACE)), "--device-bytes", "32K", "--sweep",
+                "host=32K,64K,128K", "--plot", str(plot), "--json")
+    assert out.returncode == 0, out.stderr
+    reports = json.loads(out.stdout)["reports"]
+    assert [r["capacities"]["host"] for r in reports] == [32768, 65536, 131072]
+    # LRU: 1 slot never hits (no request repeats the previous one), 2 slots hit the 2nd "1",
+    # 4 slots hold everything.
+    assert [r["hit_tokens"]["host"] for r in reports] == [0, 512, 1024]
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_timeline_plot(write_trace, tmp_path):
+    plot = tmp_path / "timeline.png"
+    out = kvhal("replay", str(write_trace(TRACE)), "--device-bytes", "32K", "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_sweep_of_unknown_level_names_it(write_trace):
+    out = kvhal("replay", str(write_trace(TRACE)), "--sweep", "fs=1G")
+    assert out.returncode == 1
+    assert "--sweep: 'fs' is neither device, host nor a secondary tier type" in out.stderr
+
+
+def test_bench_replay_reports_wall_time_and_engine_time(write_trace, tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    out = kvhal("bench", "replay", "--trace", str(write_trace(TRACE)), "--tmp-dir",
+                str(scratch), "--json")
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    assert figures["hit_tokens"] == {"device": 1024, "host": 0, "fs": 0}  # 64 MiB device pool
+    assert figures["wall_vs_target"] == figures["wall_s"] / 300.0
+    assert figures["chunks_moved"] == 4 and figures["verified_chunks"] == 2
+    assert list(scratch.iterdir()) == []  # the fs tier's folder is removed
+
+
+def test_token_id_trace_replays_by_chunk_tokens(write_trace):
+    shared = list(range(40))
+    path = write_trace([{"prompt_token_ids": shared + [1000 + i for i in range(8)]},
+                        {"prompt_token_ids": [5000 + i for i in range(64)]},  # flushes device
+                        {"prompt_token_ids": shared + [7] * 30}])
+    out = kvhal("replay", str(path), "--chunk-tokens", "16", "--device-bytes", "4K", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    # 16-token chunks of 64 B/token: requests 1 and 3 share chunks 0 and 1 (tokens 0..31), and
+    # request 2 took all 4 device blocks in between, so the host serves them.
+    assert report["chunk_bytes"] == 16 * 64
+    assert report["hit_tokens"] == {"device": 0, "host": 32}
+    assert report["reference"]["hit_tokens"] == 32
+
+
+def test_unknown_layout_is_refused_in_one_line(write_trace):
+    out = kvhal("replay", str(write_trace(TRACE)), "--layout", "nope")
+    assert out.returncode == 1
+    assert out.stderr.startswith("kvhal replay: error: --layout: layout: unknown layout 'nope'; "
+                                 "registered: packed-hnd")
