@@ -1,0 +1,1 @@
+"""kvhal's vLLM integration: the `KVHalConnector` and the tiny models the demo and tests use."""
