@@ -1,12 +1,38 @@
-"""Chunk keys (DESIGN §4): what names a chunk in every tier.
+"""Block hashes, chunk keys and namespaces (DESIGN §4): what names a chunk in every tier.
+
+Block hashes chain over token ids exactly as vLLM computes them, so KV events and keys match the
+engine's (source: vLLM `vllm/v1/core/kv_cache_utils.py::hash_block_tokens` and
+`init_none_hash`, `vllm/utils/hashing.py`, read at vLLM 0.32/0.33):
+
+    h_0 = H((NONE_HASH, tuple(tokens_0), extra_keys_0))
+    h_i = H((h_{i-1},  tuple(tokens_i), extra_keys_i))
+
+- H is one of (each returns the digest bytes of the serialised 3-tuple):
+  `sha256`      = SHA-256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))   (32 bytes)
+  `sha256_cbor` = SHA-256(cbor2.dumps(obj, canonical=True))                      (32 bytes)
+  `xxhash`      = XXH3-128(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))  (16 bytes)
+  `xxhash_cbor` = XXH3-128(cbor2.dumps(obj, canonical=True))                     (16 bytes)
+- token ids are Python ints (a numpy int pickles differently, so they are converted);
+  `extra_keys` is None or a tuple (LoRA name, multimodal hashes, cache salt on block 0).
+- NONE_HASH = H(seed) where seed is the *string* value of PYTHONHASHSEED; vLLM uses 32 random
+  bytes when PYTHONHASHSEED is unset, so instances that share a cache must set it.
+- Only full blocks are hashed (a partial last block has no hash).
 
 A chunk key is `(namespace, group, hash of the chunk's last block)`. The namespace digest covers
-everything that makes two caches incompatible (model, dtype, format, chunking, hash function,
-tenant salt), so caches that must not mix never share keys.
+everything that makes two caches incompatible (model and revision, KV dtype, canonical format,
+tokens per chunk, hash function and seed, tenant salt), so caches that must not mix never share
+keys.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pickle
 from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import xxhash as _xxhash
 
 #: Bytes of a namespace digest.
 NAMESPACE_BYTES = 16
@@ -62,6 +88,175 @@ class ChunkKey:
         return cls(data[:NAMESPACE_BYTES], int.from_bytes(data[NAMESPACE_BYTES:NAMESPACE_BYTES + 2],
                                                           "big"), data[NAMESPACE_BYTES + 3:])
 
+    def __hash__(self) -> int:
+        # bytes cache their hash, so this costs two lookups, not a tuple build (hot path).
+        return hash(self.block_hash) ^ self.group
+
     def hex(self) -> str:
         """A filesystem/URL-safe name: `<group>-<block_hash hex>` (namespace is the folder)."""
         return f"{self.group:04x}-{self.block_hash.hex()}"
+
+
+#: Hash function names, as vLLM spells them (`--prefix-caching-hash-algo`).
+HASH_FUNCTIONS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+#: The env var whose string value seeds NONE_HASH (vLLM `init_none_hash`).
+HASH_SEED_ENV = "PYTHONHASHSEED"
+
+
+def _pickled(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _cbor(obj: Any) -> bytes:
+    import cbor2  # only the *_cbor hash functions need it
+    return cbor2.dumps(obj, canonical=True)
+
+
+_HASHERS: dict[str, Callable[[Any], bytes]] = {
+    "sha256": lambda obj: hashlib.sha256(_pickled(obj)).digest(),
+    "sha256_cbor": lambda obj: hashlib.sha256(_cbor(obj)).digest(),
+    "xxhash": lambda obj: _xxhash.xxh3_128_digest(_pickled(obj)),
+    "xxhash_cbor": lambda obj: _xxhash.xxh3_128_digest(_cbor(obj)),
+}
+
+
+def hash_function(name: str) -> Callable[[Any], bytes]:
+    """The hash function vLLM registers under `name` (see the module docstring).
+
+    Returns:
+        A callable taking any picklable (or CBOR-encodable for `*_cbor`) object and returning
+        its digest: 32 bytes for sha256*, 16 bytes for xxhash*.
+
+    Raises:
+        KeyFormatError: `name` is not one of `HASH_FUNCTIONS`.
+    """
+    try:
+        return _HASHERS[name]
+    except KeyError:
+        raise KeyFormatError(f"hash function {name!r} is unknown; accepted: "
+                             f"{', '.join(HASH_FUNCTIONS)}") from None
+
+
+def none_hash(hash_name: str, seed: str | None = None) -> bytes:
+    """The parent hash of a prefix's first block (vLLM's NONE_HASH).
+
+    Args:
+        hash_name: One of `HASH_FUNCTIONS`.
+        seed: The seed string; None reads PYTHONHASHSEED. vLLM hashes this *string*.
+
+    Returns:
+        `hash_function(hash_name)(seed)`.
+
+    Raises:
+        KeyFormatError: unknown hash name, or no seed given and PYTHONHASHSEED unset (vLLM
+            would then use random bytes, which no other instance can reproduce).
+    """
+    fn = hash_function(hash_name)
+    seed = os.environ.get(HASH_SEED_ENV) if seed is None else seed
+    if seed is None:
+        raise KeyFormatError(f"no hash seed: pass seed= or set {HASH_SEED_ENV} (vLLM uses random "
+                             "bytes then, so no other instance could share the cache)")
+    return fn(seed)
+
+
+def hash_block_tokens(hash_fn: Callable[[Any], bytes], parent: bytes | None,
+                      token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None, *,
+                      root: bytes) -> bytes:
+    """Hash one full block given its parent's hash (vLLM `hash_block_tokens`).
+
+    Args:
+        hash_fn: From `hash_function`.
+        parent: Hash of the previous block; None or b"" for the first block (then `root`).
+        token_ids: The block's token ids (ints); numpy integers are converted to int.
+        extra_keys: None or a tuple of extra keys (LoRA name, mm hashes, cache salt).
+        root: NONE_HASH, from `none_hash`.
+
+    Returns:
+        The block hash bytes.
+    """
+    return hash_fn((parent or root, tuple(int(t) for t in token_ids), extra_keys))
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, hash_fn: Callable[[Any], bytes], *,
+                 root: bytes, parent: bytes | None = None,
+                 extra_keys: Sequence[tuple[Any, ...] | None] | None = None) -> list[bytes]:
+    """Hashes of every full block of `token_ids` (a partial last block gets none).
+
+    Args:
+        token_ids: Token ids, length n (ints).
+        block_size: Tokens per block (> 0).
+        hash_fn: From `hash_function`.
+        root: NONE_HASH, from `none_hash`.
+        parent: Hash of the block before `token_ids[0]` (continuing a chain), or None.
+        extra_keys: Per-block extra keys (length ≥ n // block_size), or None for none.
+
+    Returns:
+        `n // block_size` hashes, in block order.
+
+    Raises:
+        KeyFormatError: block_size ≤ 0.
+    """
+    if block_size <= 0:
+        raise KeyFormatError(f"block_size must be > 0, got {block_size}")
+    out: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        extra = extra_keys[i] if extra_keys is not None else None
+        parent = hash_block_tokens(hash_fn, parent, token_ids[i * block_size:(i + 1) * block_size],
+                                   extra, root=root)
+        out.append(parent)
+    return out
+
+
+def chunk_keys(hashes: Sequence[bytes], blocks_per_chunk: int, namespace: bytes,
+               group: int = 0) -> list[ChunkKey]:
+    """Keys of every full chunk: chunk i is named by block `(i + 1) * blocks_per_chunk - 1`.
+
+    Args:
+        hashes: Block hashes of a prefix, in order (from `block_hashes` or vLLM's
+            `request.block_hashes`).
+        blocks_per_chunk: Blocks per chunk (> 0).
+        namespace: From `namespace_digest`.
+        group: KV cache group index.
+
+    Returns:
+        `len(hashes) // blocks_per_chunk` keys, in prefix order.
+
+    Raises:
+        KeyFormatError: blocks_per_chunk ≤ 0, or a malformed namespace/group/hash.
+    """
+    if blocks_per_chunk <= 0:
+        raise KeyFormatError(f"blocks_per_chunk must be > 0, got {blocks_per_chunk}")
+    return [ChunkKey(namespace, group, h)
+            for h in hashes[blocks_per_chunk - 1::blocks_per_chunk]]
+
+
+def namespace_digest(*, model: str, revision: str, kv_dtype: str, format_id: str,
+                     tokens_per_chunk: int, hash_name: str, hash_seed: str,
+                     tenant_salt: str | None = None) -> bytes:
+    """The 16-byte namespace of a cache: BLAKE2b-128 over the canonical JSON of every input.
+
+    Two caches share keys only if every argument is equal. The JSON is
+    `json.dumps({...}, sort_keys=True, separators=(",", ":"))` of the arguments by name, UTF-8.
+
+    Args:
+        model: Model id (e.g. "Qwen/Qwen3-0.6B").
+        revision: Model revision (commit hash or tag).
+        kv_dtype: KV cache dtype name (e.g. "bfloat16", "fp8_e4m3").
+        format_id: Canonical page format id (e.g. "kvhal-hnd-v1").
+        tokens_per_chunk: Tokens per chunk (> 0).
+        hash_name: One of `HASH_FUNCTIONS`.
+        hash_seed: The NONE_HASH seed string.
+        tenant_salt: Optional per-tenant salt; None means no tenant separation.
+
+    Raises:
+        KeyFormatError: tokens_per_chunk ≤ 0 or an unknown hash name.
+    """
+    hash_function(hash_name)
+    if tokens_per_chunk <= 0:
+        raise KeyFormatError(f"tokens_per_chunk must be > 0, got {tokens_per_chunk}")
+    fields = {"model": model, "revision": revision, "kv_dtype": kv_dtype, "format_id": format_id,
+              "tokens_per_chunk": tokens_per_chunk, "hash_name": hash_name,
+              "hash_seed": hash_seed, "tenant_salt": tenant_salt}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=NAMESPACE_BYTES).digest()

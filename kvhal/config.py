@@ -1,0 +1,224 @@
+"""The engine's JSON config (DESIGN §7), compatible with vLLM's `kv_connector_extra_config`.
+
+```json
+{"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8589934592,
+ "blocks_per_chunk": 16, "eviction_policy": "lru", "offload_prompt_only": true,
+ "max_offload_tokens": null,
+ "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/kv"},
+                     {"type": "mine", "module_path": "my_pkg.my_tier"}]}
+```
+
+Keys (vLLM's names; source: vLLM `vllm/v1/kv_offload/` and REFERENCE.md):
+- `spec_name`: "CPUOffloadingSpec" | "TieringOffloadingSpec" (default the latter).
+- `cpu_bytes_to_use` (required): host-tier budget in bytes, total across ranks.
+- `blocks_per_chunk` (default 1) or `block_size` (tokens per chunk; a multiple of the engine's
+  block size) — not both.
+- `eviction_policy`: a registered cache policy ("lru" default, "arc", or a plugin's).
+- `offload_prompt_only` (default true): store prompt KV only, not generated tokens.
+- `max_offload_tokens`: default per-request cap on stored tokens (null = no cap, 0 = store
+  nothing); a request's `kv_transfer_params.max_offload_tokens` overrides it.
+- `secondary_tiers`: list of `{"type": str, "module_path"?: str, ...tier keys}`. A registered
+  type is built by its `TierSpec` factory; with `module_path` the module is imported and either
+  `"pkg.mod:Factory"` names the factory or the module's `kvhal_register_tiers()` provides a
+  `TierSpec` of that type (an out-of-tree tier needs no installation).
+
+Errors name the key path and the accepted values: `secondary_tiers[1].type: 'nfs' is not a
+registered tier type; registered: fs, memory`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from kvhal import plugins
+
+SPEC_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")
+_KEYS = ("spec_name", "cpu_bytes_to_use", "blocks_per_chunk", "block_size", "eviction_policy",
+         "offload_prompt_only", "max_offload_tokens", "secondary_tiers")
+
+
+class ConfigError(ValueError):
+    """An invalid config value. Attributes: `path` (e.g. "secondary_tiers[1].root_dir")."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """One `secondary_tiers` entry.
+
+    Attributes:
+        type: Tier type name.
+        options: The whole entry as given (the tier reads its own keys from it).
+        module_path: Module of an out-of-tree tier, or None.
+    """
+
+    type: str
+    options: Mapping[str, Any]
+    module_path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """A validated config (see the module docstring for each field).
+
+    `blocks_per_chunk` and `block_size` are as given (at most one is set); resolve the chunk
+    size against the engine's block size with `blocks_per_chunk_for`.
+    """
+
+    cpu_bytes_to_use: int
+    spec_name: str = "TieringOffloadingSpec"
+    blocks_per_chunk: int | None = None
+    block_size: int | None = None
+    eviction_policy: str = "lru"
+    offload_prompt_only: bool = True
+    max_offload_tokens: int | None = None
+    secondary_tiers: tuple[TierConfig, ...] = field(default_factory=tuple)
+
+    def blocks_per_chunk_for(self, engine_block_size: int) -> int:
+        """Blocks per chunk for an engine whose blocks hold `engine_block_size` tokens.
+
+        Raises:
+            ConfigError: `block_size` is not a positive multiple of `engine_block_size`.
+        """
+        if self.block_size is None:
+            return self.blocks_per_chunk or 1
+        if self.block_size % engine_block_size:
+            raise ConfigError("block_size", f"{self.block_size} tokens is not a multiple of the "
+                              f"engine's block size {engine_block_size}")
+        return self.block_size // engine_block_size
+
+
+def _int(obj: Mapping, key: str, *, minimum: int) -> int | None:
+    """obj[key] as an int ≥ minimum; None when absent or null."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(key, f"must be an integer ≥ {minimum}, got {value!r}")
+    return value
+
+
+def parse_config(source: Mapping[str, Any] | str) -> EngineConfig:
+    """Validate a config given as a mapping or a JSON string.
+
+    Raises:
+        ConfigError: invalid JSON, an unknown key, a missing required key, or a bad value; the
+            message names the key path and the accepted values.
+    """
+    if isinstance(source, str):
+        try:
+            source = json.loads(source)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("<config>", f"not valid JSON: {exc}") from None
+    if not isinstance(source, Mapping):
+        raise ConfigError("<config>", f"must be a JSON object, got {type(source).__name__}")
+    unknown = sorted(set(source) - set(_KEYS))
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown key; accepted: {', '.join(_KEYS)}")
+    if source.get("cpu_bytes_to_use") is None:
+        raise ConfigError("cpu_bytes_to_use", "required (host-tier budget in bytes)")
+    spec_name = source.get("spec_name", "TieringOffloadingSpec")
+    if spec_name not in SPEC_NAMES:
+        raise ConfigError("spec_name", f"{spec_name!r} is not accepted; accepted: "
+                          f"{', '.join(SPEC_NAMES)}")
+    if "blocks_per_chunk" in source and "block_size" in source:
+        raise ConfigError("block_size", "give blocks_per_chunk or block_size, not both")
+    policy = source.get("eviction_policy", "lru")
+    policies = plugins.cache_policies()
+    if policy not in policies:
+        raise ConfigError("eviction_policy", f"{policy!r} is not a registered cache policy; "
+                          f"registered: {', '.join(policies)}")
+    prompt_only = source.get("offload_prompt_only", True)
+    if not isinstance(prompt_only, bool):
+        raise ConfigError("offload_prompt_only", f"must be true or false, got {prompt_only!r}")
+    return EngineConfig(
+        cpu_bytes_to_use=_int(source, "cpu_bytes_to_use", minimum=1),
+        spec_name=spec_name,
+        blocks_per_chunk=_int(source, "blocks_per_chunk", minimum=1),
+        block_size=_int(source, "block_size", minimum=1),
+        eviction_policy=policy,
+        offload_prompt_only=prompt_only,
+        max_offload_tokens=_int(source, "max_offload_tokens", minimum=0),
+        secondary_tiers=_parse_tiers(source.get("secondary_tiers", [])))
+
+
+def _parse_tiers(entries: Any) -> tuple[TierConfig, ...]:
+    if not isinstance(entries, list):
+        raise ConfigError("secondary_tiers", f"must be a list, got {type(entries).__name__}")
+    registered = plugins.tiers()
+    out = []
+    for i, entry in enumerate(entries):
+        path = f"secondary_tiers[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(path, f"must be an object, got {type(entry).__name__}")
+        kind = entry.get("type")
+        if not isinstance(kind, str) or not kind:
+            raise ConfigError(f"{path}.type", f"required string; registered: "
+                              f"{', '.join(registered)}")
+        module_path = entry.get("module_path")
+        if module_path is not None and (not isinstance(module_path, str) or not module_path):
+            raise ConfigError(f"{path}.module_path", f"must be a module path string, got "
+                              f"{module_path!r}")
+        if module_path is None and kind not in registered:
+            raise ConfigError(f"{path}.type", f"{kind!r} is not a registered tier type; "
+                              f"registered: {', '.join(registered)} (or give module_path)")
+        out.append(TierConfig(kind, dict(entry), module_path))
+    return tuple(out)
+
+
+def tier_factory(tier: TierConfig, path: str = "secondary_tiers[?]") -> Any:
+    """The factory `(config, host_view, namespace) -> SecondaryTier` of one tier entry.
+
+    Raises:
+        ConfigError: the module cannot be imported or provides no such tier.
+    """
+    if tier.module_path is None:
+        return plugins.tiers()[tier.type].factory
+    module_name, _, attr = tier.module_path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{path}.module_path", f"cannot import {module_name!r}: {exc}") from None
+    if attr:
+        factory = getattr(module, attr, None)
+        if factory is None:
+            raise ConfigError(f"{path}.module_path", f"{module_name!r} has no attribute {attr!r}")
+        return factory
+    specs = getattr(module, "kvhal_register_tiers", lambda: [])() or []
+    for spec in specs:
+        if spec.name == tier.type:
+            return spec.factory
+    raise ConfigError(f"{path}.module_path", f"{module_name!r} registers no tier of type "
+                      f"{tier.type!r} (kvhal_register_tiers returned "
+                      f"{[s.name for s in specs]})")
+
+
+def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes) -> list[Any]:
+    """Construct every secondary tier of `config`, in order.
+
+    A tier's own validation error (`TierError`/`ValueError` whose message starts with its key,
+    e.g. "root_dir: ...") is re-raised as a `ConfigError` under `secondary_tiers[i]`.
+
+    Raises:
+        ConfigError: a tier cannot be loaded or refuses its options. Tiers built before the
+            failing one are closed.
+    """
+    built: list[Any] = []
+    for i, tier in enumerate(config.secondary_tiers):
+        path = f"secondary_tiers[{i}]"
+        factory = tier_factory(tier, path)
+        try:
+            built.append(factory(tier.options, host_view, namespace))
+        except ValueError as exc:
+            for done in built:
+                done.close()
+            key, sep, message = str(exc).partition(": ")
+            if sep and key.isidentifier():
+                raise ConfigError(f"{path}.{key}", message) from None
+            raise ConfigError(path, str(exc)) from None
+    return built

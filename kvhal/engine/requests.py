@@ -1,0 +1,48 @@
+"""Per-request arithmetic an integration needs: which chunks to store, how many tokens hit."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvhal.tiers.base import Lookup
+
+
+def chunks_to_store(num_computed_tokens: int, num_stored_chunks: int, tokens_per_chunk: int,
+                    max_offload_tokens: int | None = None) -> range:
+    """Chunk indices a request should store now, so its stored chunks stay a contiguous prefix
+    under any (chunked-)prefill schedule.
+
+    Only full chunks are stored: a request with `num_computed_tokens` computed tokens has
+    `num_computed_tokens // tokens_per_chunk` full chunks; a partial last chunk waits for more
+    tokens. `max_offload_tokens` caps the stored tokens (0 stores nothing; None: no cap).
+
+    Args:
+        num_computed_tokens: Tokens whose KV is computed (or scheduled to be by this step).
+        num_stored_chunks: Chunks already handed to `prepare_store` for this request.
+        tokens_per_chunk: Tokens per chunk (block_size * blocks_per_chunk).
+        max_offload_tokens: Per-request cap in tokens, or None.
+
+    Returns:
+        range(num_stored_chunks, end): empty if nothing new is due.
+    """
+    end = num_computed_tokens // tokens_per_chunk
+    if max_offload_tokens is not None:
+        end = min(end, max_offload_tokens // tokens_per_chunk)
+    return range(num_stored_chunks, max(end, num_stored_chunks))
+
+
+def leading_hits(answers: Sequence[Lookup]) -> int | None:
+    """Chunks loadable now from the start of a prefix, given `Manager.lookup`'s answers.
+
+    Returns:
+        The number of leading HITs, or None if a RETRY comes before the first MISS (a chunk is
+        on its way into host memory: ask again on a later step).
+    """
+    n = 0
+    for answer in answers:
+        if answer is Lookup.HIT:
+            n += 1
+        elif answer is Lookup.RETRY:
+            return None
+        else:
+            break
+    return n

@@ -1,0 +1,81 @@
+"""Values that cross between the manager, the worker and an integration."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhal.keys import ChunkKey
+
+
+class EngineError(RuntimeError):
+    """Misuse of the engine API (unknown or already completed job, bad shapes); names the value."""
+
+
+class Direction(enum.Enum):
+    """D2H: device → host (a store). H2D: host → device (a load)."""
+
+    D2H = "d2h"
+    H2D = "h2d"
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """Chunks the manager reserved host slots for (`Manager.prepare_store`).
+
+    Attributes:
+        job_id: Identifies the job in `Worker.submit_store` and `Manager.complete_store`.
+        keys: Keys of the chunks to write, in prefix order.
+        indices: int64 array (n,): position of each chunk in the caller's key list, so the
+            caller picks the chunk's device block ids.
+        slots: int64 array (n,): host slot of each chunk.
+    """
+
+    job_id: int
+    keys: tuple[ChunkKey, ...]
+    indices: np.ndarray
+    slots: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Host-resident chunks held for reading (`Manager.prepare_load`).
+
+    Attributes:
+        job_id: Identifies the job in `Worker.submit_load` and `Manager.complete_load`.
+        keys: Keys of the chunks to load: a prefix of the caller's key list.
+        slots: int64 array (n,): host slot of each chunk.
+    """
+
+    job_id: int
+    keys: tuple[ChunkKey, ...]
+    slots: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """How a worker job ended (exactly once per submitted job).
+
+    Attributes:
+        job_id: As submitted.
+        direction: D2H (store) or H2D (load).
+        num_chunks: Chunks in the job.
+        num_ok: Leading chunks whose bytes fully arrived; chunks at and after the first failure
+            never count (a failed sub-transfer fails its chunk and the rest of the prefix).
+        block_ids: int64 array (num_chunks, blocks_per_chunk): the job's device blocks, free for
+            the engine to reuse now (stores) or holding loaded KV for the first num_ok chunks.
+        error: First failure's reason, or None; "cancelled" for a cancelled job.
+    """
+
+    job_id: int
+    direction: Direction
+    num_chunks: int
+    num_ok: int
+    block_ids: np.ndarray
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True if every chunk arrived."""
+        return self.num_ok == self.num_chunks

@@ -1,0 +1,246 @@
+"""The worker (DESIGN §5): runs store (D2H) and load (H2D) jobs through the device HAL.
+
+Each job moves whole chunks between device blocks and host slots. A planner turns one chunk
+(its device block ids and its host slot address) into a `CopyPlan` for the given direction, so
+the worker does not know the layout. Stores run on a dedicated store stream, loads on a
+dedicated load stream; a store first makes its stream wait on the caller's event recorded after
+the compute that produced the KV, so it never copies KV before it is written.
+
+One event is recorded after each chunk's copies. A job is finished when its last event
+completes; its device blocks are then free (stores) or hold the KV (loads). A sub-transfer that
+fails — refused when issued (`HalError`, bad plan) or faulting on the device (`DeviceFaultError`
+at its event) — fails its chunk and every later chunk of the job: `num_ok` counts only the
+leading chunks that fully arrived, so wrong bytes are never reported as loaded.
+
+Threading: one thread (the engine worker's) calls every method.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from kvhal.hal import DeviceBackend, DeviceFaultError, Event, HalError
+from kvhal.layout.plan import CopyPlan
+
+from .types import Direction, EngineError, TransferResult
+
+_CANCELLED = "cancelled"
+
+
+class Planner(Protocol):
+    """Turns one chunk into the HAL copies that move it.
+
+    Args (of the call):
+        block_ids: int64 array (blocks_per_chunk,): the chunk's device block ids, in order.
+        slot_addr: Address of the chunk's host slot (bytes).
+        direction: D2H (device blocks → slot) or H2D (slot → device blocks).
+
+    Returns:
+        A `CopyPlan` whose copies move exactly the chunk's bytes.
+
+    Raises:
+        ValueError (e.g. `LayoutError`) or `HalError`: the chunk cannot be planned; the worker
+        fails the chunk and the rest of its job.
+    """
+
+    def __call__(self, block_ids: np.ndarray, slot_addr: int, direction: Direction
+                 ) -> CopyPlan: ...
+
+
+@dataclass(slots=True)
+class _Job:
+    job_id: int
+    direction: Direction
+    block_ids: np.ndarray
+    events: list[Event]           # one per fully issued chunk
+    tail: Event                   # recorded after everything issued for the job
+    issue_error: str | None = None
+    cancelled: bool = field(default=False)
+
+
+class Worker:
+    """Runs transfer jobs on a store stream and a load stream of `backend`.
+
+    Args:
+        backend: The device HAL backend.
+        planner: Chunk → `CopyPlan` (see `Planner`).
+        host_ptr: Address of host slot 0 (the host region's base).
+        slot_bytes: Bytes per host slot.
+        device: Device ordinal for the streams.
+    """
+
+    def __init__(self, backend: DeviceBackend, planner: Planner | Callable[..., CopyPlan], *,
+                 host_ptr: int, slot_bytes: int, device: int = 0):
+        self.backend = backend
+        self.planner = planner
+        self.host_ptr = host_ptr
+        self.slot_bytes = slot_bytes
+        self._streams = {Direction.D2H: backend.create_stream(device),
+                         Direction.H2D: backend.create_stream(device)}
+        self._inflight: dict[Direction, collections.deque[_Job]] = {
+            d: collections.deque() for d in Direction}
+        self._by_id: dict[int, _Job] = {}
+        self._spare_events: list[Event] = []
+        self._finished: list[TransferResult] = []
+
+    # -- submission --------------------------------------------------------------------------
+    def submit_store(self, job_id: int, block_ids: np.ndarray, slots: np.ndarray, *,
+                     after: Event | None = None) -> None:
+        """Copy chunks device → host: chunk i's blocks `block_ids[i]` into host slot `slots[i]`.
+
+        Args:
+            job_id: From `StorePlan.job_id`; unique among open jobs.
+            block_ids: int array (n, blocks_per_chunk) of device block ids.
+            slots: int array (n,) of host slots.
+            after: Event the caller recorded on its compute stream after the kernels that
+                wrote these blocks; the store stream waits on it (None: the KV is already
+                complete, e.g. written by a synchronised stream).
+
+        Raises:
+            EngineError: duplicate job id or mismatched shapes (nothing is issued).
+        """
+        self._submit(Direction.D2H, job_id, block_ids, slots, after)
+
+    def submit_load(self, job_id: int, block_ids: np.ndarray, slots: np.ndarray, *,
+                    after: Event | None = None) -> None:
+        """Copy chunks host → device: host slot `slots[i]` into device blocks `block_ids[i]`.
+
+        Args and errors as `submit_store`; `after` orders the load behind e.g. the caller's
+        last use of the destination blocks.
+        """
+        self._submit(Direction.H2D, job_id, block_ids, slots, after)
+
+    def _submit(self, direction: Direction, job_id: int, block_ids: np.ndarray,
+                slots: np.ndarray, after: Event | None) -> None:
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        if block_ids.ndim != 2 or slots.shape != (block_ids.shape[0],):
+            raise EngineError(f"job {job_id}: block_ids must be (n, blocks_per_chunk) and slots "
+                              f"(n,), got {block_ids.shape} and {slots.shape}")
+        if job_id in self._by_id:
+            raise EngineError(f"job {job_id} is already in flight")
+        backend, stream = self.backend, self._streams[direction]
+        if after is not None:
+            backend.stream_wait_event(stream, after)
+        events: list[Event] = []
+        error = None
+        for c in range(len(slots)):
+            try:
+                plan = self.planner(block_ids[c], self.host_ptr + int(slots[c]) * self.slot_bytes,
+                                    direction)
+                _issue(backend, plan, stream)
+            except (HalError, ValueError) as exc:
+                error = f"chunk {c}: {exc}"
+                break
+            event = self._event()
+            backend.record_event(event, stream)
+            events.append(event)
+        if error is None and events:
+            tail = events[-1]
+        else:
+            tail = self._event()
+            backend.record_event(tail, stream)
+        job = _Job(job_id, direction, block_ids, events, tail, error)
+        self._inflight[direction].append(job)
+        self._by_id[job_id] = job
+
+    def _event(self) -> Event:
+        return self._spare_events.pop() if self._spare_events else self.backend.create_event()
+
+    # -- completion --------------------------------------------------------------------------
+    def get_finished(self) -> list[TransferResult]:
+        """Results of jobs finished since the last call (each job exactly once). Never blocks."""
+        for direction in Direction:
+            queue = self._inflight[direction]
+            while queue and self.backend.event_query(queue[0].tail):
+                self._finish(queue.popleft())
+        out, self._finished = self._finished, []
+        return out
+
+    def _finish(self, job: _Job) -> None:
+        backend = self.backend
+        num_ok, error = len(job.events), job.issue_error
+        for i, event in enumerate(job.events):
+            try:
+                backend.event_synchronize(event)
+            except DeviceFaultError as exc:
+                num_ok, error = i, f"chunk {i}: {exc}"
+                break
+        if num_ok < len(job.events) or job.issue_error:
+            try:  # clear the stream's sticky error so later jobs are judged on their own
+                backend.stream_synchronize(self._streams[job.direction])
+            except DeviceFaultError:
+                pass
+        if job.cancelled:
+            num_ok, error = 0, _CANCELLED
+        spare = set(map(id, job.events))
+        self._spare_events.extend(job.events)
+        if id(job.tail) not in spare:
+            self._spare_events.append(job.tail)
+        del self._by_id[job.job_id]
+        self._finished.append(TransferResult(job.job_id, job.direction, len(job.block_ids),
+                                             num_ok, job.block_ids, error))
+
+    def cancel(self, job_id: int) -> None:
+        """Make an in-flight job end as failed ("cancelled", num_ok 0). Its copies already
+        issued still run: its device blocks stay fenced until its last event completes.
+
+        Raises:
+            EngineError: `job_id` is not in flight.
+        """
+        job = self._by_id.get(job_id)
+        if job is None:
+            raise EngineError(f"job {job_id} is not in flight")
+        job.cancelled = True
+
+    def fenced_blocks(self) -> np.ndarray:
+        """Sorted unique int64 device block ids that in-flight jobs still read or write: they
+        must not be reused until `wait_blocks` returns or their job is reported finished."""
+        jobs = list(self._by_id.values())
+        if not jobs:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.concatenate([j.block_ids.ravel() for j in jobs]))
+
+    def wait_blocks(self, block_ids: np.ndarray) -> None:
+        """Block until no in-flight job uses any of `block_ids` (e.g. before a preempted
+        request's blocks are reused). Results stay queued for `get_finished`."""
+        wanted = np.asarray(block_ids, dtype=np.int64).ravel()
+        for job in list(self._by_id.values()):
+            if np.isin(job.block_ids, wanted).any():
+                self._wait_job(job)
+
+    def wait(self, job_id: int | None = None) -> None:
+        """Block until job `job_id` (None: every job) has finished. Results stay queued."""
+        jobs = list(self._by_id.values()) if job_id is None else [self._by_id.get(job_id)]
+        for job in jobs:
+            if job is not None:
+                self._wait_job(job)
+
+    def _wait_job(self, job: _Job) -> None:
+        queue = self._inflight[job.direction]
+        while job.job_id in self._by_id:
+            head = queue.popleft()
+            try:
+                self.backend.event_synchronize(head.tail)
+            except DeviceFaultError:
+                pass  # judged per chunk in _finish
+            self._finish(head)
+
+    def close(self) -> None:
+        """Wait for every job, then release streams and events (results stay queued)."""
+        self.wait()
+        for stream in self._streams.values():
+            self.backend.destroy_stream(stream)
+        for event in self._spare_events:
+            self.backend.destroy_event(event)
+        self._spare_events.clear()
+
+
+def _issue(backend: DeviceBackend, plan: CopyPlan, stream) -> None:
+    for c in plan.copies_2d:
+        backend.copy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height, stream)
+    if len(plan.sizes):
+        backend.copy_batch_async(plan.dsts, plan.srcs, plan.sizes, stream)

@@ -1,0 +1,195 @@
+"""The pinned host region: one allocation through the HAL, cut into fixed-size chunk slots.
+
+Sizes are exact: the region is `capacity * slot_bytes` bytes, never rounded to a power of two.
+A region is either private (`alloc_pinned`) or shared across processes through a `/dev/shm` file
+that every process maps and registers with its backend (`register_host`), so several TP ranks of
+one node use the same bytes (DESIGN §5).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhal.hal import Allocation, DeviceBackend, address_array
+
+#: Slots are rounded up to this many bytes (the OS page size, DESIGN §5).
+PAGE_BYTES = mmap.PAGESIZE
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class HostRegionError(ValueError):
+    """The host region cannot be sized, created or attached; the message says which value."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostGeometry:
+    """How the host region is cut.
+
+    Attributes:
+        slot_bytes: Bytes per slot: the canonical chunk bytes rounded up to `PAGE_BYTES`.
+        chunk_nbytes: Payload bytes of one chunk (≤ slot_bytes).
+        capacity: Number of slots: `cpu_bytes_to_use // slot_bytes`.
+    """
+
+    slot_bytes: int
+    chunk_nbytes: int
+    capacity: int
+
+    @property
+    def nbytes(self) -> int:
+        """Exact region size in bytes: capacity * slot_bytes."""
+        return self.capacity * self.slot_bytes
+
+
+def host_geometry(chunk_nbytes: int, cpu_bytes_to_use: int) -> HostGeometry:
+    """Size the region for chunks of `chunk_nbytes` within a budget of `cpu_bytes_to_use`.
+
+    Raises:
+        HostRegionError: chunk_nbytes ≤ 0, or the budget holds no slot at all.
+    """
+    if chunk_nbytes <= 0:
+        raise HostRegionError(f"chunk_nbytes must be > 0, got {chunk_nbytes}")
+    slot_bytes = -(-chunk_nbytes // PAGE_BYTES) * PAGE_BYTES
+    capacity = cpu_bytes_to_use // slot_bytes
+    if capacity <= 0:
+        raise HostRegionError(f"cpu_bytes_to_use={cpu_bytes_to_use} holds no slot of "
+                              f"{slot_bytes} bytes (chunk {chunk_nbytes} bytes)")
+    return HostGeometry(slot_bytes, chunk_nbytes, capacity)
+
+
+class HostRegion:
+    """One host region known to a backend. Create with `allocate`, `create_shared` or
+    `attach_shared`; release with `close` (idempotent).
+
+    Attributes:
+        geometry: The slot geometry.
+        allocation: The backend allocation (PINNED, or REGISTERED for shared regions).
+        ptr: Base address; slot s starts at `ptr + s * slot_bytes`.
+        array: Writable uint8 numpy view of the whole region, shape (nbytes,) (no copy).
+        view: The same bytes as a writable memoryview (format "B"), handed to tiers.
+        shm_path: The `/dev/shm` file of a shared region, else None.
+    """
+
+    def __init__(self, backend: DeviceBackend, geometry: HostGeometry, allocation: Allocation,
+                 *, shm_path: str | None = None, owner: bool = True, mapped: bool = False):
+        self.backend = backend
+        self.geometry = geometry
+        self.allocation = allocation
+        self.ptr = allocation.ptr
+        self.array = address_array(allocation.ptr, geometry.nbytes)
+        self.view = memoryview(self.array)
+        self.shm_path = shm_path
+        self._owner = owner
+        self._mapped = mapped
+        self._closed = False
+
+    @classmethod
+    def allocate(cls, backend: DeviceBackend, geometry: HostGeometry) -> "HostRegion":
+        """A private region from `backend.alloc_pinned(geometry.nbytes)` (exact size).
+
+        Raises:
+            kvhal.hal.OutOfMemoryError: the backend cannot allocate it.
+        """
+        return cls(backend, geometry, backend.alloc_pinned(geometry.nbytes))
+
+    @classmethod
+    def create_shared(cls, backend: DeviceBackend, geometry: HostGeometry,
+                      shm_path: str) -> "HostRegion":
+        """Create `shm_path` (exclusively) of exactly `geometry.nbytes`, map it shared and
+        register it with `backend`. The creator unlinks the file on `close`.
+
+        Raises:
+            HostRegionError: the file exists or cannot be created/sized/mapped (errno named).
+        """
+        try:
+            fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise HostRegionError(f"cannot create shared region {shm_path}: {exc}") from None
+        try:
+            os.ftruncate(fd, geometry.nbytes)
+            ptr = _map_shared(fd, geometry.nbytes, shm_path)
+        except (OSError, HostRegionError):
+            os.close(fd)
+            os.unlink(shm_path)
+            raise
+        os.close(fd)
+        return cls._register(backend, geometry, ptr, shm_path, owner=True)
+
+    @classmethod
+    def attach_shared(cls, backend: DeviceBackend, shm_path: str,
+                      geometry: HostGeometry) -> "HostRegion":
+        """Map an existing shared region created by another process and register it here.
+
+        Raises:
+            HostRegionError: the file is missing or its size differs from `geometry.nbytes`.
+        """
+        try:
+            fd = os.open(shm_path, os.O_RDWR)
+        except OSError as exc:
+            raise HostRegionError(f"cannot open shared region {shm_path}: {exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != geometry.nbytes:
+                raise HostRegionError(f"shared region {shm_path} has {size} bytes, expected "
+                                      f"{geometry.nbytes}")
+            ptr = _map_shared(fd, geometry.nbytes, shm_path)
+        finally:
+            os.close(fd)
+        return cls._register(backend, geometry, ptr, shm_path, owner=False)
+
+    @classmethod
+    def _register(cls, backend: DeviceBackend, geometry: HostGeometry, ptr: int, shm_path: str,
+                  owner: bool) -> "HostRegion":
+        try:
+            allocation = backend.register_host(ptr, geometry.nbytes)
+        except Exception:
+            _libc.munmap(ptr, geometry.nbytes)
+            if owner:
+                os.unlink(shm_path)
+            raise
+        return cls(backend, geometry, allocation, shm_path=shm_path, owner=owner, mapped=True)
+
+    def slot_address(self, slot: int) -> int:
+        """Address of slot `slot`'s first byte."""
+        return self.ptr + slot * self.geometry.slot_bytes
+
+    def slot_array(self, slot: int) -> np.ndarray:
+        """uint8 view of slot `slot`'s payload, shape (chunk_nbytes,) (no copy)."""
+        start = slot * self.geometry.slot_bytes
+        return self.array[start:start + self.geometry.chunk_nbytes]
+
+    def close(self) -> None:
+        """Release the allocation (unregister + unmap for shared; unlink if creator).
+
+        Close every tier and worker using the region first: `array` and `view` dangle after.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.backend.free(self.allocation)
+        if self._mapped:
+            _libc.munmap(self.ptr, self.geometry.nbytes)
+        if self.shm_path and self._owner:
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
+
+
+def _map_shared(fd: int, nbytes: int, path: str) -> int:
+    ptr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if ptr is None or ptr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise HostRegionError(f"cannot map {nbytes} bytes of {path}: {os.strerror(err)}")
+    return ptr
