@@ -13,6 +13,7 @@ import sys
 COMMAND_MODULES = (
     "kvhal.doctor",
     "kvhal.bench",
+    "kvhal.layout_cli",
 )
 
 

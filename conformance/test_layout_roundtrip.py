@@ -1,0 +1,116 @@
+"""Layout conformance: device pages → canonical host pages → device pages, through the backend.
+
+For seeded random logical KV and every TP size × registered layout × model kind × chunk size:
+scatter the KV into each rank's device pages (independent numpy oracle), run the D2H plans
+through the backend into a pinned host slot and assert the slot equals the one canonical chunk
+(so host bytes are identical across every TP size and layout); then load that slot (H2D) into a
+different TP size and layout and assert every device byte is what the oracle says (chunk blocks
+replaced, every other block untouched). Unmappable combinations must be refused.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from kvhal import plugins
+from kvhal.hal import host_array
+from kvhal.layout import (D2H, H2D, Kind, KVCacheSpec, LayerGroup, LayoutError,
+                          attention_spec, chunk_mapper, mapping_status, mla_spec, plan_copies)
+
+from .layout_oracle import (canonical_chunk, download, free_device, logical_kv,
+                            make_rank_device, place_chunk, run_plan, upload)
+
+TP_SIZES = (1, 2, 4, 8)
+BLOCKS_PER_CHUNK = (1, 4)
+
+#: Small geometries (few layers, small heads, few tokens): the combinatorics is the point.
+KINDS = {
+    "mha32": attention_spec(num_layers=2, num_kv_heads=32, head_size=2, dtype="bf16",
+                            block_size=4),
+    "gqa8": attention_spec(num_layers=2, num_kv_heads=8, head_size=8, dtype="fp16",
+                           block_size=4),
+    "mqa1": attention_spec(num_layers=2, num_kv_heads=1, head_size=8, dtype="bf16",
+                           block_size=4),
+    "mla": mla_spec(num_layers=2, latent_size=12, dtype="bf16", block_size=4),
+    "fp8-scales16": attention_spec(num_layers=2, num_kv_heads=8, head_size=16,
+                                   dtype="fp8_e4m3", block_size=4, extra_bytes_per_token=16),
+    "sliding": attention_spec(num_layers=2, num_kv_heads=8, head_size=4, dtype="fp32",
+                              block_size=4, sliding_window=8),
+    "hybrid": KVCacheSpec((
+        LayerGroup(Kind.FULL, 1, 8, 4, "bf16", 4),
+        LayerGroup(Kind.SLIDING_WINDOW, 2, 4, 8, "bf16", 4, sliding_window=4))),
+    "mamba": KVCacheSpec((LayerGroup(Kind.MAMBA, 2, 1, 0, "bf16", 4, state_bytes=96),)),
+}
+
+
+def _layout_names() -> list[str]:
+    return list(plugins.layouts())
+
+
+CASES = [(kind, n, tp, layout) for kind in KINDS for n in BLOCKS_PER_CHUNK for tp in TP_SIZES
+         for layout in _layout_names()]
+
+
+def _load_config(kind: str, tp: int, layout: str) -> tuple[int, str]:
+    """A different (TP size, layout) that maps `kind`, chosen deterministically."""
+    names = _layout_names()
+    spec = KINDS[kind]
+    candidates = [(t, lay) for t in TP_SIZES[TP_SIZES.index(tp) + 1:] + TP_SIZES
+                  for lay in names[names.index(layout) + 1:] + names
+                  if (t, lay) != (tp, layout)
+                  and not any(s.startswith("refused") for s in mapping_status(spec, lay, t))]
+    return candidates[0] if candidates else (tp, layout)
+
+
+def _store(backend, stream, spec, layout, tp, n, logical, slot, rng):
+    for rank in range(tp):
+        mapper = chunk_mapper(spec, layout, tp, rank, n)
+        dev = make_rank_device(backend, spec, mapper.layouts, tp, rank, n + 3, rng)
+        block_ids = rng.permutation(n + 3)[:n]
+        place_chunk(dev, spec, mapper.layouts, tp, rank, logical, block_ids)
+        upload(backend, dev)
+        run_plan(backend, plan_copies(mapper, block_ids, dev.cache, slot.ptr, D2H), stream)
+        backend.stream_synchronize(stream)
+        free_device(backend, dev)
+
+
+def _load_and_check(backend, stream, spec, layout, tp, n, logical, slot, rng):
+    for rank in range(tp):
+        mapper = chunk_mapper(spec, layout, tp, rank, n)
+        dev = make_rank_device(backend, spec, mapper.layouts, tp, rank, n + 2, rng)
+        block_ids = rng.permutation(n + 2)[:n]
+        run_plan(backend, plan_copies(mapper, block_ids, dev.cache, slot.ptr, H2D), stream)
+        backend.stream_synchronize(stream)
+        place_chunk(dev, spec, mapper.layouts, tp, rank, logical, block_ids)
+        got = download(backend, dev)
+        free_device(backend, dev)
+        for layer, (g, e) in enumerate(zip(got, dev.expected)):
+            assert np.array_equal(g, e), f"rank {rank} layer {layer}: device bytes differ"
+
+
+@pytest.mark.parametrize("kind,n,tp,layout", CASES,
+                         ids=[f"{k}-n{n}-tp{tp}-{lay}" for k, n, tp, lay in CASES])
+def test_store_is_canonical_and_loads_into_other_tp_and_layout(backend, kind, n, tp, layout):
+    spec = KINDS[kind]
+    status = mapping_status(spec, layout, tp)
+    if any(s.startswith("refused") for s in status):
+        with pytest.raises(LayoutError, match=r"groups\[\d+\] \(layers \d+-\d+"):
+            chunk_mapper(spec, layout, tp, 0, n)
+        return
+    rng = np.random.default_rng(zlib.crc32(f"{kind}-{n}-{tp}-{layout}".encode()))
+    logical = logical_kv(spec, n, seed=7)
+    expected = canonical_chunk(logical)
+    stream = backend.create_stream()
+    slot = backend.alloc_pinned(expected.size)
+    try:
+        host_array(slot)[:] = rng.integers(0, 256, expected.size, dtype=np.uint8)
+        _store(backend, stream, spec, layout, tp, n, logical, slot, rng)
+        assert np.array_equal(host_array(slot), expected)
+
+        load_tp, load_layout = _load_config(kind, tp, layout)
+        _load_and_check(backend, stream, spec, load_layout, load_tp, n, logical, slot, rng)
+    finally:
+        backend.free(slot)
+        backend.destroy_stream(stream)

@@ -1,0 +1,257 @@
+"""Per-chunk copy planning: `ChunkMapper` precomputes, `plan_copies` turns block ids into HAL calls.
+
+A `ChunkMapper` holds, for one (spec, layouts, tp_size, tp_rank, blocks_per_chunk), every run of
+every layer of every block position of a chunk as flat numpy arrays (block-position-major), so
+planning one chunk is a handful of vectorised gathers: no Python loop per block or per
+contiguous run; only runs with more than one fragment become `Copy2D` objects.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .canonical import ChunkLayout, GroupMapping, chunk_layout, layouts_for, map_group
+from .devices import tensor_element_bytes
+from .geometry import KVCacheSpec, LayoutError
+from .plan import Copy2D, CopyPlan
+
+D2H = "d2h"
+H2D = "h2d"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCache:
+    """Where one rank's per-layer KV tensors live.
+
+    Attributes:
+        bases: uint64 (num_layers,), address of each layer's tensor (global layer order).
+        block_strides: int64 (num_layers,), bytes between consecutive device blocks.
+        plane_strides: int64 (num_layers,), bytes between the K and V planes of two-plane
+            layouts (`separate-kv`), 0 otherwise.
+        num_blocks: Device blocks in every layer's tensor.
+    """
+
+    bases: np.ndarray
+    block_strides: np.ndarray
+    plane_strides: np.ndarray
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Runs:
+    """Runs of a whole chunk, block-position-major; `per_block` entries per block position."""
+
+    layer: np.ndarray
+    block: np.ndarray
+    local: np.ndarray
+    plane: np.ndarray
+    host: np.ndarray
+    width: np.ndarray
+    count: np.ndarray
+    local_stride: np.ndarray
+    canonical_stride: np.ndarray
+    per_block: int
+
+    def take(self, mask: np.ndarray, per_block: int) -> "_Runs":
+        return _Runs(*(getattr(self, f)[mask] for f in _FIELDS), per_block)
+
+
+_FIELDS = ("layer", "block", "local", "plane", "host", "width", "count", "local_stride",
+           "canonical_stride")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMapper:
+    """Everything one rank needs to plan the copies of any chunk.
+
+    Attributes:
+        spec, layouts, tp_size, tp_rank, blocks_per_chunk: What it was built for.
+        groups: One `GroupMapping` per spec group.
+        chunk: Where each layer's canonical page sits in the host slot.
+    """
+
+    spec: KVCacheSpec
+    layouts: tuple[str, ...]
+    tp_size: int
+    tp_rank: int
+    blocks_per_chunk: int
+    groups: tuple[GroupMapping, ...]
+    chunk: ChunkLayout
+    _tables: dict = field(compare=False, repr=False)
+
+    @property
+    def device_block_bytes(self) -> int:
+        """Bytes of one device block on this rank, all layers together."""
+        return sum(m.page_bytes * g.num_layers for m, g in zip(self.groups, self.spec.groups))
+
+    def runs_per_chunk(self, direction: str) -> int:
+        """Copy runs (one HAL descriptor or 2D copy each) this rank issues for a full chunk."""
+        single, strided = self._tables[direction]
+        return (single.per_block + strided.per_block) * self.blocks_per_chunk
+
+    def layer_groups(self) -> np.ndarray:
+        """int64 (num_layers,): group index of each global layer."""
+        return np.repeat(np.arange(len(self.groups)), [g.num_layers for g in self.spec.groups])
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_mapper(spec: KVCacheSpec, layout: str | tuple[str, ...], tp_size: int, tp_rank: int,
+                 blocks_per_chunk: int) -> ChunkMapper:
+    """Build (and cache) the mapper of one rank.
+
+    Args:
+        spec: The model geometry.
+        layout: One layout name for every group, or a tuple with one name per group.
+        tp_size, tp_rank: Tensor parallelism of the deployment and this rank.
+        blocks_per_chunk: Device blocks per chunk (N).
+
+    Raises:
+        LayoutError: an unmappable combination (names the layer group and the reason).
+    """
+    names = layouts_for(spec, layout)
+    groups = tuple(map_group(spec, gi, name, tp_size, tp_rank, blocks_per_chunk)
+                   for gi, name in enumerate(names))
+    chunk = chunk_layout(spec, blocks_per_chunk)
+    tables = {D2H: _split(_table(spec, groups, chunk, blocks_per_chunk, store=True)),
+              H2D: _split(_table(spec, groups, chunk, blocks_per_chunk, store=False))}
+    return ChunkMapper(spec, names, tp_size, tp_rank, blocks_per_chunk, groups, chunk, tables)
+
+
+def _table(spec: KVCacheSpec, groups: tuple[GroupMapping, ...], chunk: ChunkLayout,
+           blocks_per_chunk: int, *, store: bool) -> _Runs:
+    parts = []
+    for gi, (m, g) in enumerate(zip(groups, spec.groups)):
+        runs = m.store_runs if store else m.runs
+        fields = np.array([(r.local_offset, r.canonical_offset, r.fragment_bytes, r.count,
+                            r.local_stride, r.canonical_stride) for r in runs],
+                          dtype=np.int64).reshape(-1, 6)
+        layers = np.arange(spec.first_layer(gi), spec.first_layer(gi) + g.num_layers)
+        rows = np.tile(fields, (g.num_layers, 1))
+        layer = np.repeat(layers, len(runs))
+        parts.append((layer, rows, np.full(layer.size, m.block_shift, np.int64),
+                      np.full(layer.size, m.plane_bytes, np.int64)))
+    layer = np.concatenate([p[0] for p in parts])
+    rows = np.concatenate([p[1] for p in parts])
+    shift = np.concatenate([p[2] for p in parts])
+    plane_bytes = np.concatenate([p[3] for p in parts])
+    per_block = layer.size
+    block = np.repeat(np.arange(blocks_per_chunk, dtype=np.int64), per_block)
+    tile = lambda a: np.tile(a, blocks_per_chunk)  # noqa: E731
+    local = tile(rows[:, 0])
+    host = tile(chunk.page_offsets[layer] + rows[:, 1]) + block * tile(shift)
+    return _Runs(tile(layer), block, local % tile(plane_bytes), local // tile(plane_bytes),
+                 host, tile(rows[:, 2]), tile(rows[:, 3]), tile(rows[:, 4]), tile(rows[:, 5]),
+                 per_block)
+
+
+def _split(t: _Runs) -> tuple[_Runs, _Runs]:
+    single = t.count == 1
+    n_single = int(single[:t.per_block].sum())
+    return t.take(single, n_single), t.take(~single, t.per_block - n_single)
+
+
+def device_cache(mapper: ChunkMapper, tensors: Sequence[Any]) -> DeviceCache:
+    """Describe a rank's per-layer KV tensors (as vLLM's `register_kv_caches` hands them, in
+    global layer order) for planning.
+
+    Args:
+        tensors: One tensor-like per layer with `data_ptr()`, `stride()` (elements),
+            `element_size()` and `shape`; its physical layout must be the group's layout.
+
+    Raises:
+        LayoutError: wrong number of tensors, or a tensor whose byte size or block stride does
+            not fit the layout (names the layer index).
+    """
+    n_layers = mapper.spec.num_layers
+    if len(tensors) != n_layers:
+        raise LayoutError(f"tensors: expected {n_layers} layer tensors, got {len(tensors)}",
+                          field="tensors")
+    groups = mapper.layer_groups()
+    bases, blocks, planes, counts = [], [], [], set()
+    for i, t in enumerate(tensors):
+        m = mapper.groups[groups[i]]
+        two = m.layout.num_planes == 2
+        shape, stride, esize = tuple(t.shape), tuple(t.stride()), t.element_size()
+        num_blocks = shape[1 if two else 0]
+        expect = m.layout.shape(mapper.spec.groups[groups[i]], m.share.num_heads, num_blocks)
+        group = mapper.spec.groups[groups[i]]
+        if (math.prod(shape) * esize != math.prod(expect) * tensor_element_bytes(group)
+                or stride[1 if two else 0] * esize < m.plane_bytes):
+            raise LayoutError(f"tensors[{i}]: shape {shape} (element {esize} B, strides "
+                              f"{stride}) does not hold layout {m.layout.name!r}, expected "
+                              f"{expect}", field=f"tensors[{i}]", layer=i)
+        bases.append(t.data_ptr())
+        blocks.append(stride[1 if two else 0] * esize)
+        planes.append(stride[0] * esize if two else 0)
+        counts.add(num_blocks)
+    if len(counts) != 1:
+        raise LayoutError(f"tensors: layers have different block counts {sorted(counts)}",
+                          field="tensors")
+    return DeviceCache(np.array(bases, np.uint64), np.array(blocks, np.int64),
+                       np.array(planes, np.int64), counts.pop())
+
+
+def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
+                host_addr: int, direction: str) -> CopyPlan:
+    """The HAL calls that move one chunk between this rank's device blocks and a host slot.
+
+    Args:
+        mapper: From `chunk_mapper(...)` for this rank.
+        block_ids: int array (n,), 1 ≤ n ≤ blocks_per_chunk: device block ids in chunk order
+            (block j holds chunk tokens [j*T, (j+1)*T)); n < blocks_per_chunk plans a prefix.
+        device: The rank's layer tensors (`device_cache`).
+        host_addr: Address of the chunk's host slot (`mapper.chunk.chunk_bytes` bytes).
+        direction: "d2h" (store: only bytes this rank is the elected writer of) or "h2d" (load:
+            every byte of the rank's device pages, replicas included).
+
+    Returns:
+        A `CopyPlan`: one `Copy2D` per multi-fragment run per block, and uint64 address arrays
+        for `copy_batch_async` for single-fragment runs. Copies within a plan never overlap.
+
+    Raises:
+        LayoutError: bad direction, block_ids not 1-D integers, too many, or out of
+            [0, device.num_blocks).
+    """
+    if direction not in (D2H, H2D):
+        raise LayoutError(f"direction: must be {D2H!r} or {H2D!r}, got {direction!r}",
+                          field="direction")
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise LayoutError(f"block_ids: must be a 1-D integer array, got {ids.dtype} "
+                          f"shape {ids.shape}", field="block_ids")
+    if not 1 <= ids.size <= mapper.blocks_per_chunk:
+        raise LayoutError(f"block_ids: {ids.size} blocks, must be 1..{mapper.blocks_per_chunk}",
+                          field="block_ids")
+    if ids.min() < 0 or ids.max() >= device.num_blocks:
+        raise LayoutError(f"block_ids: ids must be in [0, {device.num_blocks}), got "
+                          f"{ids.min()}..{ids.max()}", field="block_ids")
+    ids = ids.astype(np.int64)
+    single, strided = mapper._tables[direction]
+    s_dev, s_host, s = _addresses(single, ids, device, host_addr)
+    sizes = s.width.astype(np.uint64)
+    d_dev, d_host, d = _addresses(strided, ids, device, host_addr)
+    if direction == D2H:
+        dsts, srcs = s_host, s_dev
+        copies = tuple(map(Copy2D, d_host.tolist(), d.canonical_stride.tolist(),
+                           d_dev.tolist(), d.local_stride.tolist(), d.width.tolist(),
+                           d.count.tolist()))
+    else:
+        dsts, srcs = s_dev, s_host
+        copies = tuple(map(Copy2D, d_dev.tolist(), d.local_stride.tolist(),
+                           d_host.tolist(), d.canonical_stride.tolist(), d.width.tolist(),
+                           d.count.tolist()))
+    return CopyPlan(copies, dsts, srcs, sizes)
+
+
+def _addresses(t: _Runs, ids: np.ndarray, device: DeviceCache, host_addr: int):
+    n = ids.size * t.per_block
+    layer = t.layer[:n]
+    dev = (device.bases[layer].astype(np.int64) + ids[t.block[:n]] * device.block_strides[layer]
+           + t.plane[:n] * device.plane_strides[layer] + t.local[:n])
+    host = t.host[:n] + np.int64(host_addr)
+    view = _Runs(*(getattr(t, f)[:n] for f in _FIELDS), t.per_block)
+    return dev.astype(np.uint64), host.astype(np.uint64), view

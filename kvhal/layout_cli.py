@@ -1,0 +1,84 @@
+"""`kvhal layout`: per TP rank, the device bytes per block, the canonical chunk bytes and the
+copy runs of one model geometry and device layout (DESIGN §3)."""
+from __future__ import annotations
+
+import argparse
+
+from .layout import (D2H, FORMAT_ID, H2D, attention_spec, chunk_mapper, default_layouts,
+                     mla_spec)
+from .report import print_json, print_table
+
+MIB = 1 << 20
+
+
+def collect(args: argparse.Namespace) -> dict:
+    """The report as a dict: geometry, format, and one row per TP rank.
+
+    Raises:
+        LayoutError: an impossible geometry or an unmappable layout (names field or layer).
+    """
+    if args.mla_latent is not None:
+        spec = mla_spec(num_layers=args.layers, latent_size=args.mla_latent, dtype=args.dtype,
+                        block_size=args.block_size, extra_bytes_per_token=args.extra_bytes)
+    else:
+        if args.kv_heads is None or args.head_size is None:
+            raise ValueError("--kv-heads and --head-size are required without --mla-latent")
+        spec = attention_spec(num_layers=args.layers, num_kv_heads=args.kv_heads,
+                              head_size=args.head_size, dtype=args.dtype,
+                              block_size=args.block_size, extra_bytes_per_token=args.extra_bytes)
+    layouts = default_layouts(spec.groups, args.attention)
+    ranks = []
+    for rank in range(args.tp):
+        m = chunk_mapper(spec, layouts, args.tp, rank, args.blocks_per_chunk)
+        load = m._tables[H2D]
+        ranks.append({
+            "rank": rank,
+            "writer": all(g.share.writer for g in m.groups),
+            "device_block_bytes": m.device_block_bytes,
+            "device_block_mib": m.device_block_bytes / MIB,
+            "canonical_chunk_bytes": m.chunk.chunk_bytes,
+            "runs_per_page": [len(g.runs) for g in m.groups],
+            "store_runs_per_chunk": m.runs_per_chunk(D2H),
+            "load_runs_per_chunk": m.runs_per_chunk(H2D),
+            "copies_2d_per_chunk": load[1].per_block * args.blocks_per_chunk,
+        })
+    return {"format_id": FORMAT_ID, "layouts": list(layouts), "tp": args.tp,
+            "blocks_per_chunk": args.blocks_per_chunk, "ranks": ranks}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the per-rank table (or JSON)."""
+    report = collect(args)
+    if args.json:
+        print_json(report)
+        return 0
+    rows = [[r["rank"], "yes" if r["writer"] else "no", r["device_block_bytes"],
+             f"{r['device_block_mib']:.3f}", r["canonical_chunk_bytes"],
+             "/".join(map(str, r["runs_per_page"])), r["store_runs_per_chunk"],
+             r["load_runs_per_chunk"], r["copies_2d_per_chunk"]] for r in report["ranks"]]
+    print_table(f"{report['format_id']} · {', '.join(report['layouts'])} · TP {report['tp']} · "
+                f"{report['blocks_per_chunk']} blocks/chunk · per rank: device bytes per block "
+                "(all layers), canonical bytes per chunk, copy runs per layer page and per "
+                "chunk (D2H = store, H2D = load), 2D copies per chunk",
+                ["rank", "writes", "B/block", "MiB", "B/chunk", "runs/page", "D2H runs",
+                 "H2D runs", "2D"], rows)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `layout` verb."""
+    p = sub.add_parser("layout", help="device page and canonical chunk sizes and copy runs")
+    p.add_argument("--layers", type=int, required=True, help="number of layers")
+    p.add_argument("--kv-heads", type=int, help="total KV heads (TP = 1)")
+    p.add_argument("--head-size", type=int, help="head size in elements")
+    p.add_argument("--dtype", default="bf16", help="KV dtype (bf16, fp16, fp32, fp8, ...)")
+    p.add_argument("--block-size", type=int, required=True, help="tokens per device block")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--blocks-per-chunk", type=int, default=1, help="device blocks per chunk")
+    p.add_argument("--attention", default="packed-hnd",
+                   help="device layout of attention layers (see kvhal.layout.devices)")
+    p.add_argument("--mla-latent", type=int, help="MLA latent size in elements (MLA model)")
+    p.add_argument("--extra-bytes", type=int, default=0,
+                   help="extra bytes per token per KV head (e.g. fp8 scales)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
