@@ -11,18 +11,26 @@ import pytest
 
 from kvhal import plugins
 
+from .tier_fixtures import cpu_backend, harness, host, namespace, open_tier  # noqa: F401
+from .tier_fixtures import selected_tiers
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Add `--kvhal-backend NAME` (repeatable)."""
+    """Add `--kvhal-backend NAME` and `--kvhal-tier NAME` (both repeatable)."""
     parser.addoption("--kvhal-backend", action="append", default=None, metavar="NAME",
                      help="backend(s) to run the conformance suite on (default: all registered)")
+    parser.addoption("--kvhal-tier", action="append", default=None, metavar="NAME",
+                     help="secondary tier(s) to run the tier conformance suite on (default: "
+                          "every tier with a harness in conformance/tier_harness.py)")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Parametrize `backend_name` over the selected backends."""
+    """Parametrize `backend_name` and `tier_name` over the selected backends and tiers."""
     if "backend_name" in metafunc.fixturenames:
         names = metafunc.config.getoption("--kvhal-backend") or list(plugins.backends())
         metafunc.parametrize("backend_name", names, scope="session")
+    if "tier_name" in metafunc.fixturenames:
+        metafunc.parametrize("tier_name", selected_tiers(metafunc.config))
 
 
 _instances: dict[str, object] = {}

@@ -6,5 +6,6 @@ from kvhal.plugins import TierSpec
 @hookimpl
 def kvhal_register_tiers():
     """Register the built-in tier types."""
+    from .fs import FsTier
     from .memory import MemoryTier
-    return [TierSpec("memory", MemoryTier)]
+    return [TierSpec("memory", MemoryTier), TierSpec("fs", FsTier)]

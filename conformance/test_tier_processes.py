@@ -1,0 +1,124 @@
+"""Tier conformance across processes (slow): concurrent writers of the same key while another
+process reads in a loop, and writers killed with SIGKILL at ≥ 100 seeded points."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvhal.tiers.base import Lookup
+
+from . import tier_workers
+from .tier_fixtures import DRAIN_TIMEOUT_S, chunk_key, load, payload
+
+pytestmark = pytest.mark.slow
+
+WRITERS = 3
+ROUNDS = 16
+KILL_POINTS = 100
+CHUNKS_PER_WRITER = 6
+
+
+def _context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["numpy", "kvhal.tiers.fs", "conformance.tier_workers"])
+    return ctx
+
+
+def test_concurrent_writers_of_one_key_and_a_looping_reader(harness, tmp_path, namespace):
+    if not harness.shared_by_processes:
+        pytest.skip(f"{harness.name} is not shared by processes: {harness.why_not}")
+    ctx = _context()
+    config = harness.config(str(tmp_path), 1 << 30)
+    nbytes = (1 << 20) + 4099
+    out, barrier, done = ctx.Queue(), ctx.Barrier(WRITERS), ctx.Event()
+    args = (harness.name, config, namespace, ROUNDS, nbytes)
+    reader = ctx.Process(target=tier_workers.looping_reader, args=args + (done, out))
+    writers = [ctx.Process(target=tier_workers.same_key_writer, args=args + (barrier, out))
+               for _ in range(WRITERS)]
+
+    reader.start()
+    for w in writers:
+        w.start()
+    reports = [out.get(timeout=120) for _ in writers]
+    done.set()
+    reports.append(out.get(timeout=120))
+    for p in writers + [reader]:
+        p.join(30)
+
+    assert [p.exitcode for p in writers + [reader]] == [0] * (WRITERS + 1)
+    assert sorted(r for r in reports if r[0] == "writer") == [("writer", [])] * WRITERS
+    (_, loads, wrong, seen, failures), = [r for r in reports if r[0] == "reader"]
+    assert (wrong, failures, seen) == (0, [], list(range(ROUNDS)))
+    assert loads >= ROUNDS
+    if harness.stored_objects is not None:
+        complete, temps = harness.stored_objects(config)
+        assert (len(complete), temps) == (ROUNDS, [])
+
+
+def _kill_at(ctx, harness, config, namespace, first, nbytes,
+             delay_s: float | None) -> tuple[list[int], float]:
+    """Run a crash writer and SIGKILL it `delay_s` after it is ready (None: once it reports
+    every store finished). Returns the chunk indexes it reported stored and the seconds from
+    ready to kill."""
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=tier_workers.crash_writer,
+                       args=(harness.name, config, namespace, first, CHUNKS_PER_WRITER, nbytes,
+                             child))
+    proc.start()
+    child.close()
+    assert parent.poll(DRAIN_TIMEOUT_S) and parent.recv() == "ready"
+    t0 = time.perf_counter()
+    stored = []
+    if delay_s is None:
+        while (msg := parent.recv()) != "done":
+            stored.append(msg)
+    else:
+        time.sleep(delay_s)  # the seeded kill point
+    os.kill(proc.pid, signal.SIGKILL)
+    elapsed = time.perf_counter() - t0
+    proc.join(DRAIN_TIMEOUT_S)
+    assert proc.exitcode == -signal.SIGKILL
+    while parent.poll(0):
+        try:
+            msg = parent.recv()
+        except EOFError:
+            break
+        if isinstance(msg, int):
+            stored.append(msg)
+    return stored, elapsed
+
+
+def test_sigkilled_writers_never_leave_a_torn_chunk(harness, tmp_path, namespace, host):
+    if not harness.persistent:
+        pytest.skip(f"{harness.name} is not persistent: {harness.why_not}")
+    ctx = _context()
+    config = harness.config(str(tmp_path), 1 << 30)
+    nbytes = (256 << 10) + 3
+    first = KILL_POINTS * CHUNKS_PER_WRITER  # the calibration run's chunks come after
+    stored_all, span_s = _kill_at(ctx, harness, config, namespace, first, nbytes, None)
+    assert sorted(stored_all) == list(range(first, first + CHUNKS_PER_WRITER))
+    for point in range(KILL_POINTS):  # kill points spread over 1.5x an unkilled writer's time
+        delay = random.Random(point).uniform(0, 1.5 * span_s)
+        stored, _ = _kill_at(ctx, harness, config, namespace, point * CHUNKS_PER_WRITER,
+                             nbytes, delay)
+        stored_all += stored
+
+    tier = harness.make(config, host, namespace)
+    try:
+        array = np.frombuffer(host, dtype=np.uint8)
+        for i in range(first + CHUNKS_PER_WRITER):
+            key = chunk_key(namespace, i)
+            if i in stored_all:
+                assert tier.lookup(key) is Lookup.HIT, f"stored chunk {i} lost"
+            if tier.lookup(key) is Lookup.HIT:
+                result = load(tier, key, 0, nbytes, job_id=i)
+                assert result.ok, f"chunk {i}: {result.error}"
+                np.testing.assert_array_equal(array[:nbytes], payload(i, nbytes))
+    finally:
+        tier.close()

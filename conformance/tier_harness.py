@@ -1,0 +1,206 @@
+"""How the tier conformance suite builds, damages and breaks each secondary tier.
+
+A `TierHarness` tells the suite what a tier type can do (persist across restarts, share one
+store between processes) and how to damage its stored chunks or inject I/O errors. A tier
+joins the suite with one line, e.g. in its own conftest.py:
+
+    register_harness(TierHarness("obj", config=lambda tmp, max_bytes: {...}, ...))
+
+and is selected with `pytest conformance/ --kvhal-tier=obj` (default: every registered
+harness whose tier type is registered with kvhal). Tests that need a capability a harness does
+not declare are skipped with the harness's reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator
+
+from kvhal import plugins
+from kvhal.keys import ChunkKey
+from kvhal.tiers.base import SecondaryTier
+
+#: Damage kinds of `TierHarness.damage`: flip one payload bit, flip one header bit (fs-like
+#: tiers with a header), cut the stored object short, delete it.
+DAMAGE_KINDS = ("bitflip-payload", "bitflip-header", "truncate", "delete")
+#: errno values `TierHarness.faulty` must be able to inject.
+FAULT_ERRNOS = (errno.EACCES, errno.ENOSPC, errno.EIO)
+
+Config = dict[str, Any]
+#: damage(tier, config, key, kind, seed): damage the stored chunk of `key` (tier open).
+Damage = Callable[[SecondaryTier, Config, ChunkKey, str, int], None]
+#: faulty(tmp_dir, err, direction, host, namespace): a context manager yielding a tier whose
+#: `direction` ("store" or "load") I/O fails with `err` (jobs for that direction only).
+Faulty = Callable[[str, int, str, memoryview, bytes], ContextManager[SecondaryTier]]
+
+
+@dataclass(frozen=True)
+class TierHarness:
+    """What the suite needs to know about one tier type.
+
+    Attributes:
+        name: The registered tier type (`kvhal.plugins.tiers()` key).
+        config: `config(tmp_dir, max_bytes)` → this tier's config dict, storing under
+            `tmp_dir` (a fresh folder per test). Must set any polling interval small (≤ 0.1 s)
+            so that other processes' chunks become visible quickly.
+        persistent: Chunks survive `close()` and a new instance on the same config.
+        shared_by_processes: Instances in separate processes with the same config see each
+            other's chunks.
+        damage: Damages a stored chunk (see `Damage`), or None.
+        damage_kinds: The `DAMAGE_KINDS` `damage` supports.
+        faulty: Builds a tier with injected I/O errors (see `Faulty`), or None.
+        stored_objects: `stored_objects(config)` → (complete objects, temp objects) currently
+            in the store (e.g. chunk files and temp files), or None.
+        why_not: Reason printed when a test is skipped for a missing capability.
+    """
+
+    name: str
+    config: Callable[[str, int], Config]
+    persistent: bool = False
+    shared_by_processes: bool = False
+    damage: Damage | None = None
+    damage_kinds: tuple[str, ...] = ()
+    faulty: Faulty | None = None
+    stored_objects: Callable[[Config], tuple[list[str], list[str]]] | None = None
+    why_not: str = ""
+
+    def make(self, config: Config, host: memoryview, namespace: bytes) -> SecondaryTier:
+        """Construct the tier through its registered factory."""
+        return plugins.tiers()[self.name].factory(config, host, namespace)
+
+
+_HARNESSES: dict[str, TierHarness] = {}
+
+
+def register_harness(harness: TierHarness) -> None:
+    """Add (or replace) the harness of `harness.name`."""
+    _HARNESSES[harness.name] = harness
+
+
+def harnesses() -> dict[str, TierHarness]:
+    """Every registered harness, by tier name."""
+    return dict(_HARNESSES)
+
+
+class FaultyOs:
+    """The `os` module, except that the calls named in `calls` raise `OSError(err)`.
+
+    Used where a real component cannot produce the error on demand: EIO (no faulty disk in
+    CI), EACCES (CI runs as root, and root ignores permission bits), ENOSPC on loads and
+    where no tiny tmpfs can be mounted. `raised` counts the injected errors.
+    """
+
+    def __init__(self, err: int, calls: tuple[str, ...]):
+        self.err = err
+        self.calls = frozenset(calls)
+        self.raised = 0
+
+    def __getattr__(self, name: str):
+        real = getattr(os, name)
+        if name not in self.calls:
+            return real
+
+        def fail(*args, **kwargs):
+            self.raised += 1
+            raise OSError(self.err, os.strerror(self.err))
+        return fail
+
+
+# -- memory ---------------------------------------------------------------------------------
+def _memory_damage(tier, config, key, kind, seed):
+    del tier._data[key]  # the example tier holds bytes in a private dict: deletion only
+
+
+register_harness(TierHarness(
+    "memory", config=lambda tmp, max_bytes: {"type": "memory", "max_bytes": max_bytes},
+    damage=_memory_damage, damage_kinds=("delete",),
+    why_not="the memory tier lives in one process's memory and does no I/O"))
+
+
+# -- fs -------------------------------------------------------------------------------------
+def _fs_config(tmp: str, max_bytes: int) -> Config:
+    return {"type": "fs", "root_dir": os.path.join(tmp, "fs"), "max_bytes": max_bytes,
+            "refresh_interval_s": 0.02}
+
+
+def _fs_damage(tier, config, key, kind, seed):
+    from kvhal.tiers.fs.format import HEADER_BYTES, chunk_path
+    path = chunk_path(tier.ns_dir, key)
+    if kind == "delete":
+        os.unlink(path)
+        return
+    size = os.path.getsize(path)
+    rng = __import__("random").Random(seed)
+    if kind == "truncate":
+        os.truncate(path, rng.randrange(size))
+        return
+    lo, hi = (0, 64) if kind == "bitflip-header" else (HEADER_BYTES, size)
+    if kind == "bitflip-payload":  # within the payload proper, not the zero padding
+        from kvhal.tiers.fs.format import decode_header
+        with open(path, "rb") as f:
+            hi = HEADER_BYTES + decode_header(f.read(HEADER_BYTES)).payload_nbytes
+    pos = rng.randrange(lo, hi)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ (1 << rng.randrange(8))]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _tiny_tmpfs(nbytes: int) -> Iterator[str | None]:
+    """A fresh tmpfs of `nbytes` mounted on a temp folder, or None where mounting is not
+    permitted (not root, or no CAP_SYS_ADMIN in this container)."""
+    mnt = tempfile.mkdtemp(prefix="kvhal-tmpfs-")
+    ok = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", mnt],
+        capture_output=True).returncode == 0
+    try:
+        yield mnt if ok else None
+    finally:
+        if ok:
+            subprocess.run(["umount", "-l", mnt], capture_output=True)
+        os.rmdir(mnt)
+
+
+@contextlib.contextmanager
+def _fs_faulty(tmp, err, direction, host, namespace):
+    from kvhal.tiers.fs import FsTier
+    calls = ("pwritev",) if direction == "store" else ("preadv",)
+    if err == errno.ENOSPC and direction == "store":
+        # Real ENOSPC: a 256 KiB tmpfs cannot hold the suite's 1 MiB chunk.
+        with _tiny_tmpfs(256 << 10) as mnt:
+            config = _fs_config(mnt or tmp, 1 << 30)
+            tier = FsTier(config, host, namespace, os_module=os if mnt else FaultyOs(err, calls))
+            try:
+                yield tier
+            finally:
+                tier.close()
+        return
+    tier = FsTier(_fs_config(tmp, 1 << 30), host, namespace, os_module=FaultyOs(err, calls))
+    try:
+        yield tier
+    finally:
+        tier.close()
+
+
+def _fs_stored_objects(config: Config) -> tuple[list[str], list[str]]:
+    chunks, temps = [], []
+    for dirpath, _, filenames in os.walk(config["root_dir"]):
+        parts = dirpath.split(os.sep)
+        bucket = chunks if "chunks" in parts else temps if parts[-1] == "tmp" else None
+        if bucket is not None:
+            bucket.extend(os.path.join(dirpath, f) for f in filenames)
+    return chunks, temps
+
+
+register_harness(TierHarness(
+    "fs", config=_fs_config, persistent=True, shared_by_processes=True,
+    damage=_fs_damage, damage_kinds=DAMAGE_KINDS, faulty=_fs_faulty,
+    stored_objects=_fs_stored_objects))

@@ -1,0 +1,76 @@
+"""Config of the fs tier: one entry of `secondary_tiers` with `"type": "fs"`.
+
+Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
+    root_dir (str, required): folder holding one sub-folder per namespace; created if absent.
+    max_bytes (int > 0): capacity in file bytes (header and padding included); least recently
+        used chunks are deleted to stay under it. Default: 90% of the space the filesystem
+        has available at start plus what the namespace already holds.
+    n_read_threads, n_write_threads (int > 0): sizes of the load and store thread pools
+        (default 4 each).
+    o_direct ("auto" | true | false): "auto" uses O_DIRECT where the filesystem supports it;
+        true refuses to start without it; false always uses the page cache. Default "auto".
+    refresh_interval_s (number > 0): how often the index picks up files other processes wrote
+        or deleted (default 1.0 s).
+Errors name the key (`root_dir: ...`); the config loader prefixes the list position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..base import TierError
+
+DEFAULT_THREADS = 4
+DEFAULT_REFRESH_INTERVAL_S = 1.0
+#: Keys the tier ignores because the config loader or plugin system uses them.
+_PASSTHROUGH = frozenset({"type", "module_path"})
+_KEYS = frozenset({"root_dir", "max_bytes", "n_read_threads", "n_write_threads", "o_direct",
+                   "refresh_interval_s"})
+
+
+@dataclass(frozen=True, slots=True)
+class FsConfig:
+    """A validated fs tier config (see module docstring); `max_bytes` None = default."""
+
+    root_dir: str
+    max_bytes: int | None
+    n_read_threads: int
+    n_write_threads: int
+    o_direct: str | bool
+    refresh_interval_s: float
+
+
+def _positive_int(config: Mapping[str, Any], name: str, default: int | None) -> int | None:
+    value = config.get(name, default)
+    if value is default:
+        return value
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise TierError(f"{name}: must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_config(config: Mapping[str, Any]) -> FsConfig:
+    """Validate an fs tier config.
+
+    Raises:
+        TierError: a key is missing, unknown or has a bad value; the message starts with the
+            key name and states the accepted values.
+    """
+    unknown = sorted(set(config) - _KEYS - _PASSTHROUGH)
+    if unknown:
+        raise TierError(f"{unknown[0]}: unknown key for the fs tier; accepted: "
+                        f"{', '.join(sorted(_KEYS))}")
+    root_dir = config.get("root_dir")
+    if not isinstance(root_dir, str) or not root_dir:
+        raise TierError(f"root_dir: required, a non-empty path string; got {root_dir!r}")
+    o_direct = config.get("o_direct", "auto")
+    if o_direct not in ("auto", True, False) or isinstance(o_direct, int) and not isinstance(
+            o_direct, bool):
+        raise TierError(f"o_direct: must be \"auto\", true or false; got {o_direct!r}")
+    interval = config.get("refresh_interval_s", DEFAULT_REFRESH_INTERVAL_S)
+    if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
+        raise TierError(f"refresh_interval_s: must be a positive number, got {interval!r}")
+    return FsConfig(root_dir, _positive_int(config, "max_bytes", None),
+                    _positive_int(config, "n_read_threads", DEFAULT_THREADS),
+                    _positive_int(config, "n_write_threads", DEFAULT_THREADS),
+                    o_direct, float(interval))

@@ -1,0 +1,241 @@
+"""Writing and reading one chunk file: the fs tier's hot path (format in `format.py`).
+
+Every function takes the `os` module to use as `osm` (the real `os` in production; tests pass a
+`Faulty...` wrapper to inject errno values a real disk cannot produce on demand). Payloads are
+memoryviews into the host region: with O_DIRECT the aligned bulk of the payload moves straight
+between the host slot and the disk, and only the header block and the last partial block pass
+through a small per-thread aligned scratch buffer.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import time
+
+from kvhal.keys import ChunkKey
+
+from .format import (ALIGN, HEADER_BYTES, QUARANTINE_DIR, FormatError, Header, chunk_path,
+                     decode_header, encode_header, file_nbytes, payload_checksum, temp_path)
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class CorruptChunk(Exception):
+    """A chunk file failed a check (header, size, key or checksum); args[0] says which."""
+
+
+class SizeMismatch(Exception):
+    """A valid chunk file holds a payload of another size than the one requested."""
+
+
+class Scratch:
+    """Two `ALIGN`-aligned blocks (from an anonymous mmap): `header` and `tail`. One per thread."""
+
+    def __init__(self) -> None:
+        self._mm = mmap.mmap(-1, 2 * ALIGN)
+        view = memoryview(self._mm)
+        self.header = view[:ALIGN]
+        self.tail = view[ALIGN:]
+
+
+def probe_o_direct(folder: str) -> bool:
+    """True if files in `folder` can be written and read back with O_DIRECT and `ALIGN`-sized,
+    `ALIGN`-aligned buffers (Linux ext4/xfs: yes; tmpfs before Linux 6.6: no). Never raises."""
+    if not O_DIRECT:
+        return False
+    path = os.path.join(folder, f".o_direct_probe.{os.getpid()}.{os.urandom(4).hex()}")
+    scratch = Scratch()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o600)
+        try:
+            scratch.header[:] = b"\xa5" * ALIGN
+            if os.pwritev(fd, [scratch.header], 0) != ALIGN:
+                return False
+            return os.preadv(fd, [scratch.tail], 0) == ALIGN and scratch.tail == scratch.header
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def fsync_dir(osm, folder: str) -> None:
+    """fsync a directory so that a rename or unlink inside it is durable."""
+    fd = osm.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        osm.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _split(payload: memoryview) -> tuple[memoryview, int]:
+    bulk = len(payload) - len(payload) % ALIGN
+    return payload[:bulk], len(payload) - bulk
+
+
+def _write_all(osm, fd: int, bufs: list[memoryview]) -> None:
+    offset = 0
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        n = osm.pwritev(fd, bufs, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bool,
+                scratch: Scratch) -> None:
+    """Durably publish `payload` as the chunk file of `key` inside `ns_dir`.
+
+    Writes header + payload + zero padding to a unique temp file (O_DIRECT if `direct`, which
+    needs `payload` to start at an `ALIGN`-aligned address), fdatasyncs it, renames it over the
+    chunk path (atomic: readers see the old file, no file, or the complete new file), then
+    fsyncs the chunk folder. On any error the temp file is removed.
+
+    Raises:
+        OSError: from any step (ENOSPC, EIO, EACCES, ...); nothing is left behind.
+    """
+    bulk, rem = _split(payload)
+    encode_header(scratch.header, key, len(payload), payload_checksum(payload))
+    bufs = [scratch.header, bulk]
+    if rem:
+        scratch.tail[:rem] = payload[len(bulk):]
+        scratch.tail[rem:] = bytes(ALIGN - rem)
+        bufs.append(scratch.tail)
+    tmp = temp_path(ns_dir, key)
+    final = chunk_path(ns_dir, key)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
+    fd = osm.open(tmp, flags, 0o644)
+    try:
+        try:
+            _write_all(osm, fd, bufs)
+            osm.fdatasync(fd)
+        finally:
+            os.close(fd)
+        osm.rename(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(osm, os.path.dirname(final))
+
+
+def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes, direct: bool,
+               scratch: Scratch) -> None:
+    """Read the chunk file at `path` into `dest` and verify it completely.
+
+    `dest` receives the payload even when a check fails afterwards; the caller must then treat
+    `dest` as garbage. With `direct`, `dest` must start at an `ALIGN`-aligned address.
+
+    Raises:
+        OSError: the file cannot be opened or read (ENOENT, EACCES, EIO, ...).
+        CorruptChunk: short file, bad header, other key or namespace, checksum mismatch.
+        SizeMismatch: a valid file whose payload size is not `len(dest)`.
+    """
+    fd = osm.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
+    try:
+        size = os.fstat(fd).st_size
+        expected = file_nbytes(len(dest))
+        if size != expected:
+            _raise_size_problem(osm, fd, size, expected, scratch)
+        bulk, rem = _split(dest)
+        bufs = [scratch.header, bulk] + ([scratch.tail] if rem else [])
+        n = osm.preadv(fd, [b for b in bufs if len(b)], 0)
+    finally:
+        os.close(fd)
+    if n != expected:
+        raise CorruptChunk(f"short read: {n} of {expected} bytes")
+    header = _checked_header(scratch.header, key, namespace)
+    if header.payload_nbytes != len(dest):
+        raise SizeMismatch(f"payload {header.payload_nbytes} bytes != requested {len(dest)}")
+    if rem:
+        dest[len(bulk):] = scratch.tail[:rem]
+    if payload_checksum(dest) != header.checksum:
+        raise CorruptChunk("checksum mismatch")
+
+
+def _raise_size_problem(osm, fd: int, size: int, expected: int, scratch: Scratch):
+    if size >= HEADER_BYTES and osm.preadv(fd, [scratch.header], 0) == HEADER_BYTES:
+        try:
+            header = decode_header(scratch.header)
+        except FormatError:
+            header = None
+        if header is not None and file_nbytes(header.payload_nbytes) == size:
+            raise SizeMismatch(f"payload {header.payload_nbytes} bytes != requested "
+                               f"{expected - HEADER_BYTES} (padded)")
+    raise CorruptChunk(f"file size {size} != expected {expected}")
+
+
+def _checked_header(block: memoryview | bytes, key: ChunkKey | None, namespace: bytes) -> Header:
+    try:
+        header = decode_header(block)
+    except FormatError as exc:
+        raise CorruptChunk(str(exc)) from None
+    if header.key.namespace != namespace:
+        raise CorruptChunk("namespace digest differs from the folder's")
+    if key is not None and header.key != key:
+        raise CorruptChunk("file holds another key than its name says")
+    return header
+
+
+def read_header(path: str, namespace: bytes) -> tuple[Header, int]:
+    """Read and check only the header of the chunk file at `path`; returns it and the file
+    size. Used when indexing a directory (no payload is read).
+
+    Raises:
+        OSError: the file cannot be opened or read.
+        CorruptChunk: bad header, other namespace, or a size that does not match the header.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        block = os.pread(fd, HEADER_BYTES, 0)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    header = _checked_header(block, None, namespace)
+    if size != file_nbytes(header.payload_nbytes):
+        raise CorruptChunk(f"file size {size} != expected {file_nbytes(header.payload_nbytes)}")
+    return header, size
+
+
+def verify_file(path: str, namespace: bytes, key: ChunkKey | None) -> Header:
+    """Fully verify the chunk file at `path` (buffered read): header, key, size, checksum.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+        CorruptChunk: any check fails.
+    """
+    with open(path, "rb", buffering=0) as f:
+        data = memoryview(f.read())
+    header = _checked_header(data[:HEADER_BYTES], key, namespace)
+    if len(data) != file_nbytes(header.payload_nbytes):
+        raise CorruptChunk(f"file size {len(data)} != expected "
+                           f"{file_nbytes(header.payload_nbytes)}")
+    payload = data[HEADER_BYTES:HEADER_BYTES + header.payload_nbytes]
+    if payload_checksum(payload) != header.checksum:
+        raise CorruptChunk("checksum mismatch")
+    return header
+
+
+def quarantine_file(ns_dir: str, path: str) -> bool:
+    """Move the chunk file at `path` into `ns_dir/quarantine/` under a unique name (kept for
+    inspection, never read again). Returns False if it could not be moved (e.g. already gone)."""
+    dest = os.path.join(ns_dir, QUARANTINE_DIR,
+                        f"{os.path.basename(path)}.{time.time_ns()}.{os.urandom(4).hex()}")
+    try:
+        os.rename(path, dest)
+    except OSError:
+        return False
+    return True

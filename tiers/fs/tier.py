@@ -1,0 +1,313 @@
+"""`fs`: the filesystem secondary tier — crash-safe, self-verifying, shared by processes.
+
+One file per chunk (`format.py`), written to a unique temp name, fdatasynced, renamed
+atomically and the folder fsynced (`fileio.write_chunk`); every load verifies header, size and
+the xxh3-128 payload checksum (`fileio.read_chunk`). A failed check, a missing file or an I/O
+error fails the job (a MISS for the engine), bumps a counter, and moves a bad file into the
+namespace's `quarantine/` folder; nothing is raised into the caller.
+
+`lookup` answers from an in-memory index (`index.py`) without disk I/O. The index is built
+from the directory at start (restart keeps every complete chunk; files are not rewritten) and
+refreshed by a background thread, so chunks written by other processes sharing `root_dir`
+become visible within `refresh_interval_s`. Stores and loads run on separate thread pools.
+Capacity: `max_bytes` with LRU eviction; ENOSPC fails the store and evicts about a tenth of
+the namespace.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from kvhal.keys import ChunkKey
+
+from ..base import JobKind, JobResult, Lookup, SecondaryTier, TierError, TierJob
+from .config import parse_config
+from .fileio import (CorruptChunk, Scratch, SizeMismatch, fsync_dir, probe_o_direct,
+                     quarantine_file, read_chunk, write_chunk)
+from .format import (ALIGN, CHUNKS_DIR, QUARANTINE_DIR, TEMP_DIR, chunk_path, file_nbytes,
+                     namespace_dir)
+from .index import ChunkIndex, orphaned_temp_files, scan_namespace
+
+#: Share of the filesystem's available space used when `max_bytes` is not configured.
+DEFAULT_SPACE_SHARE = 0.9
+#: errno values of a load that mean the file itself is unusable (it is quarantined).
+_BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
+
+
+def _errno_text(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "OSError")
+    return f"{name}: {exc.strerror or exc}"
+
+
+class FsTier(SecondaryTier):
+    """The fs tier (see module docstring; config keys in `config.py`).
+
+    Args:
+        config: This tier's `secondary_tiers` entry.
+        host: Writable, C-contiguous memoryview (format "B") of the host region.
+        namespace: 16-byte namespace digest; files go under `root_dir/<namespace hex>/`.
+        os_module: The `os` module used for chunk file I/O; tests pass a `Faulty...` wrapper
+            to inject errno values.
+
+    Raises:
+        TierError: bad config, `root_dir` not creatable or not writable, or `o_direct: true`
+            on a filesystem without O_DIRECT support.
+    """
+
+    name = "fs"
+
+    def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes, *,
+                 os_module=os):
+        cfg = parse_config(config)
+        self.config = cfg
+        self._host = host
+        self._host_addr = int(np.frombuffer(host, dtype=np.uint8).ctypes.data) if len(host) else 0
+        self.namespace = bytes(namespace)
+        self._os = os_module
+        self.ns_dir = namespace_dir(cfg.root_dir, self.namespace)
+        self._make_dirs()
+        supported = probe_o_direct(os.path.join(self.ns_dir, TEMP_DIR))
+        if cfg.o_direct is True and not supported:
+            raise TierError(f"o_direct: true, but the filesystem at {cfg.root_dir!r} does not "
+                            "support O_DIRECT; use \"auto\" or false")
+        #: Whether chunk files are written and read with O_DIRECT (detected at start).
+        self.o_direct = supported and cfg.o_direct is not False
+        self._stats: collections.Counter[str] = collections.Counter()
+        self._remove_orphaned_temps()
+        self._index = ChunkIndex()
+        self._scan_lock = threading.Lock()
+        self.refresh()
+        self.max_bytes = cfg.max_bytes or self._default_max_bytes()
+        self._scratch = threading.local()
+        self._lock = threading.Condition()
+        self._finished: list[JobResult] = []
+        self._pending = 0
+        self._closed = False
+        self._readers = ThreadPoolExecutor(cfg.n_read_threads, "kvhal-fs-read")
+        self._writers = ThreadPoolExecutor(cfg.n_write_threads, "kvhal-fs-write")
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh_loop, name="kvhal-fs-refresh",
+                                           daemon=True)
+        self._refresher.start()
+
+    # -- setup --------------------------------------------------------------------------------
+    def _make_dirs(self) -> None:
+        chunks = os.path.join(self.ns_dir, CHUNKS_DIR)
+        try:
+            for sub in (TEMP_DIR, QUARANTINE_DIR):
+                os.makedirs(os.path.join(self.ns_dir, sub), exist_ok=True)
+            missing = [f"{i:02x}" for i in range(256)
+                       if not os.path.isdir(os.path.join(chunks, f"{i:02x}"))]
+            for name in missing:
+                os.makedirs(os.path.join(chunks, name), exist_ok=True)
+            if missing:
+                fsync_dir(os, chunks)
+                fsync_dir(os, self.ns_dir)
+            if not os.access(os.path.join(self.ns_dir, TEMP_DIR), os.W_OK):
+                raise PermissionError(errno.EACCES, "not writable")
+        except OSError as exc:
+            raise TierError(f"root_dir: cannot use {self.config.root_dir!r} "
+                            f"({_errno_text(exc)})") from None
+
+    def _remove_orphaned_temps(self) -> None:
+        for path, _ in orphaned_temp_files(self.ns_dir, time.time()):
+            try:
+                os.unlink(path)
+                self._stats["orphaned_temps_removed"] += 1
+            except OSError:
+                pass
+
+    def _default_max_bytes(self) -> int:
+        free = shutil.disk_usage(self.ns_dir).free
+        return max(ALIGN, int(DEFAULT_SPACE_SHARE * free) + self._index.used_bytes)
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.config.refresh_interval_s):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Re-scan the namespace folder now (the background thread does this every
+        `refresh_interval_s`): index files other processes wrote, forget deleted ones.
+        Thread-safe; scans run one at a time."""
+        with self._scan_lock:
+            known, epoch = self._index.snapshot()
+            self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known), epoch)
+
+    # -- SecondaryTier ------------------------------------------------------------------------
+    def lookup(self, key: ChunkKey) -> Lookup:
+        """HIT if the index holds `key` (no disk I/O; a HIT's load may still fail)."""
+        return Lookup.HIT if not self._closed and key in self._index else Lookup.MISS
+
+    def submit_store(self, job: TierJob) -> None:
+        """Queue a store on the write pool (see `SecondaryTier.submit_store`)."""
+        self._submit(self._writers, self._store, job)
+
+    def submit_load(self, job: TierJob) -> None:
+        """Queue a load on the read pool (see `SecondaryTier.submit_load`)."""
+        self._submit(self._readers, self._load, job)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Results of jobs finished since the last call, each exactly once."""
+        with self._lock:
+            out, self._finished = self._finished, []
+            return out
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until no job is pending.
+
+        Raises:
+            TimeoutError: jobs remain after `timeout_s` seconds.
+        """
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._pending == 0, timeout_s):
+                raise TimeoutError(f"fs tier: {self._pending} jobs still pending after "
+                                   f"{timeout_s} s")
+
+    def close(self) -> None:
+        """Finish pending jobs, stop the pools and the refresh thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+        self._refresher.join()
+
+    def stats(self) -> Mapping[str, Any]:
+        """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
+        io_errors, quarantined, evictions, enospc; plus used_bytes, max_bytes, chunks and
+        o_direct (bool, detected at start)."""
+        with self._lock:
+            out = dict(self._stats)
+        return out | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
+                      "chunks": len(self._index), "o_direct": self.o_direct}
+
+    # -- jobs ---------------------------------------------------------------------------------
+    def _submit(self, pool: ThreadPoolExecutor, fn: Callable[[TierJob], str | None],
+                job: TierJob) -> None:
+        with self._lock:
+            if self._closed:
+                self._finish(job, 0.0, "tier closed")
+                return
+            self._pending += 1
+        pool.submit(self._run, fn, job)
+
+    def _run(self, fn: Callable[[TierJob], str | None], job: TierJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            error = fn(job)
+        except Exception as exc:  # a bug must still end the job exactly once
+            error = f"internal error: {exc!r}"
+        with self._lock:
+            self._finish(job, time.perf_counter() - t0, error)
+            self._pending -= 1
+            self._lock.notify_all()
+
+    def _finish(self, job: TierJob, seconds: float, error: str | None) -> None:
+        self._finished.append(JobResult(job.job_id, job.kind, job.key, error is None, error,
+                                        seconds))
+        if error is not None:
+            self._stats[f"{job.kind.value}_failed"] += 1
+
+    def _check_job(self, job: TierJob) -> str | None:
+        if job.key.namespace != self.namespace:
+            return "key namespace differs from the tier's namespace"
+        if job.offset < 0 or job.nbytes <= 0 or job.offset + job.nbytes > len(self._host):
+            return (f"slot [{job.offset}, {job.offset + job.nbytes}) outside the host region "
+                    f"of {len(self._host)} bytes")
+        return None
+
+    def _direct(self, job: TierJob) -> bool:
+        return self.o_direct and (self._host_addr + job.offset) % ALIGN == 0
+
+    def _scratch_buffers(self) -> Scratch:
+        scratch = getattr(self._scratch, "buffers", None)
+        if scratch is None:
+            scratch = self._scratch.buffers = Scratch()
+        return scratch
+
+    def _store(self, job: TierJob) -> str | None:
+        error = self._check_job(job)
+        if error:
+            return error
+        if self._index.touch(job.key) or os.path.exists(chunk_path(self.ns_dir, job.key)):
+            self._index.add(job.key, file_nbytes(job.nbytes))
+            return None
+        nbytes = file_nbytes(job.nbytes)
+        victims = self._index.reserve(nbytes, self.max_bytes)
+        if victims is None:
+            return f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
+        self._delete(victims, "evictions")
+        try:
+            write_chunk(self._os, self.ns_dir, job.key,
+                        self._host[job.offset:job.offset + job.nbytes], self._direct(job),
+                        self._scratch_buffers())
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self._count("enospc")
+                self._delete(self._index.evict_lru(max(2 * nbytes,
+                                                       self._index.used_bytes // 10)),
+                             "evictions")
+            return _errno_text(exc)
+        finally:
+            self._index.release(nbytes)
+        self._index.add(job.key, nbytes)
+        self._count("bytes_stored", job.nbytes)
+        return None
+
+    def _load(self, job: TierJob) -> str | None:
+        error = self._check_job(job)
+        if error:
+            return error
+        path = chunk_path(self.ns_dir, job.key)
+        try:
+            read_chunk(self._os, path, job.key, self._host[job.offset:job.offset + job.nbytes],
+                       self.namespace, self._direct(job), self._scratch_buffers())
+        except FileNotFoundError:
+            self._index.discard(job.key)
+            self._count("missing")
+            return "not found"
+        except CorruptChunk as exc:
+            self._count("corrupt")
+            self._quarantine(path)
+            self._index.discard(job.key)
+            return f"corrupt: {exc}"
+        except SizeMismatch as exc:
+            return str(exc)
+        except OSError as exc:
+            self._count("io_errors")
+            if exc.errno in _BAD_FILE_ERRNOS:
+                self._quarantine(path)
+            self._index.discard(job.key)
+            return _errno_text(exc)
+        if not self._index.touch(job.key):
+            self._index.add(job.key, file_nbytes(job.nbytes))
+        self._count("bytes_loaded", job.nbytes)
+        return None
+
+    # -- housekeeping -------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[name] += n
+
+    def _quarantine(self, path: str) -> None:
+        if quarantine_file(self.ns_dir, path):
+            self._count("quarantined")
+
+    def _delete(self, victims: list[tuple[ChunkKey, int]], counter: str) -> None:
+        for key, _ in victims:
+            try:
+                os.unlink(chunk_path(self.ns_dir, key))
+            except OSError:
+                pass
+            self._index.discard(key)
+            self._count(counter)
