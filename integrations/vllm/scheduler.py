@@ -237,13 +237,14 @@ class SchedulerSide:
 
         Returns:
             (delay_free, kv_transfer_params): the params carry `{"kvhal": {"hit_tokens":
-            {tier: tokens}}}` for the request's output.
+            {tier: tokens}, "counters": stats()}}` for the request's output (tier "host" or a
+            secondary tier's type; counters are this connector's totals so far).
         """
         self.manager.release(request.request_id)
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
-        params = {"kvhal": {"hit_tokens": dict(state.hit_tokens)}}
+        params = {"kvhal": {"hit_tokens": dict(state.hit_tokens), "counters": self.stats()}}
         if state.store_jobs:
             self._report_sending.append(request.request_id)
             return True, params
