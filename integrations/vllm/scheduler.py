@@ -11,6 +11,8 @@ forward pass that needs them, before it. A load that fails is reported by the wo
 """
 from __future__ import annotations
 
+import atexit
+import glob
 import logging
 import os
 from dataclasses import dataclass, field
@@ -29,6 +31,9 @@ from .geometry import Deployment
 from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo, TransferJob
 
 logger = logging.getLogger(__name__)
+
+#: Shared host regions are `/dev/shm/kvhal-<pid of the scheduler process>-<engine id>`.
+SHM_PREFIX = "/dev/shm/kvhal-"
 
 #: Key of the per-request cap in `SamplingParams.extra_args["kv_transfer_params"]`.
 MAX_OFFLOAD_TOKENS = "max_offload_tokens"
@@ -79,8 +84,11 @@ class SchedulerSide:
         self.deployment = deployment
         self.config = config
         geometry = host_geometry(deployment.chunk_nbytes, config.cpu_bytes_to_use)
-        shm_path = f"/dev/shm/kvhal-{os.getpid()}-{engine_id}"
+        remove_stale_regions()
+        shm_path = f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
         self.region = HostRegion.create_shared(CpuBackend(), geometry, shm_path)
+        # A process that exits without vLLM's shutdown must not leave the region in /dev/shm.
+        atexit.register(_unlink, shm_path)
         self.region_info = RegionInfo(shm_path, geometry.slot_bytes, geometry.chunk_nbytes,
                                       geometry.capacity)
         self.manager = build_manager(config, geometry, self.region.view, deployment.namespace)
@@ -263,3 +271,25 @@ class SchedulerSide:
         """Drain and close the tiers, then release the host region."""
         self.manager.close()
         self.region.close()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_stale_regions() -> list[str]:
+    """Delete host regions whose creating process is gone (killed before its shutdown).
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    for path in glob.glob(SHM_PREFIX + "*"):
+        pid = path[len(SHM_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _unlink(path)
+            removed.append(path)
+    return removed
