@@ -24,6 +24,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "every tier with a harness in conformance/tier_harness.py)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse an unknown `--kvhal-backend` name with one line listing the registered ones,
+    instead of an error per test (an unavailable one still skips with its probe's reason)."""
+    names = config.getoption("--kvhal-backend") or []
+    registered = plugins.backends()
+    unknown = [n for n in names if n not in registered]
+    if unknown:
+        raise pytest.UsageError(f"--kvhal-backend: {', '.join(map(repr, unknown))} not "
+                                f"registered; registered: {', '.join(registered) or 'none'}")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize `backend_name` and `tier_name` over the selected backends and tiers."""
     if "backend_name" in metafunc.fixturenames:

@@ -13,6 +13,7 @@ import sys
 COMMAND_MODULES = (
     "kvhal.doctor",
     "kvhal.bench",
+    "kvhal.fsck",
     "kvhal.layout_cli",
 )
 
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `kvhal ... --json | head`: the reader left, not an error
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("kvhal: interrupted", file=sys.stderr)
         return 130

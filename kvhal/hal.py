@@ -176,6 +176,12 @@ class DeviceBackend(Protocol):
 
     Construction acquires the runtime; it raises `BackendUnavailableError` if `probe()` says
     the backend cannot run here.
+
+    Argument checking (every method): each size, address, pitch, width, height and device
+    argument must be an `int` or numpy integer in [0, 2**64) (`as_int`; bool and float are
+    refused), batch arrays must be integer arrays (`as_u64`), and streams/events must be live
+    objects of this backend; anything else raises `InvalidValueError` at the call, before any
+    work is queued.
     """
 
     name: ClassVar[str]
@@ -217,8 +223,8 @@ class DeviceBackend(Protocol):
         The caller keeps ownership; `free` only unregisters.
 
         Raises:
-            InvalidValueError: ptr is 0 with nbytes > 0, or nbytes < 0, or overlap with an
-                existing registration.
+            InvalidValueError: ptr is 0 with nbytes > 0, or nbytes < 0, the range is not mapped
+                read-write in this process, or it overlaps an existing registration.
             NotSupportedError: `capabilities().host_register` is False.
         """
 
@@ -236,7 +242,11 @@ class DeviceBackend(Protocol):
         """Create a new non-blocking stream on `device`."""
 
     def destroy_stream(self, stream: Stream) -> None:
-        """Wait for the stream's queued work, then release it."""
+        """Wait for the stream's queued work, then release it.
+
+        Raises:
+            InvalidValueError: the stream was already destroyed; any later use of it raises too.
+        """
 
     def stream_synchronize(self, stream: Stream) -> None:
         """Block until every operation submitted to `stream` so far has completed.
@@ -339,17 +349,52 @@ def address_array(ptr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
 
 
+#: Largest value an address or byte count may take (they travel as uint64 to the runtime).
+MAX_U64 = (1 << 64) - 1
+
+
+def as_int(value: Any, what: str, backend: str) -> int:
+    """`value` as a Python int in [0, 2**64), naming `what` in the error.
+
+    Accepts `int` and numpy integer scalars; refuses `bool`, floats (even integral ones),
+    strings and None, so a bad argument fails at the call, never later on the stream.
+
+    Raises:
+        InvalidValueError: not an integer, negative, or ≥ 2**64.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidValueError(f"{what} must be an int, got {type(value).__name__} "
+                                f"{value!r}", backend=backend)
+    value = int(value)
+    if not 0 <= value <= MAX_U64:
+        raise InvalidValueError(f"{what} must be in [0, 2**64), got {value}", backend=backend)
+    return value
+
+
 def as_u64(values: Any, what: str, backend: str) -> np.ndarray:
     """Coerce `values` to a contiguous 1-D uint64 array, naming `what` in the error.
 
+    Only integer inputs are accepted: a float, bool, string or object array (or a list that
+    becomes one) is refused rather than truncated, so a batch never moves different bytes than
+    the caller asked for.
+
     Raises:
-        InvalidValueError: not 1-D, or negative entries.
+        InvalidValueError: not 1-D, not integers, negative entries, or entries ≥ 2**64.
     """
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except (OverflowError, ValueError) as exc:
+        raise InvalidValueError(f"{what} is not an integer array: {exc}", backend=backend) \
+            from None
     if arr.ndim != 1:
         raise InvalidValueError(f"{what} must be 1-D, got shape {arr.shape}", backend=backend)
-    if arr.dtype != np.uint64:
-        if arr.size and np.issubdtype(arr.dtype, np.signedinteger) and arr.min() < 0:
-            raise InvalidValueError(f"{what} has negative entries", backend=backend)
-        arr = arr.astype(np.uint64)
-    return np.ascontiguousarray(arr)
+    if arr.dtype == np.uint64 or arr.size == 0:
+        return np.ascontiguousarray(arr, dtype=np.uint64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidValueError(f"{what} must hold integers, got dtype {arr.dtype}"
+                                + (" (Python ints ≥ 2**64 or non-numbers?)"
+                                   if arr.dtype == object else ""), backend=backend)
+    if arr.dtype.kind == "i" and arr.min() < 0:
+        bad = int(np.flatnonzero(arr < 0)[0])
+        raise InvalidValueError(f"{what}[{bad}] is negative: {int(arr[bad])}", backend=backend)
+    return np.ascontiguousarray(arr.astype(np.uint64))

@@ -30,7 +30,6 @@ def collect(args: argparse.Namespace) -> dict:
     ranks = []
     for rank in range(args.tp):
         m = chunk_mapper(spec, layouts, args.tp, rank, args.blocks_per_chunk)
-        load = m._tables[H2D]
         ranks.append({
             "rank": rank,
             "writer": all(g.share.writer for g in m.groups),
@@ -40,7 +39,7 @@ def collect(args: argparse.Namespace) -> dict:
             "runs_per_page": [len(g.runs) for g in m.groups],
             "store_runs_per_chunk": m.runs_per_chunk(D2H),
             "load_runs_per_chunk": m.runs_per_chunk(H2D),
-            "copies_2d_per_chunk": load[1].per_block * args.blocks_per_chunk,
+            "copies_2d_per_chunk": m.copies_2d_per_chunk(H2D),
         })
     return {"format_id": FORMAT_ID, "layouts": list(layouts), "tp": args.tp,
             "blocks_per_chunk": args.blocks_per_chunk, "ranks": ranks}

@@ -7,6 +7,7 @@ priority (cpu has the lowest).
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -57,42 +58,80 @@ class PolicySpec:
 
 @functools.cache
 def plugin_manager() -> pluggy.PluginManager:
-    """The process-wide plugin manager with every `kvhal` entry point loaded."""
+    """The process-wide plugin manager with every `kvhal` entry point loaded.
+
+    Raises:
+        PluginError: an entry point failed to import; the message names it, its module and its
+            distribution (a broken third-party plugin is refused loudly, never skipped).
+    """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+    for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure of foreign code
+            dist = ep.dist.name if ep.dist is not None else "?"
+            raise PluginError(f"entry point {ep.name!r} = {ep.value!r} (distribution {dist!r}, "
+                              f"group {hookspecs.PROJECT!r}) failed to load: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        pm.register(plugin, name=ep.name)
     return pm
 
 
-def _collect(results: list[list[Any]], kind: str) -> dict[str, Any]:
+def _collect(hook: Any, kind: str, spec_type: type | None = None) -> dict[str, Any]:
+    """Call each implementation of a `kvhal_register_*` hook; index the specs by name.
+
+    Raises:
+        PluginError: a plugin returned something other than a list of `spec_type` (or of
+            objects with a str `name`), or two plugins registered the same name; the message
+            names the plugin(s).
+    """
     out: dict[str, Any] = {}
-    for specs in results:
-        for spec in specs or []:
+    owner: dict[str, str] = {}
+    for impl in reversed(hook.get_hookimpls()):  # the order pluggy calls them in
+        if impl.hookwrapper or impl.wrapper:
+            continue
+        specs = impl.function()
+        if specs is None:
+            continue
+        if not isinstance(specs, (list, tuple)):
+            raise PluginError(f"plugin {impl.plugin_name!r}: {hook.name} must return a list of "
+                              f"{kind} specs, got {type(specs).__name__}")
+        for spec in specs:
+            if (spec_type is not None and not isinstance(spec, spec_type)) or \
+                    not isinstance(getattr(spec, "name", None), str):
+                raise PluginError(f"plugin {impl.plugin_name!r}: {hook.name} returned "
+                                  f"{spec!r}, not a {(spec_type or object).__name__} with a "
+                                  "str name")
             if spec.name in out:
-                raise PluginError(f"{kind} {spec.name!r} is registered twice")
-            out[spec.name] = spec
+                raise PluginError(f"{kind} {spec.name!r} is registered twice, by plugins "
+                                  f"{owner[spec.name]!r} and {impl.plugin_name!r}")
+            out[spec.name], owner[spec.name] = spec, impl.plugin_name
     return out
 
 
 def backends() -> dict[str, BackendSpec]:
     """Every registered backend, by name, highest priority first."""
-    found = _collect(plugin_manager().hook.kvhal_register_backends(), "backend")
+    found = _collect(plugin_manager().hook.kvhal_register_backends, "backend", BackendSpec)
     return dict(sorted(found.items(), key=lambda kv: -kv[1].priority))
 
 
 def tiers() -> dict[str, TierSpec]:
     """Every registered secondary tier type, by name."""
-    return _collect(plugin_manager().hook.kvhal_register_tiers(), "tier")
+    return _collect(plugin_manager().hook.kvhal_register_tiers, "tier", TierSpec)
 
 
 def cache_policies() -> dict[str, PolicySpec]:
     """Every registered host-tier cache policy, by name."""
-    return _collect(plugin_manager().hook.kvhal_register_cache_policies(), "cache policy")
+    return _collect(plugin_manager().hook.kvhal_register_cache_policies, "cache policy",
+                    PolicySpec)
 
 
 def layouts() -> dict[str, Any]:
     """Every registered device layout descriptor, by name."""
-    return _collect(plugin_manager().hook.kvhal_register_layouts(), "layout")
+    return _collect(plugin_manager().hook.kvhal_register_layouts, "layout")
 
 
 def backend_spec(name: str) -> BackendSpec:

@@ -6,6 +6,7 @@ import sys
 from typing import Any, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -15,7 +16,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     for col in columns:
         table.add_column(col, justify="right" if col[:1].isalpha() is False else "left")
     for row in rows:
-        table.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row))
+        table.add_row(*(escape(f"{v:.3g}" if isinstance(v, float) else str(v)) for v in row))
     Console().print(table)
 
 

@@ -16,10 +16,10 @@ from typing import ClassVar
 import numpy as np
 
 from kvhal.hal import (Allocation, Availability, Capabilities, Event, InvalidValueError,
-                       MemoryKind, OutOfMemoryError, Stream, as_u64, DeviceFaultError)
+                       MemoryKind, OutOfMemoryError, Stream, as_int, as_u64, DeviceFaultError)
 
 from .memory import (PAGE_BYTES, RangeRegistry, lock_pages, map_anonymous, probe_page_locking,
-                     unlock_pages, unmap)
+                     unlock_pages, unmap, unmapped_or_read_only)
 from .streams import EventState, StreamWorker
 
 #: Env var that turns chaos mode on with the given integer seed.
@@ -40,6 +40,10 @@ class CpuBackend:
             from the environment, and chaos stays off if that is unset.
         device_bytes: Capacity of "device" memory in bytes; allocations beyond it raise
             `OutOfMemoryError`. Default: the machine's physical memory.
+
+    Raises:
+        InvalidValueError: `chaos_seed` (or `KVHAL_CPU_CHAOS`) is not an integer, or
+            `device_bytes` is not an int in [0, 2**64).
     """
 
     name: ClassVar[str] = "cpu"
@@ -51,13 +55,19 @@ class CpuBackend:
             except ValueError:
                 raise InvalidValueError(f"{CHAOS_ENV} must be an integer seed, got "
                                         f"{os.environ[CHAOS_ENV]!r}", backend=self.name) from None
-        self.chaos_seed = chaos_seed
+        if chaos_seed is not None and (isinstance(chaos_seed, bool)
+                                       or not isinstance(chaos_seed, (int, np.integer))):
+            raise InvalidValueError(f"chaos_seed must be an int or None, got {chaos_seed!r}",
+                                    backend=self.name)
+        self.chaos_seed = None if chaos_seed is None else int(chaos_seed)
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        self.device_bytes = total if device_bytes is None else device_bytes
+        self.device_bytes = (total if device_bytes is None
+                             else as_int(device_bytes, "device_bytes", self.name))
         self._device_used = 0
         self._lock = threading.Lock()
         self._ranges = RangeRegistry(self.name)
         self._allocs: dict[int, Allocation] = {}
+        self._workers: set[StreamWorker] = set()  # live (not destroyed) streams
         self._stream_ids = itertools.count()
         self._page_locked = probe_page_locking()
 
@@ -83,13 +93,13 @@ class CpuBackend:
                             notes=tuple(notes))
 
     # -- memory ------------------------------------------------------------------------------
-    def _check_size(self, nbytes: int) -> None:
-        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-            raise InvalidValueError(f"nbytes must be a non-negative int, got {nbytes!r}",
+    def _check_device(self, device: int) -> None:
+        if as_int(device, "device", self.name) != 0:
+            raise InvalidValueError(f"device {device} does not exist (cpu has device 0 only)",
                                     backend=self.name)
 
     def _map(self, nbytes: int, kind: MemoryKind, device: int) -> Allocation:
-        self._check_size(nbytes)
+        nbytes = as_int(nbytes, "nbytes", self.name)
         if nbytes == 0:
             return Allocation(0, 0, kind, device, self.name)
         mapped = _round_up(int(nbytes), PAGE_BYTES)
@@ -117,9 +127,7 @@ class CpuBackend:
 
     def alloc_device(self, nbytes: int, device: int = 0) -> Allocation:
         """See `DeviceBackend.alloc_device`; capacity is `device_bytes`, page-rounded."""
-        if device != 0:
-            raise InvalidValueError(f"device {device} does not exist (cpu has device 0 only)",
-                                    backend=self.name)
+        self._check_device(device)
         return self._map(nbytes, MemoryKind.DEVICE, 0)
 
     def alloc_pinned(self, nbytes: int) -> Allocation:
@@ -127,44 +135,71 @@ class CpuBackend:
         return self._map(nbytes, MemoryKind.PINNED, -1)
 
     def register_host(self, ptr: int, nbytes: int) -> Allocation:
-        """See `DeviceBackend.register_host`; pages are mlocked where permitted."""
-        self._check_size(nbytes)
+        """See `DeviceBackend.register_host`; pages are mlocked where permitted.
+
+        Also raises `InvalidValueError` if [ptr, ptr + nbytes) is not mapped readable and
+        writable in this process (as `cudaHostRegister` refuses an unmapped range), so a garbage
+        address fails here instead of crashing a later copy.
+        """
+        nbytes = as_int(nbytes, "nbytes", self.name)
         if nbytes == 0:
             return Allocation(0, 0, MemoryKind.REGISTERED, -1, self.name)
+        ptr = as_int(0 if ptr is None else ptr, "ptr", self.name)
         if not ptr:
             raise InvalidValueError("register_host: ptr is NULL", backend=self.name)
-        self._ranges.add(int(ptr), int(nbytes))
-        locked = self._page_locked and lock_pages(int(ptr), int(nbytes))
-        alloc = Allocation(int(ptr), int(nbytes), MemoryKind.REGISTERED, -1, self.name,
-                           handle=(int(nbytes), locked))
+        bad = unmapped_or_read_only(ptr, nbytes)
+        if bad is not None:
+            raise InvalidValueError(f"register_host: [{ptr:#x}, +{nbytes}) is not mapped "
+                                    f"read-write in this process (first bad byte {bad:#x})",
+                                    backend=self.name, api="register_host")
+        self._ranges.add(ptr, nbytes)
+        locked = self._page_locked and lock_pages(ptr, nbytes)
+        alloc = Allocation(ptr, nbytes, MemoryKind.REGISTERED, -1, self.name,
+                           handle=(nbytes, locked))
         with self._lock:
-            self._allocs[int(ptr)] = alloc
+            self._allocs[ptr] = alloc
         return alloc
 
     def free(self, allocation: Allocation) -> None:
-        """See `DeviceBackend.free`."""
+        """See `DeviceBackend.free`.
+
+        Like `cudaFree`, it first waits for the work already queued on every live stream of
+        this backend, so a copy still in flight never touches unmapped memory.
+        """
+        if not isinstance(allocation, Allocation):
+            raise InvalidValueError(f"free: expected an Allocation, got "
+                                    f"{type(allocation).__name__} {allocation!r}",
+                                    backend=self.name)
         if allocation.nbytes == 0:
             return
         with self._lock:
-            if self._allocs.get(allocation.ptr) != allocation:
+            live = self._allocs.get(allocation.ptr)
+            if live != allocation:
                 raise InvalidValueError(f"free: {allocation.ptr:#x} is not a live allocation "
                                         "of this backend (double free?)", backend=self.name)
             del self._allocs[allocation.ptr]
+            workers = list(self._workers)
+        for worker in workers:
+            worker.synchronize()
         self._ranges.remove(allocation.ptr)
-        mapped, locked = allocation.handle
+        mapped, locked = live.handle
         if locked:
             unlock_pages(allocation.ptr, mapped)
-        if allocation.kind is MemoryKind.REGISTERED:
+        if live.kind is MemoryKind.REGISTERED:
             return
         unmap(allocation.ptr, mapped)
-        if allocation.kind is MemoryKind.DEVICE:
+        if live.kind is MemoryKind.DEVICE:
             with self._lock:
                 self._device_used -= mapped
 
     # -- streams and events ------------------------------------------------------------------
     def _worker(self, stream: Stream) -> StreamWorker:
-        if stream.backend != self.name or not isinstance(stream.handle, StreamWorker):
+        if not isinstance(stream, Stream) or stream.backend != self.name or \
+                not isinstance(stream.handle, StreamWorker):
             raise InvalidValueError(f"not a cpu stream: {stream!r}", backend=self.name)
+        if stream.handle not in self._workers:
+            raise InvalidValueError(f"stream {stream.handle.name} was destroyed or belongs to "
+                                    "another backend instance", backend=self.name)
         return stream.handle
 
     def _raise_async(self, worker: StreamWorker) -> None:
@@ -174,14 +209,26 @@ class CpuBackend:
                                    backend=self.name) from err
 
     def create_stream(self, device: int = 0) -> Stream:
-        """See `DeviceBackend.create_stream`: starts one worker thread."""
+        """See `DeviceBackend.create_stream`: starts one worker thread.
+
+        Raises:
+            InvalidValueError: `device` is not 0.
+        """
+        self._check_device(device)
         sid = next(self._stream_ids)
         seed = None if self.chaos_seed is None else self.chaos_seed * 1_000_003 + sid
-        return Stream(self.name, device, StreamWorker(f"kvhal-cpu-stream-{sid}", seed))
+        worker = StreamWorker(f"kvhal-cpu-stream-{sid}", seed, self.name)
+        with self._lock:
+            self._workers.add(worker)
+        return Stream(self.name, 0, worker)
 
     def destroy_stream(self, stream: Stream) -> None:
-        """See `DeviceBackend.destroy_stream`."""
-        self._worker(stream).close()
+        """See `DeviceBackend.destroy_stream`. Any later use of the stream (destroying it again
+        included) raises `InvalidValueError`."""
+        worker = self._worker(stream)
+        with self._lock:
+            self._workers.discard(worker)
+        worker.close()
 
     def stream_synchronize(self, stream: Stream) -> None:
         """See `DeviceBackend.stream_synchronize`."""
@@ -195,9 +242,9 @@ class CpuBackend:
 
     def stream_wait_event(self, stream: Stream, event: Event) -> None:
         """See `DeviceBackend.stream_wait_event`."""
-        mark = self._event(event).mark
+        worker, mark = self._worker(stream), self._event(event).mark
         if mark is not None:
-            self._worker(stream).wait_for(mark)
+            worker.wait_for(mark)
 
     def create_event(self, timing: bool = False) -> Event:
         """See `DeviceBackend.create_event`."""
@@ -208,7 +255,8 @@ class CpuBackend:
         self._event(event)
 
     def _event(self, event: Event) -> EventState:
-        if event.backend != self.name or not isinstance(event.handle, EventState):
+        if not isinstance(event, Event) or event.backend != self.name or \
+                not isinstance(event.handle, EventState):
             raise InvalidValueError(f"not a cpu event: {event!r}", backend=self.name)
         return event.handle
 
@@ -248,7 +296,8 @@ class CpuBackend:
     def copy_async(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         """See `DeviceBackend.copy_async`."""
         worker = self._worker(stream)
-        self._check_size(nbytes)
+        nbytes = as_int(nbytes, "nbytes", self.name)
+        dst, src = as_int(dst, "dst", self.name), as_int(src, "src", self.name)
         if nbytes == 0:
             return
         self._ranges.check(dst, nbytes, "dst")
@@ -259,10 +308,10 @@ class CpuBackend:
                       height: int, stream: Stream) -> None:
         """See `DeviceBackend.copy_2d_async`: one numpy strided copy."""
         worker = self._worker(stream)
-        for what, value in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch),
-                            ("width", width), ("height", height)):
-            if value < 0:
-                raise InvalidValueError(f"{what} must be ≥ 0, got {value}", backend=self.name)
+        dst, dst_pitch, src, src_pitch, width, height = (
+            as_int(v, what, self.name) for v, what in (
+                (dst, "dst"), (dst_pitch, "dst_pitch"), (src, "src"), (src_pitch, "src_pitch"),
+                (width, "width"), (height, "height")))
         if width == 0 or height == 0:
             return
         for what, pitch in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch)):

@@ -56,6 +56,31 @@ def unlock_pages(ptr: int, nbytes: int) -> None:
     _libc.munlock(ptr, nbytes)
 
 
+def unmapped_or_read_only(ptr: int, nbytes: int, maps: str = "/proc/self/maps") -> int | None:
+    """The first address in [ptr, ptr + nbytes) (nbytes > 0) not mapped read-write in this
+    process, or None if the whole range is. Format of `maps`: proc(5), "start-end perms ...".
+
+    Where `maps` cannot be read (not Linux), returns None: the range cannot be checked.
+    """
+    try:
+        with open(maps) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    cursor, end = ptr, ptr + nbytes
+    for line in lines:
+        span, perms = line.split(maxsplit=2)[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if hi <= cursor:
+            continue
+        if lo > cursor or not perms.startswith("rw"):
+            return cursor
+        cursor = hi
+        if cursor >= end:
+            return None
+    return cursor
+
+
 def probe_page_locking() -> bool:
     """True if this process may mlock at least 2 MiB (RLIMIT_MEMLOCK or CAP_IPC_LOCK)."""
     nbytes = 2 << 20
@@ -123,7 +148,9 @@ class RangeRegistry:
         ok = idx >= 0
         safe = np.where(ok, idx, 0)
         if len(ends):
-            ok &= (ptrs + sizes) <= ends[safe]
+            end = ends[safe]
+            # `sizes <= end - ptrs` rather than `ptrs + sizes <= end`: the sum can wrap in uint64
+            ok &= (ptrs <= end) & (sizes <= end - np.minimum(ptrs, end))
         else:
             ok &= sizes == 0
         if not bool(ok.all()):

@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Callable
 
+from kvhal.hal import InvalidValueError
+
 #: Chaos delays are uniform in [0, CHAOS_MAX_DELAY_S] seconds, applied to half the operations.
 CHAOS_MAX_DELAY_S = 0.002
 
@@ -41,10 +43,14 @@ class StreamWorker:
     """A daemon thread that runs queued callables in FIFO order.
 
     The first exception an operation raises is kept and re-raised (wrapped by the backend) at
-    the next synchronisation; operations after it still run, as on a GPU stream.
+    the next synchronisation; operations after it still run, as on a GPU stream. After `close`
+    every `submit` raises `InvalidValueError` (work queued behind the stop would never run).
     """
 
-    def __init__(self, name: str, chaos_seed: int | None):
+    def __init__(self, name: str, chaos_seed: int | None, backend: str = "cpu"):
+        self.name = name
+        self._backend = backend
+        self._closed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._rng = random.Random(chaos_seed) if chaos_seed is not None else None
         self._submitted = 0
@@ -55,10 +61,17 @@ class StreamWorker:
         self._thread.start()
 
     def submit(self, op: Callable[[], None]) -> None:
-        """Queue `op` behind everything submitted before it."""
+        """Queue `op` behind everything submitted before it.
+
+        Raises:
+            InvalidValueError: the stream is closed.
+        """
         with self._cond:
+            if self._closed:
+                raise InvalidValueError(f"stream {self.name} was destroyed",
+                                        backend=self._backend)
             self._submitted += 1
-        self._queue.put(op)
+            self._queue.put(op)
 
     def _run(self) -> None:
         while True:
@@ -89,9 +102,9 @@ class StreamWorker:
                 self._cond.wait()
 
     def record(self, state: EventState) -> None:
-        """Queue a new mark for `state` (replacing its previous one)."""
+        """Queue a new mark for `state` (replacing its previous one once it is queued: if the
+        stream is closed, `submit` raises and the event keeps its previous mark)."""
         mark = Mark()
-        state.mark = mark
 
         def complete() -> None:
             mark.error = self.error
@@ -99,13 +112,17 @@ class StreamWorker:
             mark.done.set()
 
         self.submit(complete)
+        state.mark = mark
 
     def wait_for(self, mark: Mark) -> None:
         """Queue a wait: later operations run only after `mark` completes."""
         self.submit(mark.done.wait)
 
     def close(self) -> None:
-        """Drain the queue and stop the thread."""
-        self.synchronize()
-        self._queue.put(None)
+        """Refuse new work, drain the queue and stop the thread. Closing twice is a no-op."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join()

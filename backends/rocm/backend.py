@@ -1,25 +1,15 @@
-"""Placeholder for the rocm backend until its implementation lands (issue 8)."""
+"""The rocm backend: the shared runtime adapter over hip-python's `hip.hip`."""
 from __future__ import annotations
 
 from typing import ClassVar
 
-from kvhal.hal import Availability, BackendUnavailableError
+from kvhal.backends._runtime import RuntimeBackend, VendorTable
+
+from .table import ROCM
 
 
-class RocmBackend:
-    """The rocm `DeviceBackend`; not implemented yet, so it always reports unavailable."""
+class RocmBackend(RuntimeBackend):
+    """`DeviceBackend` on AMD GPUs through the HIP runtime (see `RuntimeBackend`)."""
 
     name: ClassVar[str] = "rocm"
-
-    @classmethod
-    def probe(cls) -> Availability:
-        """Never raises."""
-        return Availability(False, "the rocm backend is not implemented yet")
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """`probe().available`."""
-        return cls.probe().available
-
-    def __init__(self, **_: object):
-        raise BackendUnavailableError(self.probe().reason, backend=self.name)
+    table: ClassVar[VendorTable] = ROCM

@@ -10,6 +10,9 @@ import importlib
 #: Modules that each contribute one `kvhal bench` sub-verb.
 BENCH_MODULES = (
     "kvhal.bench.copy",
+    "kvhal.bench.tier",
+    "kvhal.bench.layout",
+    "kvhal.bench.copy_kernel",
 )
 
 

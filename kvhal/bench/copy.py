@@ -116,7 +116,10 @@ def measure(backend: DeviceBackend, block_bytes: int, repeats: int = 3,
 
 
 def _human(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+    for shift, unit in ((20, "MiB"), (10, "KiB")):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,7 +151,17 @@ def _size(text: str) -> int:
     value = int(t[:-1] if t[-1:] in units else t)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"block size must be positive, got {text!r}")
+    if value * mult > MAX_BYTES_PER_DIRECTION:
+        raise argparse.ArgumentTypeError(f"block size must be at most 1 GiB (the per-direction "
+                                         f"cap), got {text!r}")
     return value * mult
+
+
+def _repeats(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"repeats must be at least 1, got {text!r}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -157,6 +170,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default=None, help="backend name (default: auto-select)")
     p.add_argument("--sizes", type=_size, nargs="+", default=list(BLOCK_SIZES),
                    help="block sizes, e.g. 4KiB 2MiB (default: 4K..16M)")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes per figure (best)")
+    p.add_argument("--repeats", type=_repeats, default=3, help="timed passes per figure (best)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

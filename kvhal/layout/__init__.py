@@ -30,7 +30,7 @@ Pure functions, no I/O. What other layers consume:
 """
 from .canonical import (FORMAT_ID, ChunkLayout, GroupMapping, RankShare, canonical_page_bytes,
                         check_tiles, chunk_layout, coalesce, layouts_for, map_group,
-                        mapping_status, rank_share, verify_tiling)
+                        mapping_status, rank_share, run_fragments, verify_tiling)
 from .devices import (BUILTIN_LAYOUTS, DeviceLayout, default_layouts, get_layout,
                       tensor_element_bytes)
 from .geometry import (ATTENTION_KINDS, ELEMENT_BYTES, Kind, KVCacheSpec, LayerGroup,
@@ -44,6 +44,6 @@ __all__ = [
     "GroupMapping", "H2D", "KVCacheSpec", "Kind", "LayerGroup", "LayoutError", "RankShare",
     "attention_spec", "canonical_page_bytes", "check_tiles", "chunk_layout", "chunk_mapper",
     "coalesce", "default_layouts", "device_cache", "get_layout", "layouts_for", "map_group",
-    "mapping_status", "mla_spec", "plan_copies", "rank_share", "tensor_element_bytes",
-    "verify_tiling",
+    "mapping_status", "mla_spec", "plan_copies", "rank_share", "run_fragments",
+    "tensor_element_bytes", "verify_tiling",
 ]

@@ -216,9 +216,9 @@ def coalesce(local: np.ndarray, canonical: np.ndarray, sizes: np.ndarray,
     Pieces adjacent in both spaces (and in one plane) merge into fragments; fragments (and, as
     a second candidate, the unmerged pieces) then group into arithmetic runs greedily along each
     order of the index `keys` (e.g. head, token, component), keeping the candidate with fewest
-    runs; a run whose fragments are back to back in both spaces becomes one fragment. Runs never cross a plane; both strides of a
-    multi-fragment run are ≥ its fragment bytes (HAL pitch ≥ width). A single-fragment run has
-    count 1 and both strides equal to fragment_bytes.
+    runs; a run whose fragments are back to back in both spaces becomes one fragment. Runs never
+    cross a plane; both strides of a multi-fragment run are ≥ its fragment bytes (HAL pitch ≥
+    width). A single-fragment run has count 1 and both strides equal to fragment_bytes.
 
     Args:
         local, canonical, sizes: int64 arrays (n,), byte offsets and sizes; size-0 pieces drop.
@@ -299,8 +299,9 @@ def mapping_status(spec: KVCacheSpec, layout: str | tuple[str, ...], tp_size: in
     return tuple(out)
 
 
-def _fragments(runs, side: str, shift: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Start offsets and sizes of every fragment of `runs` on `side` ("local"/"canonical")."""
+def run_fragments(runs, side: str, shift: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """int64 arrays (start offsets, sizes) of every fragment of `runs` on `side` ("local" or
+    "canonical"), canonical offsets moved by `shift` bytes, in run order."""
     if not runs:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     off = np.array([getattr(r, f"{side}_offset") for r in runs], np.int64) + shift
@@ -348,13 +349,13 @@ def verify_tiling(spec: KVCacheSpec, layout: str | tuple[str, ...], tp_size: int
         canon_starts, canon_sizes = [], []
         for rank in range(tp_size):
             m = map_group(spec, gi, name, tp_size, rank, blocks_per_chunk)
-            check_tiles(*_fragments(m.runs, "local"), m.page_bytes,
+            check_tiles(*run_fragments(m.runs, "local"), m.page_bytes,
                         f"{where} rank {rank} device page")
-            lo, sz = _fragments(m.runs, "local")
+            lo, sz = run_fragments(m.runs, "local")
             if np.any(lo // m.plane_bytes != (lo + sz - 1) // m.plane_bytes):
                 raise LayoutError(f"{where} rank {rank}: a fragment crosses a plane")
             for j in range(blocks_per_chunk):
-                st, sz = _fragments(m.runs, "canonical", j * m.block_shift)
+                st, sz = run_fragments(m.runs, "canonical", j * m.block_shift)
                 if st.size and (st.min() < 0 or (st + sz).max() > m.canonical_page_bytes):
                     raise LayoutError(f"{where} rank {rank}: a load run reads outside the "
                                       "canonical page")

@@ -66,7 +66,8 @@ _FIELDS = ("layer", "block", "local", "plane", "host", "width", "count", "local_
 
 @dataclass(frozen=True, slots=True)
 class ChunkMapper:
-    """Everything one rank needs to plan the copies of any chunk.
+    """Everything one rank needs to plan the copies of any chunk (immutable once built;
+    safe to share between threads).
 
     Attributes:
         spec, layouts, tp_size, tp_rank, blocks_per_chunk: What it was built for.
@@ -89,9 +90,21 @@ class ChunkMapper:
         return sum(m.page_bytes * g.num_layers for m, g in zip(self.groups, self.spec.groups))
 
     def runs_per_chunk(self, direction: str) -> int:
-        """Copy runs (one HAL descriptor or 2D copy each) this rank issues for a full chunk."""
-        single, strided = self._tables[direction]
-        return (single.per_block + strided.per_block) * self.blocks_per_chunk
+        """Copy runs (one batch descriptor or one 2D copy each) for a full chunk."""
+        return self._tables[direction].per_block * self.blocks_per_chunk
+
+    def copies_2d_per_chunk(self, direction: str, expand_up_to: int = 1) -> int:
+        """`Copy2D`s in the plan of a full chunk (see `plan_copies`)."""
+        return self._split_runs(direction, expand_up_to)[1].per_block * self.blocks_per_chunk
+
+    def _split_runs(self, direction: str, expand_up_to: int) -> tuple["_Runs", "_Runs"]:
+        """(single-fragment entries, strided entries) of a chunk, runs of at most
+        `expand_up_to` fragments expanded into single fragments; computed once per argument
+        pair (a racing duplicate computation stores an equal value, so threads may share)."""
+        key = (direction, expand_up_to)
+        if key not in self._tables:
+            self._tables[key] = _split(self._tables[direction], expand_up_to)
+        return self._tables[key]
 
     def layer_groups(self) -> np.ndarray:
         """int64 (num_layers,): group index of each global layer."""
@@ -116,8 +129,8 @@ def chunk_mapper(spec: KVCacheSpec, layout: str | tuple[str, ...], tp_size: int,
     groups = tuple(map_group(spec, gi, name, tp_size, tp_rank, blocks_per_chunk)
                    for gi, name in enumerate(names))
     chunk = chunk_layout(spec, blocks_per_chunk)
-    tables = {D2H: _split(_table(spec, groups, chunk, blocks_per_chunk, store=True)),
-              H2D: _split(_table(spec, groups, chunk, blocks_per_chunk, store=False))}
+    tables = {D2H: _table(spec, groups, chunk, blocks_per_chunk, store=True),
+              H2D: _table(spec, groups, chunk, blocks_per_chunk, store=False)}
     return ChunkMapper(spec, names, tp_size, tp_rank, blocks_per_chunk, groups, chunk, tables)
 
 
@@ -148,10 +161,17 @@ def _table(spec: KVCacheSpec, groups: tuple[GroupMapping, ...], chunk: ChunkLayo
                  per_block)
 
 
-def _split(t: _Runs) -> tuple[_Runs, _Runs]:
-    single = t.count == 1
-    n_single = int(single[:t.per_block].sum())
-    return t.take(single, n_single), t.take(~single, t.per_block - n_single)
+def _split(t: _Runs, expand_up_to: int) -> tuple[_Runs, _Runs]:
+    small = t.count <= expand_up_to
+    src = np.repeat(np.flatnonzero(small), t.count[small])
+    counts = t.count[small]
+    k = np.arange(src.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    width = t.width[src]
+    single = _Runs(t.layer[src], t.block[src], t.local[src] + k * t.local_stride[src],
+                   t.plane[src], t.host[src] + k * t.canonical_stride[src], width,
+                   np.ones_like(width), width, width, int((t.block[src] == 0).sum()))
+    strided = ~small
+    return single, t.take(strided, int((strided & (t.block == 0)).sum()))
 
 
 def device_cache(mapper: ChunkMapper, tensors: Sequence[Any]) -> DeviceCache:
@@ -196,7 +216,7 @@ def device_cache(mapper: ChunkMapper, tensors: Sequence[Any]) -> DeviceCache:
 
 
 def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
-                host_addr: int, direction: str) -> CopyPlan:
+                host_addr: int, direction: str, expand_up_to: int = 1) -> CopyPlan:
     """The HAL calls that move one chunk between this rank's device blocks and a host slot.
 
     Args:
@@ -207,18 +227,24 @@ def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
         host_addr: Address of the chunk's host slot (`mapper.chunk.chunk_bytes` bytes).
         direction: "d2h" (store: only bytes this rank is the elected writer of) or "h2d" (load:
             every byte of the rank's device pages, replicas included).
+        expand_up_to: Runs of at most this many fragments go to the batch as one descriptor
+            per fragment instead of one 2D copy (1 = every multi-fragment run is a 2D copy).
+            A backend with a native batch call may prefer e.g. 16: fewer calls, same bytes.
 
     Returns:
-        A `CopyPlan`: one `Copy2D` per multi-fragment run per block, and uint64 address arrays
-        for `copy_batch_async` for single-fragment runs. Copies within a plan never overlap.
+        A `CopyPlan`: one `Copy2D` per remaining multi-fragment run per block, and uint64
+        address arrays for `copy_batch_async` for single fragments. Copies never overlap.
 
     Raises:
-        LayoutError: bad direction, block_ids not 1-D integers, too many, or out of
-            [0, device.num_blocks).
+        LayoutError: bad direction or expand_up_to, block_ids not 1-D integers, too many, or
+            out of [0, device.num_blocks).
     """
     if direction not in (D2H, H2D):
         raise LayoutError(f"direction: must be {D2H!r} or {H2D!r}, got {direction!r}",
                           field="direction")
+    if not isinstance(expand_up_to, int) or expand_up_to < 1:
+        raise LayoutError(f"expand_up_to: must be an int >= 1, got {expand_up_to!r}",
+                          field="expand_up_to")
     ids = np.asarray(block_ids)
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise LayoutError(f"block_ids: must be a 1-D integer array, got {ids.dtype} "
@@ -230,7 +256,7 @@ def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
         raise LayoutError(f"block_ids: ids must be in [0, {device.num_blocks}), got "
                           f"{ids.min()}..{ids.max()}", field="block_ids")
     ids = ids.astype(np.int64)
-    single, strided = mapper._tables[direction]
+    single, strided = mapper._split_runs(direction, expand_up_to)
     s_dev, s_host, s = _addresses(single, ids, device, host_addr)
     sizes = s.width.astype(np.uint64)
     d_dev, d_host, d = _addresses(strided, ids, device, host_addr)

@@ -37,3 +37,21 @@ def test_bench_copy_rejects_bad_size():
     out = kvhal("bench", "copy", "--sizes", "0KiB")
     assert out.returncode == 2
     assert "block size must be positive" in out.stderr
+
+
+def test_bench_copy_rejects_block_beyond_the_per_direction_cap():
+    out = kvhal("bench", "copy", "--sizes", "2GiB")
+    assert out.returncode == 2
+    assert "block size must be at most 1 GiB" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_copy_rejects_zero_repeats():
+    out = kvhal("bench", "copy", "--sizes", "4KiB", "--repeats", "0")
+    assert out.returncode == 2
+    assert "repeats must be at least 1, got '0'" in out.stderr
+
+
+def test_bench_copy_labels_sub_kib_blocks_in_bytes():
+    out = kvhal("bench", "copy", "--sizes", "3", "1536", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    assert "│ 3 B " in out.stdout and "│ 1536 B " in out.stdout and "0 KiB" not in out.stdout

@@ -100,3 +100,12 @@ def test_failed_operation_surfaces_at_sync():
         be.stream_synchronize(stream)
     be.stream_synchronize(stream)  # reported once
     be.destroy_stream(stream)
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    ({"chaos_seed": 1.5}, "chaos_seed"), ({"chaos_seed": "7"}, "chaos_seed"),
+    ({"device_bytes": "abc"}, "device_bytes"), ({"device_bytes": -5}, "device_bytes"),
+])
+def test_bad_constructor_arguments_name_the_argument(kwargs, what):
+    with pytest.raises(InvalidValueError, match=what):
+        CpuBackend(**kwargs)

@@ -11,6 +11,7 @@ import pytest
 
 from kvhal import plugins
 from kvhal.hal import BackendUnavailableError
+from kvhal.hookspecs import hookimpl
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,3 +86,59 @@ def test_third_party_backend_runs_the_conformance_suite(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[toy" in out.stdout or "passed" in out.stdout
     assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+class _Plugin:
+    """An in-process plugin whose `kvhal_register_backends` returns `specs` as given."""
+
+    def __init__(self, specs):
+        self.specs = specs
+
+    @hookimpl
+    def kvhal_register_backends(self):
+        return self.specs
+
+
+@pytest.mark.parametrize("specs, message", [
+    ([plugins.BackendSpec("cpu", object)],
+     "backend 'cpu' is registered twice, by plugins 'odd' and 'cpu'"),
+    (["cpu2"], "plugin 'odd': kvhal_register_backends returned 'cpu2', not a BackendSpec"),
+    (plugins.BackendSpec("single", object),
+     "plugin 'odd': kvhal_register_backends must return a list of backend specs, got "
+     "BackendSpec"),
+])
+def test_bad_registration_names_the_plugin(specs, message):
+    pm = plugins.plugin_manager()
+    plugin = _Plugin(specs)
+    pm.register(plugin, name="odd")
+    try:
+        with pytest.raises(plugins.PluginError) as info:
+            plugins.backends()
+        assert str(info.value).startswith(message)
+    finally:
+        pm.unregister(plugin)
+    assert list(plugins.backends()) == ["cuda", "rocm", "cpu"]
+
+
+def test_conformance_suite_refuses_an_unknown_backend_name_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", str(REPO / "conformance"), "--kvhal-backend=nope"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout[-2000:]
+    assert ("--kvhal-backend: 'nope' not registered; registered: cuda, rocm, cpu"
+            in out.stderr)
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_broken_third_party_entry_point_is_named_in_one_line(tmp_path):
+    """A `kvhal` entry point whose module does not import: doctor names it, no traceback."""
+    info = tmp_path / "kvhal_broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvhal-broken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[kvhal]\nbroken = kvhal_broken_missing\n")
+    out = subprocess.run([sys.executable, "-m", "kvhal.cli", "doctor"], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert out.returncode == 1
+    assert out.stderr == ("kvhal doctor: error: entry point 'broken' = 'kvhal_broken_missing' "
+                          "(distribution 'kvhal-broken', group 'kvhal') failed to load: "
+                          "ModuleNotFoundError: No module named 'kvhal_broken_missing'\n")

@@ -26,7 +26,7 @@ class CheckReport:
         good, good_bytes: Chunk files that passed every check.
         corrupt, corrupt_bytes: Chunk files that failed a check (moved away if `repaired`).
         orphaned_temps, orphaned_temp_bytes: Temp files of dead writers (deleted if `repaired`).
-        quarantined: Files already in quarantine folders before this run.
+        quarantined: Files in quarantine folders after this run.
         other_files: Files in chunk folders that are not chunk files (left alone).
         problems: (path, reason) of each corrupt file.
         repaired: Whether repair was requested.

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvhal.keys import ChunkKey
 
-from ..base import JobKind, JobResult, Lookup, SecondaryTier, TierError, TierJob
+from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob
 from .config import parse_config
 from .fileio import (CorruptChunk, Scratch, SizeMismatch, fsync_dir, probe_o_direct,
                      quarantine_file, read_chunk, write_chunk)
@@ -67,6 +67,8 @@ class FsTier(SecondaryTier):
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes, *,
                  os_module=os):
         cfg = parse_config(config)
+        if not host.contiguous or host.itemsize != 1:
+            raise TierError("host: the host region must be a C-contiguous byte memoryview")
         self.config = cfg
         self._host = host
         self._host_addr = int(np.frombuffer(host, dtype=np.uint8).ctypes.data) if len(host) else 0
@@ -131,7 +133,10 @@ class FsTier(SecondaryTier):
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.config.refresh_interval_s):
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:  # keep refreshing; the counter shows it in metrics
+                self._count("refresh_errors")
 
     def refresh(self) -> None:
         """Re-scan the namespace folder now (the background thread does this every
@@ -184,8 +189,9 @@ class FsTier(SecondaryTier):
 
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
-        io_errors, quarantined, evictions, enospc; plus used_bytes, max_bytes, chunks and
-        o_direct (bool, detected at start)."""
+        io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors
+        (absent while 0); plus used_bytes, max_bytes, chunks and o_direct (bool, detected at
+        start)."""
         with self._lock:
             out = dict(self._stats)
         return out | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,

@@ -1,0 +1,49 @@
+"""`kvhal layout` as a user runs it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def kvhal(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvhal.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_layout_json_reports_every_rank():
+    out = kvhal("layout", "--layers", "32", "--kv-heads", "8", "--head-size", "128",
+                "--block-size", "16", "--tp", "2", "--blocks-per-chunk", "16",
+                "--attention", "vllm-cpu", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["format_id"] == "kvhal-hnd-v1" and report["layouts"] == ["vllm-cpu"]
+    assert report["ranks"][1] == {
+        "rank": 1, "writer": True, "device_block_bytes": 32 * 32768,
+        "device_block_mib": 1.0, "canonical_chunk_bytes": 32 * 16 * 65536,
+        "runs_per_page": [8], "store_runs_per_chunk": 8 * 16 * 32,
+        "load_runs_per_chunk": 8 * 16 * 32, "copies_2d_per_chunk": 8 * 16 * 32}
+
+
+def test_layout_table_marks_replica_ranks():
+    out = kvhal("layout", "--layers", "27", "--mla-latent", "576", "--block-size", "64",
+                "--tp", "2")
+    assert out.returncode == 0, out.stderr
+    assert "kvhal-hnd-v1 · mla · TP 2" in out.stdout
+    assert "1990656" in out.stdout and "1.898" in out.stdout
+    assert [line.split("│")[2].strip() for line in out.stdout.splitlines()
+            if line.startswith("│")] == ["yes", "no"]
+
+
+def test_layout_refusal_is_one_line_naming_the_layers():
+    out = kvhal("layout", "--layers", "4", "--kv-heads", "6", "--head-size", "64",
+                "--block-size", "16", "--tp", "4")
+    assert out.returncode == 1
+    assert out.stderr == ("kvhal layout: error: groups[0] (layers 0-3, full): 6 KV heads do "
+                          "not split evenly over tp_size 4\n")
+
+
+def test_layout_needs_heads_without_mla():
+    out = kvhal("layout", "--layers", "4", "--block-size", "16")
+    assert out.returncode == 1
+    assert "--kv-heads and --head-size are required without --mla-latent" in out.stderr

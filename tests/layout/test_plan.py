@@ -1,0 +1,125 @@
+"""plan_copies: exact addresses, writer-only stores, replica loads, prefixes, bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvhal.layout import (D2H, H2D, Copy2D, DeviceCache, LayoutError, attention_spec,
+                          chunk_mapper, device_cache, plan_copies)
+
+TINY = attention_spec(num_layers=1, num_kv_heads=2, head_size=1, dtype="bf16", block_size=2)
+
+
+def cache(bases, block_stride, plane_stride=0, num_blocks=8):
+    n = len(bases)
+    return DeviceCache(np.array(bases, np.uint64), np.full(n, block_stride, np.int64),
+                       np.full(n, plane_stride, np.int64), num_blocks)
+
+
+class NumpyTensor:
+    """A torch-like view of a numpy array: data_ptr, stride (elements), element_size, shape."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.shape = array, array.shape
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def element_size(self) -> int:
+        return self.array.itemsize
+
+
+def test_strided_run_becomes_one_2d_copy_per_block():
+    # 2 heads x 2 tokens x 4 B rows; chunk of 2 blocks: head rows 16 B apart in the chunk page
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
+    plan = plan_copies(mapper, np.array([5, 2]), cache([1000], 16), 5000, D2H)
+    assert plan.copies_2d == (Copy2D(5000, 16, 1080, 8, 8, 2), Copy2D(5008, 16, 1032, 8, 8, 2))
+    assert plan.sizes.size == 0 and plan.nbytes == 32
+
+
+def test_contiguous_runs_become_one_batch():
+    spec = attention_spec(num_layers=2, num_kv_heads=2, head_size=1, dtype="bf16",
+                          block_size=2)
+    mapper = chunk_mapper(spec, "packed-hnd", 2, 1, 1)
+    plan = plan_copies(mapper, np.array([3]), cache([1000, 9000], 8), 5000, H2D)
+    assert plan.copies_2d == ()
+    assert plan.dsts.tolist() == [1024, 9024]
+    assert plan.srcs.tolist() == [5008, 5024]
+    assert plan.sizes.tolist() == [8, 8]
+    assert plan.dsts.dtype == plan.srcs.dtype == plan.sizes.dtype == np.uint64
+
+
+def test_separate_kv_addresses_each_plane():
+    spec = attention_spec(num_layers=1, num_kv_heads=1, head_size=1, dtype="bf16",
+                          block_size=1)
+    mapper = chunk_mapper(spec, "separate-kv", 1, 0, 1)
+    plan = plan_copies(mapper, np.array([3]), cache([1000], 2, plane_stride=100), 5000, D2H)
+    assert sorted(zip(plan.srcs.tolist(), plan.dsts.tolist(), plan.sizes.tolist())) == [
+        (1006, 5000, 2), (1106, 5002, 2)]
+
+
+def test_store_skips_replicas_but_load_fills_them():
+    mqa = attention_spec(num_layers=1, num_kv_heads=1, head_size=1, dtype="bf16", block_size=2)
+    mapper = chunk_mapper(mqa, "packed-hnd", 2, 1, 1)
+    assert plan_copies(mapper, np.array([0]), cache([1000], 8), 5000, D2H).nbytes == 0
+    assert plan_copies(mapper, np.array([0]), cache([1000], 8), 5000, H2D).nbytes == 8
+
+
+def test_prefix_of_a_chunk_plans_only_its_blocks():
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
+    plan = plan_copies(mapper, np.array([5]), cache([1000], 16), 5000, D2H)
+    assert plan.copies_2d == (Copy2D(5000, 16, 1080, 8, 8, 2),)
+
+
+@pytest.mark.parametrize("ids,message", [
+    (np.array([8]), r"block_ids: ids must be in \[0, 8\), got 8..8"),
+    (np.array([-1]), r"block_ids: ids must be in \[0, 8\), got -1..-1"),
+    (np.array([1.0]), "block_ids: must be a 1-D integer array, got float64"),
+    (np.array([1, 2, 3]), "block_ids: 3 blocks, must be 1..2"),
+    (np.array([], np.int64), "block_ids: 0 blocks, must be 1..2"),
+])
+def test_bad_block_ids_are_refused(ids, message):
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
+    with pytest.raises(LayoutError, match=message):
+        plan_copies(mapper, ids, cache([1000], 16), 5000, D2H)
+
+
+def test_bad_direction_is_refused():
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 1)
+    with pytest.raises(LayoutError, match="direction: must be 'd2h' or 'h2d', got 'up'"):
+        plan_copies(mapper, np.array([0]), cache([1000], 16), 5000, "up")
+
+
+def test_device_cache_reads_tensor_pointers_and_strides():
+    spec = attention_spec(num_layers=2, num_kv_heads=2, head_size=4, dtype="fp16",
+                          block_size=2)
+    mapper = chunk_mapper(spec, "separate-kv", 1, 0, 1)
+    tensors = [NumpyTensor(np.zeros((2, 5, 2, 2, 4), np.float16)) for _ in range(2)]
+    dev = device_cache(mapper, tensors)
+    assert dev.bases.tolist() == [t.data_ptr() for t in tensors]
+    assert dev.block_strides.tolist() == [32, 32]
+    assert dev.plane_strides.tolist() == [160, 160]
+    assert dev.num_blocks == 5
+
+
+def test_device_cache_refuses_a_tensor_of_the_wrong_size():
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 1)
+    with pytest.raises(LayoutError, match=r"tensors\[0\]: shape \(4, 2, 2, 3\)"):
+        device_cache(mapper, [NumpyTensor(np.zeros((4, 2, 2, 3), np.float16))])
+
+
+def test_expanded_runs_move_the_same_bytes_as_2d_copies():
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
+    plan = plan_copies(mapper, np.array([5, 2]), cache([1000], 16), 5000, D2H, expand_up_to=2)
+    assert plan.copies_2d == ()
+    assert list(zip(plan.dsts.tolist(), plan.srcs.tolist(), plan.sizes.tolist())) == [
+        (5000, 1080, 8), (5016, 1088, 8), (5008, 1032, 8), (5024, 1040, 8)]
+
+
+def test_expand_up_to_must_be_positive():
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 1)
+    with pytest.raises(LayoutError, match="expand_up_to: must be an int >= 1, got 0"):
+        plan_copies(mapper, np.array([0]), cache([1000], 16), 5000, D2H, expand_up_to=0)

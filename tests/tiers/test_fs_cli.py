@@ -1,0 +1,97 @@
+"""`kvhal fsck` on a hand-damaged directory and `kvhal bench tier`, as a user runs them."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+from kvhal.tiers.fs import FsTier
+from kvhal.tiers.fs.format import QUARANTINE_DIR, TEMP_DIR, chunk_path
+
+from .helpers import NAMESPACE, chunk_key, dead_pid, host_region, payload, store
+
+
+def kvhal(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvhal.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def _damaged_dir(root) -> tuple[str, list[str]]:
+    """Five 10000-byte chunks; then one bit-flipped, one truncated, one orphaned temp file."""
+    host, array = host_region(1 << 20)
+    tier = FsTier({"root_dir": str(root)}, host, NAMESPACE)
+    paths = []
+    for i in range(5):
+        array[:10000] = payload(i, 10000)
+        assert store(tier, chunk_key(NAMESPACE, i), 0, 10000).ok
+        paths.append(chunk_path(tier.ns_dir, chunk_key(NAMESPACE, i)))
+    tier.close()
+    with open(paths[1], "r+b") as f:
+        f.seek(5000)
+        byte = f.read(1)[0]
+        f.seek(5000)
+        f.write(bytes([byte ^ 0x10]))
+    os.truncate(paths[3], 6000)
+    temp = os.path.join(tier.ns_dir, TEMP_DIR,
+                        f"{chunk_key(NAMESPACE, 9).hex()}.{dead_pid()}.ab.tmp")
+    with open(temp, "wb") as f:
+        f.write(b"x" * 777)
+    os.utime(temp, (time.time() - 60,) * 2)
+    return tier.ns_dir, paths
+
+
+def test_fsck_reports_damage_and_exits_nonzero(tmp_path):
+    _, paths = _damaged_dir(tmp_path)
+
+    out = kvhal("fsck", str(tmp_path), "--json")
+
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout.split("\nkvhal fsck:")[0])
+    assert {k: report[k] for k in ("namespaces", "good", "good_bytes", "corrupt",
+                                   "corrupt_bytes", "orphaned_temps", "orphaned_temp_bytes",
+                                   "quarantined")} == {
+        "namespaces": 1, "good": 3, "good_bytes": 3 * 16384, "corrupt": 2,
+        "corrupt_bytes": 16384 + 6000, "orphaned_temps": 1, "orphaned_temp_bytes": 777,
+        "quarantined": 0}
+    assert sorted(report["problems"]) == sorted([[paths[1], "checksum mismatch"],
+                                                 [paths[3], "file size 6000 != expected 16384"]])
+
+
+def test_fsck_repair_quarantines_and_cleans_then_the_directory_is_clean(tmp_path):
+    ns_dir, paths = _damaged_dir(tmp_path)
+
+    repaired = kvhal("fsck", str(tmp_path), "--repair")
+    again = kvhal("fsck", str(tmp_path), "--json")
+
+    assert repaired.returncode == 0, repaired.stderr
+    assert ("kvhal fsck: quarantined 2 corrupt chunk file(s), removed 1 orphaned temp "
+            "file(s)") in repaired.stdout
+    assert again.returncode == 0
+    report = json.loads(again.stdout)
+    assert (report["good"], report["corrupt"], report["orphaned_temps"],
+            report["quarantined"]) == (3, 0, 0, 2)
+    assert os.listdir(os.path.join(ns_dir, TEMP_DIR)) == []
+    assert len(os.listdir(os.path.join(ns_dir, QUARANTINE_DIR))) == 2
+    assert [os.path.exists(p) for p in paths] == [True, False, True, False, True]
+
+
+def test_fsck_of_a_missing_directory_says_why(tmp_path):
+    out = kvhal("fsck", str(tmp_path / "nope"))
+    assert out.returncode == 1
+    assert out.stderr.strip() == f"kvhal fsck: error: not a directory: {tmp_path / 'nope'}"
+
+
+def test_bench_tier_json_reports_both_directions_with_ratios(tmp_path):
+    out = kvhal("bench", "tier", "--chunk-bytes", "64KiB", "--count", "8", "--repeats", "1",
+                "--root-dir", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert (result["tier"], result["chunk_bytes"], result["count"]) == ("fs", 65536, 8)
+    for direction in ("write", "read"):
+        assert result[f"{direction}_ratio"] == (result[f"tier_{direction}_gbps"]
+                                                / result[f"raw_{direction}_gbps"])
+    if importlib.util.find_spec("vllm") is None:
+        assert result["vllm"] == "vllm not installed: skipped"

@@ -1,0 +1,60 @@
+"""fs tier config validation: every bad key is a TierError naming the key."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvhal.tiers.base import TierError
+from kvhal.tiers.fs import FsTier, parse_config
+
+from .helpers import NAMESPACE, host_region
+
+BAD = [
+    ({}, "root_dir: required"),
+    ({"root_dir": ""}, "root_dir: required"),
+    ({"root_dir": 5}, "root_dir: required"),
+    ({"root_dir": "/x", "max_bytes": 0}, "max_bytes: must be a positive integer, got 0"),
+    ({"root_dir": "/x", "max_bytes": True}, "max_bytes: must be a positive integer, got True"),
+    ({"root_dir": "/x", "max_bytes": "1G"}, "max_bytes: must be a positive integer, got '1G'"),
+    ({"root_dir": "/x", "n_read_threads": 0}, "n_read_threads: must be a positive integer"),
+    ({"root_dir": "/x", "n_write_threads": -2}, "n_write_threads: must be a positive integer"),
+    ({"root_dir": "/x", "o_direct": "yes"}, "o_direct: must be \"auto\", true or false; got 'yes'"),
+    ({"root_dir": "/x", "o_direct": 1}, "o_direct: must be \"auto\", true or false; got 1"),
+    ({"root_dir": "/x", "refresh_interval_s": 0}, "refresh_interval_s: must be a positive number"),
+    ({"root_dir": "/x", "rootdir": "/y"}, "rootdir: unknown key for the fs tier; accepted: "
+                                          "max_bytes, n_read_threads, n_write_threads, o_direct, "
+                                          "refresh_interval_s, root_dir"),
+]
+
+
+@pytest.mark.parametrize("config,message", BAD, ids=[m.split(":")[0] + str(i)
+                                                      for i, (_, m) in enumerate(BAD)])
+def test_bad_config_names_the_key(config, message):
+    with pytest.raises(TierError) as info:
+        parse_config(config)
+    assert str(info.value).startswith(message)
+
+
+def test_defaults():
+    cfg = parse_config({"type": "fs", "root_dir": "/data/kv"})
+    assert (cfg.root_dir, cfg.max_bytes, cfg.n_read_threads, cfg.n_write_threads, cfg.o_direct,
+            cfg.refresh_interval_s) == ("/data/kv", None, 4, 4, "auto", 1.0)
+
+
+def test_root_dir_that_cannot_be_created_is_a_tier_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    host, _ = host_region(4096)
+    with pytest.raises(TierError) as info:
+        FsTier({"root_dir": str(blocker / "kv")}, host, NAMESPACE)
+    assert str(info.value) == (f"root_dir: cannot use {str(blocker / 'kv')!r} "
+                               f"(ENOTDIR: Not a directory)")
+
+
+def test_default_max_bytes_is_most_of_the_free_space(tmp_path):
+    host, _ = host_region(4096)
+    tier = FsTier({"root_dir": str(tmp_path)}, host, NAMESPACE)
+    free = os.statvfs(tmp_path)
+    tier.close()
+    assert abs(tier.max_bytes - 0.9 * free.f_bavail * free.f_frsize) < 0.01 * tier.max_bytes
