@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "kvhal.bench",
     "kvhal.fsck",
     "kvhal.layout_cli",
+    "kvhal.integrations.vllm.demo",
 )
 
 

@@ -77,12 +77,20 @@ class Completion:
 
 
 def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
-             cache_salt: str | None = None) -> list[Completion]:
-    """Greedy-generate `max_tokens` tokens for each prompt (token ids), in one batch."""
+             cache_salt: str | None = None,
+             kv_transfer_params: Mapping[str, Any] | None = None) -> list[Completion]:
+    """Greedy-generate `max_tokens` tokens for each prompt (token ids), in one batch.
+
+    Args:
+        cache_salt: vLLM's per-request cache salt (enters the first block's hash, so a salted
+            prompt shares no cached KV with the unsalted one).
+        kv_transfer_params: Per-request connector parameters, e.g. `{"max_offload_tokens": 0}`.
+    """
     from vllm import SamplingParams
 
+    extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0,
-                            detokenize=False, ignore_eos=True)
+                            detokenize=False, ignore_eos=True, extra_args=extra)
     inputs = [{"prompt_token_ids": list(p), **({"cache_salt": cache_salt} if cache_salt else {})}
               for p in prompts]
     return [_completion(o) for o in llm.generate(inputs, params, use_tqdm=False)]

@@ -1,8 +1,6 @@
-"""Fixtures of the real-vLLM tests: run scenarios in fresh processes (`engine_run.py`)."""
+"""Fixtures of the real-vLLM tests: scenarios run in fresh processes (`engine_run.py`)."""
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,19 +19,13 @@ def prompt(seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 1024, PROMPT_TOKENS).tolist()
 
 
-def run_engines(tmp_path: Path, name: str, tp: int, engines: list[dict],
-                timeout_s: float = 600) -> list[list]:
-    """Run `engines` (see engine_run.py) in a fresh process; return per-engine step results.
+def run_engines(tmp_path: Path, name: str, tp: int, engines: list[dict]) -> list[list]:
+    """Run `engines` on the tiny model at TP size `tp` in a fresh process; return per-engine
+    step results (see `kvhal.integrations.vllm.runner`)."""
+    from kvhal.integrations.vllm.runner import run_scenario
 
-    Raises:
-        AssertionError: the process failed (its stderr tail is in the message).
-    """
-    scenario, out = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
-    scenario.write_text(json.dumps({"tp": tp, "engines": engines}))
-    proc = subprocess.run([sys.executable, str(RUNNER), str(scenario), str(out)],
-                          capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())["engines"]
+    return run_scenario({"tp": tp, "model": "tiny", "engines": engines}, workdir=tmp_path,
+                        name=name, command=(sys.executable, str(RUNNER)))
 
 
 @pytest.fixture(scope="module")
