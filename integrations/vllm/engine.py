@@ -30,25 +30,31 @@ def engine_env(tp: int, in_process: bool = True) -> dict[str, str]:
     return env
 
 
-def kv_transfer_config(kvhal_config: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's `kv_transfer_config` selecting kvhal with `kvhal_config` (DESIGN §7 keys)."""
-    return {"kv_connector": CONNECTOR, "kv_role": "kv_both",
-            "kv_connector_extra_config": dict(kvhal_config)}
+def kv_transfer_config(kvhal_config: Mapping[str, Any], module_path: str | None = None
+                       ) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` selecting kvhal with `kvhal_config` (DESIGN §7 keys), by
+    its registered name or, when `module_path` is given, by module path."""
+    config = {"kv_connector": CONNECTOR, "kv_role": "kv_both",
+              "kv_connector_extra_config": dict(kvhal_config)}
+    if module_path is not None:
+        config["kv_connector_module_path"] = module_path
+    return config
 
 
 def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | None = None,
-             num_blocks: int | None = None, max_model_len: int = 4096,
-             enable_prefix_caching: bool = True) -> Any:
+             connector_module_path: str | None = None, num_blocks: int | None = None,
+             max_model_len: int = 4096, enable_prefix_caching: bool = True) -> Any:
     """A `vllm.LLM` on `model_dir`, with kvhal when `kvhal_config` is given.
 
     Args:
+        connector_module_path: Load the connector by this module path instead of by name.
         num_blocks: vLLM KV cache blocks (128 tokens each on CPU); None lets vLLM size it from
-            `VLLM_CPU_KVCACHE_SPACE`. Must hold `max_model_len` tokens.
+            `VLLM_CPU_KVCACHE_SPACE`. Must hold more than `max_model_len` tokens.
     """
     from vllm import LLM
 
-    extra = {} if kvhal_config is None else {"kv_transfer_config":
-                                             kv_transfer_config(kvhal_config)}
+    extra = {} if kvhal_config is None else {
+        "kv_transfer_config": kv_transfer_config(kvhal_config, connector_module_path)}
     return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                tensor_parallel_size=tp, max_model_len=max_model_len,
                enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks,

