@@ -184,7 +184,7 @@ class SchedulerSide:
                 job = self._plan_store(state, computed[req_id] + num_scheduled)
                 if job is not None:
                     stores.append(job)
-        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        preempted = scheduler_output.preempted_req_ids or ()
         for req_id in preempted:
             self.manager.release(req_id)
         meta = KVHalMetadata(self.region_info, self._loads, stores, flush=bool(preempted),
