@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 import pytest
 
-from kvhal.hal import Allocation, Event, InvalidValueError, Stream
+from kvhal.hal import Event, InvalidValueError, Stream
 
 from .conftest import require
 from .hal_helpers import read, reference_bytes, write

@@ -135,3 +135,23 @@ def test_restart_finds_every_stored_chunk(harness, open_tier, namespace, host):
     for i, key in enumerate(keys):
         assert load(second, key, n, n, job_id=10 + i).ok
         np.testing.assert_array_equal(array[n:2 * n], payload(i, n))
+
+
+@pytest.mark.parametrize("offset,nbytes", [(-1, 10), (0, 0), (None, 10)],
+                         ids=["negative-offset", "empty", "past-the-end"])
+def test_job_outside_the_host_region_fails_without_raising(open_tier, namespace, host, offset,
+                                                           nbytes):
+    offset = len(host) - 5 if offset is None else offset
+    tier = open_tier(host)
+    results = [store(tier, chunk_key(namespace, 1), offset, nbytes, job_id=1),
+               load(tier, chunk_key(namespace, 1), offset, nbytes, job_id=2)]
+    assert [(r.ok, r.error) for r in results] == [
+        (False, f"slot [{offset}, {offset + nbytes}) outside the host region of "
+                f"{len(host)} bytes")] * 2
+
+
+def test_key_of_another_namespace_is_refused(open_tier, namespace, host):
+    tier = open_tier(host)
+    other = bytes(b ^ 0xFF for b in namespace)
+    result = store(tier, chunk_key(other, 1), 0, 4096)
+    assert (result.ok, result.error) == (False, "key namespace differs from the tier's namespace")

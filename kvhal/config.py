@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from kvhal import plugins
 
@@ -115,9 +115,12 @@ def parse_config(source: Mapping[str, Any] | str) -> EngineConfig:
             source = json.loads(source)
         except json.JSONDecodeError as exc:
             raise ConfigError("<config>", f"not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ConfigError("<config>", "not valid JSON: nested too deeply") from None
     if not isinstance(source, Mapping):
         raise ConfigError("<config>", f"must be a JSON object, got {type(source).__name__}")
-    unknown = sorted(set(source) - set(_KEYS))
+    unknown = sorted((repr(k) if not isinstance(k, str) else k)
+                     for k in set(source) - set(_KEYS))
     if unknown:
         raise ConfigError(unknown[0], f"unknown key; accepted: {', '.join(_KEYS)}")
     if source.get("cpu_bytes_to_use") is None:
@@ -130,7 +133,7 @@ def parse_config(source: Mapping[str, Any] | str) -> EngineConfig:
         raise ConfigError("block_size", "give blocks_per_chunk or block_size, not both")
     policy = source.get("eviction_policy", "lru")
     policies = plugins.cache_policies()
-    if policy not in policies:
+    if not isinstance(policy, str) or policy not in policies:
         raise ConfigError("eviction_policy", f"{policy!r} is not a registered cache policy; "
                           f"registered: {', '.join(policies)}")
     prompt_only = source.get("offload_prompt_only", True)
@@ -175,50 +178,66 @@ def tier_factory(tier: TierConfig, path: str = "secondary_tiers[?]") -> Any:
     """The factory `(config, host_view, namespace) -> SecondaryTier` of one tier entry.
 
     Raises:
-        ConfigError: the module cannot be imported or provides no such tier.
+        ConfigError: the module cannot be imported (any exception while importing it, e.g. a
+            SyntaxError or an error raised at import time), its `kvhal_register_tiers` fails or
+            returns no `TierSpec` of this type, or the named factory is not callable.
     """
     if tier.module_path is None:
         return plugins.tiers()[tier.type].factory
+    where = f"{path}.module_path"
     module_name, _, attr = tier.module_path.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{path}.module_path", f"cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:  # SyntaxError, an error raised at import, a bad module name
+        raise ConfigError(where, f"cannot import {module_name!r}: "
+                          f"{type(exc).__name__}: {exc}") from None
     if attr:
         factory = getattr(module, attr, None)
-        if factory is None:
-            raise ConfigError(f"{path}.module_path", f"{module_name!r} has no attribute {attr!r}")
+        if not callable(factory):
+            raise ConfigError(where, f"{module_name!r} has no callable attribute {attr!r}")
         return factory
-    specs = getattr(module, "kvhal_register_tiers", lambda: [])() or []
-    for spec in specs:
-        if spec.name == tier.type:
+    try:
+        specs = list(getattr(module, "kvhal_register_tiers", lambda: [])() or [])
+    except Exception as exc:
+        raise ConfigError(where, f"{module_name}.kvhal_register_tiers() failed: "
+                          f"{type(exc).__name__}: {exc}") from None
+    names = [getattr(spec, "name", None) for spec in specs]
+    for spec, name in zip(specs, names):
+        if name == tier.type and callable(getattr(spec, "factory", None)):
             return spec.factory
-    raise ConfigError(f"{path}.module_path", f"{module_name!r} registers no tier of type "
-                      f"{tier.type!r} (kvhal_register_tiers returned "
-                      f"{[s.name for s in specs]})")
+    raise ConfigError(where, f"{module_name!r} registers no tier of type {tier.type!r} "
+                      f"(kvhal_register_tiers returned names {names})")
 
 
 def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes) -> list[Any]:
     """Construct every secondary tier of `config`, in order.
 
     A tier's own validation error (`TierError`/`ValueError` whose message starts with its key,
-    e.g. "root_dir: ...") is re-raised as a `ConfigError` under `secondary_tiers[i]`.
+    e.g. "root_dir: ...") is re-raised as a `ConfigError` under `secondary_tiers[i]`; any other
+    exception from a factory (an out-of-tree tier's bug, an OSError) becomes a `ConfigError`
+    naming `secondary_tiers[i]` and the exception type.
 
     Raises:
         ConfigError: a tier cannot be loaded or refuses its options. Tiers built before the
             failing one are closed.
     """
     built: list[Any] = []
-    for i, tier in enumerate(config.secondary_tiers):
-        path = f"secondary_tiers[{i}]"
-        factory = tier_factory(tier, path)
-        try:
-            built.append(factory(tier.options, host_view, namespace))
-        except ValueError as exc:
-            for done in built:
-                done.close()
-            key, sep, message = str(exc).partition(": ")
-            if sep and key.isidentifier():
-                raise ConfigError(f"{path}.{key}", message) from None
-            raise ConfigError(path, str(exc)) from None
+    try:
+        for i, tier in enumerate(config.secondary_tiers):
+            path = f"secondary_tiers[{i}]"
+            factory = tier_factory(tier, path)
+            try:
+                built.append(factory(tier.options, host_view, namespace))
+            except ValueError as exc:
+                key, sep, message = str(exc).partition(": ")
+                if sep and key.isidentifier():
+                    raise ConfigError(f"{path}.{key}", message) from None
+                raise ConfigError(path, str(exc)) from None
+            except Exception as exc:
+                raise ConfigError(path, f"building the {tier.type!r} tier failed: "
+                                  f"{type(exc).__name__}: {exc}") from None
+    except ConfigError:
+        for done in built:
+            done.close()
+        raise
     return built

@@ -15,7 +15,15 @@ HOST_MEDIUM = "CPU"
 
 
 @dataclass(frozen=True, slots=True)
-class BlockStored:
+class _BlockEvent:
+    block_hashes: tuple[bytes, ...]
+    group: int
+    medium: str
+    locality: str = "local"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored(_BlockEvent):
     """Chunks became readable in `medium` (the host tier, or a secondary tier by type name).
 
     Attributes:
@@ -25,20 +33,10 @@ class BlockStored:
         locality: "local" (this instance) or the name of a peer.
     """
 
-    block_hashes: tuple[bytes, ...]
-    group: int
-    medium: str
-    locality: str = "local"
-
 
 @dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Chunks left `medium` (evicted or discarded)."""
-
-    block_hashes: tuple[bytes, ...]
-    group: int
-    medium: str
-    locality: str = "local"
+class BlockRemoved(_BlockEvent):
+    """Chunks left `medium` (evicted or discarded); attributes as `BlockStored`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,11 +3,13 @@
 Prints counts and bytes of good chunk files, corrupt chunk files, orphaned temp files and
 quarantined files, then one line per corrupt file. Exit code 1 if corrupt files were found and
 not repaired; with `--repair`, corrupt files are moved to their namespace's `quarantine/` folder,
-orphaned temp files are deleted, and the exit code is 0.
+orphaned temp files are deleted, and the exit code is 0. With `--json`, stdout holds the JSON
+report alone and the summary line goes to stderr.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict
 
 from kvhal.report import print_json, print_table
@@ -30,13 +32,14 @@ def run(args: argparse.Namespace) -> int:
                      ["other files (left alone)", report.other_files, ""]])
         for path, reason in report.problems:
             print(f"corrupt: {path}: {reason}")
+    summary = sys.stderr if args.json else sys.stdout  # --json: stdout is the JSON alone
     if report.corrupt and not args.repair:
         print(f"kvhal fsck: {report.corrupt} corrupt chunk file(s); run with --repair to "
-              "quarantine them")
+              "quarantine them", file=summary)
         return 1
     if args.repair and (report.corrupt or report.orphaned_temps):
         print(f"kvhal fsck: quarantined {report.corrupt} corrupt chunk file(s), removed "
-              f"{report.orphaned_temps} orphaned temp file(s)")
+              f"{report.orphaned_temps} orphaned temp file(s)", file=summary)
     return 0
 
 

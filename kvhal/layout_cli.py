@@ -16,8 +16,14 @@ def collect(args: argparse.Namespace) -> dict:
 
     Raises:
         LayoutError: an impossible geometry or an unmappable layout (names field or layer).
+        ValueError: --tp below 1, heads missing without --mla-latent, or heads given with it.
     """
+    if args.tp < 1:
+        raise ValueError(f"--tp: must be a positive int, got {args.tp}")
     if args.mla_latent is not None:
+        if args.kv_heads is not None or args.head_size is not None:
+            raise ValueError("--kv-heads and --head-size do not apply with --mla-latent (an MLA "
+                             "layer stores one latent per token, shared by all heads)")
         spec = mla_spec(num_layers=args.layers, latent_size=args.mla_latent, dtype=args.dtype,
                         block_size=args.block_size, extra_bytes_per_token=args.extra_bytes)
     else:

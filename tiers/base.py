@@ -76,6 +76,19 @@ class JobResult:
     seconds: float = 0.0
 
 
+def job_problem(job: TierJob, host_nbytes: int, namespace: bytes) -> str | None:
+    """Why `job` cannot run against a host region of `host_nbytes` bytes, or None if it can.
+
+    A tier reports a non-None answer as a failed `JobResult` with this text as its error.
+    """
+    if job.key.namespace != namespace:
+        return "key namespace differs from the tier's namespace"
+    if job.offset < 0 or job.nbytes <= 0 or job.offset + job.nbytes > host_nbytes:
+        return (f"slot [{job.offset}, {job.offset + job.nbytes}) outside the host region "
+                f"of {host_nbytes} bytes")
+    return None
+
+
 class SecondaryTier(abc.ABC):
     """Base class of secondary tiers; subclasses register a factory with `TierSpec`.
 

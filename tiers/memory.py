@@ -14,17 +14,26 @@ from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
 
-from .base import JobKind, JobResult, Lookup, SecondaryTier, TierError, TierJob
+from .base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
 
 DEFAULT_MAX_BYTES = 1 << 30
+#: Keys of a `secondary_tiers` entry this tier accepts ("type"/"module_path" are the loader's).
+_KEYS = ("max_bytes", "module_path", "type")
 
 
 class MemoryTier(SecondaryTier):
-    """In-memory LRU tier (see module docstring)."""
+    """In-memory LRU tier (see module docstring).
+
+    Raises:
+        TierError: an unknown config key or a `max_bytes` that is not a positive integer.
+    """
 
     name = "memory"
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes):
+        unknown = sorted(str(k) for k in config if k not in _KEYS)
+        if unknown:
+            raise TierError(f"{unknown[0]}: unknown key for the memory tier; accepted: max_bytes")
         max_bytes = config.get("max_bytes", DEFAULT_MAX_BYTES)
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
             raise TierError(f"max_bytes: must be a positive integer, got {max_bytes!r}")
@@ -46,6 +55,8 @@ class MemoryTier(SecondaryTier):
         """Copy the slot's bytes in; evict least recently used chunks to fit."""
         t0 = time.perf_counter()
         with self._lock:
+            if (problem := job_problem(job, len(self._host), self._namespace)) is not None:
+                return self._finish(job, t0, problem)
             if job.nbytes > self.max_bytes:
                 return self._finish(job, t0, "chunk larger than max_bytes")
             if job.key in self._data:
@@ -64,6 +75,8 @@ class MemoryTier(SecondaryTier):
         """Copy the chunk into the slot, or fail if absent or of another size."""
         t0 = time.perf_counter()
         with self._lock:
+            if (problem := job_problem(job, len(self._host), self._namespace)) is not None:
+                return self._finish(job, t0, problem)
             data = self._data.get(job.key)
             if data is None:
                 return self._finish(job, t0, "not found")

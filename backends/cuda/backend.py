@@ -16,14 +16,18 @@ from .kernel import CopyKernel
 from .table import CUDA
 
 
-def nvrtc_status() -> str:
-    """'NVRTC <major>.<minor>' if NVRTC loads, else why not (for `capabilities().notes`)."""
+def nvrtc_status() -> tuple[bool, str]:
+    """(True, 'NVRTC <major>.<minor>') if NVRTC loads, else (False, why not), for
+    `capabilities().notes`."""
     try:
         from cuda.bindings import nvrtc
         err, major, minor = nvrtc.nvrtcVersion()
-        return f"NVRTC {major}.{minor}" if int(err) == 0 else f"nvrtcVersion failed: {err}"
     except Exception as exc:  # noqa: BLE001 - a missing libnvrtc raises from cuda-pathfinder
-        return f"NVRTC unavailable ({exc.__class__.__name__}); install kvhal's 'cuda-nvrtc' extra"
+        return False, (f"NVRTC unavailable ({exc.__class__.__name__}); install kvhal's "
+                       "'cuda-nvrtc' extra")
+    if int(err) != 0:
+        return False, f"nvrtcVersion failed: {err}"
+    return True, f"NVRTC {major}.{minor}"
 
 
 class CudaBackend(RuntimeBackend):
@@ -40,9 +44,9 @@ class CudaBackend(RuntimeBackend):
     def capabilities(self) -> Capabilities:
         """`RuntimeBackend.capabilities` plus whether the copy kernel can be built."""
         caps = super().capabilities()
-        status = nvrtc_status()
+        ok, status = nvrtc_status()
         kernel = ("copy kernel selectable per transfer (copy_batch_kernel_async), " + status
-                  if status.startswith("NVRTC ") else "copy kernel off: " + status)
+                  if ok else "copy kernel off: " + status)
         return dataclasses.replace(caps, notes=caps.notes + (kernel,))
 
     def compute_capability(self) -> int:

@@ -16,8 +16,11 @@ Setup (once)::
     worker = Worker(backend, planner, host_ptr=region.ptr, slot_bytes=geo.slot_bytes)
 
 `planner(block_ids, slot_addr, direction) -> CopyPlan` maps one chunk (its device block ids)
-to HAL copies: `BlockPlanner` for a single contiguous block buffer, `kvhal.layout` for model
-layouts. Keys: `kvhal.keys.chunk_keys(block_hashes, blocks_per_chunk, ns)` over vLLM's own
+to HAL copies: `LayoutPlanner(kvhal.layout.chunk_mapper(spec, layout, tp_size, tp_rank, bpc),
+kvhal.layout.device_cache(mapper, layer_tensors))` for model layouts (chunk_nbytes is then
+`mapper.chunk.chunk_bytes`), `BlockPlanner` for a single contiguous block buffer. With TP > 1 every
+rank's worker moves its share into the same shared slot (`HostRegion.create_shared` /
+`attach_shared`); complete a job with the smallest `num_ok` over the ranks. Keys: `kvhal.keys.chunk_keys(block_hashes, blocks_per_chunk, ns)` over vLLM's own
 block hashes (or `kvhal.keys.block_hashes(...)`, which computes them the same way).
 
 Each scheduler step, per waiting request (scheduler side, never blocks)::
@@ -61,11 +64,12 @@ worker's `num_ok` (0 for a job that never ran). Shutdown: `worker.close()`, `man
 """
 from .build import build_manager
 from .manager import Manager
-from .planner import BlockPlanner
+from .planner import BlockPlanner, LayoutPlanner
 from .requests import chunks_to_store, leading_hits
 from .types import Direction, EngineError, LoadPlan, StorePlan, TransferResult
 from .worker import Planner, Worker
 
-__all__ = ["BlockPlanner", "Direction", "EngineError", "LoadPlan", "Manager", "Planner",
+__all__ = ["BlockPlanner", "Direction", "EngineError", "LayoutPlanner", "LoadPlan", "Manager",
+           "Planner",
            "StorePlan", "TransferResult", "Worker", "build_manager", "chunks_to_store",
            "leading_hits"]

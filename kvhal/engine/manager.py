@@ -16,7 +16,7 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from kvhal import plugins
+from kvhal import metrics, plugins
 from kvhal.events import HOST_MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored
 from kvhal.host.slots import IDLE, SlotTable
 from kvhal.keys import ChunkKey
@@ -25,6 +25,10 @@ from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 from .types import EngineError, LoadPlan, StorePlan
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
+_LOOKUP = {answer: metrics.LOOKUP_CHUNKS.labels(metrics.HOST, answer.value) for answer in Lookup}
+_HOST_STORED = metrics.STORED_CHUNKS.labels(metrics.HOST)
+_HOST_LOADED = metrics.LOADED_CHUNKS.labels(metrics.HOST)
+_HOST_EVICTED = metrics.EVICTED_CHUNKS.labels(metrics.HOST)
 
 
 class Manager:
@@ -85,6 +89,7 @@ class Manager:
         index, state = self.slots.index, self.slots.state
         out: list[Lookup] = []
         pins: list[int] = []
+        protect: frozenset | None = None       # the prefix, never evicted for a promotion
         for key in keys:
             slot = index.get(key)
             if slot is not None:
@@ -94,7 +99,9 @@ class Manager:
                 else:
                     out.append(_RETRY)
                 continue
-            answer = self._promote(key, keys)
+            if protect is None and self.tiers:
+                protect = frozenset(keys)
+            answer = self._promote(key, protect)
             out.append(answer)
             if answer is _MISS:
                 break
@@ -104,9 +111,14 @@ class Manager:
             for slot in pins:
                 state[slot] += 1
             self._pins[request_id] = pins
+        retries = out.count(_RETRY)
+        for answer, count in ((_HIT, len(pins)), (_RETRY, retries),
+                              (_MISS, len(out) - len(pins) - retries)):
+            if count:
+                _LOOKUP[answer].inc(count)
         return out
 
-    def _promote(self, key: ChunkKey, batch: Sequence[ChunkKey]) -> Lookup:
+    def _promote(self, key: ChunkKey, protect: frozenset | None) -> Lookup:
         if not self.tiers:
             return _MISS
         if key in self._failed_promotions:
@@ -118,8 +130,8 @@ class Manager:
             if found is _RETRY:
                 answer = _RETRY
             elif found is _HIT:
-                placed, evicted = self.slots.reserve([key], frozenset(batch))
-                self._removed(evicted, HOST_MEDIUM)
+                placed, evicted = self.slots.reserve([key], protect)
+                self._removed(evicted)
                 if not placed:
                     return _MISS
                 job_id = next(self._ids)
@@ -146,18 +158,23 @@ class Manager:
         it and every later key are skipped (stored keys stay a contiguous prefix).
 
         Args:
-            keys: Chunk keys of one prefix, in order.
+            keys: Chunk keys of one prefix, in order. A key given more than once is stored
+                once, at its first position (`StorePlan.indices`).
 
         Returns:
             The plan, or None if nothing needs storing or nothing fits (no job is created).
         """
         index = self.slots.index
-        todo = [i for i, key in enumerate(keys) if key not in index]
+        todo, seen = [], set()
+        for i, key in enumerate(keys):
+            if key not in index and key not in seen:  # a repeated key is stored once
+                seen.add(key)
+                todo.append(i)
         if not todo:
             return None
         protect = frozenset(keys) if len(todo) > self.slots.num_free else frozenset()
         slots, evicted = self.slots.reserve([keys[i] for i in todo], protect)
-        self._removed(evicted, HOST_MEDIUM)
+        self._removed(evicted)
         if not slots:
             return None
         job_id = next(self._ids)
@@ -184,8 +201,10 @@ class Manager:
                 stored.append((key, slot))
         for slot in slots[n_ok:]:
             self.slots.abort(slot)
+        if n_ok < len(slots):
+            metrics.FAILED_CHUNKS.labels(metrics.HOST, "store").inc(len(slots) - n_ok)
         if stored:
-            self._stored([k for k, _ in stored], HOST_MEDIUM)
+            self._stored([k for k, _ in stored])
             self._cascade(stored)
 
     def _cascade(self, stored: list[tuple[ChunkKey, int]]) -> None:
@@ -225,8 +244,8 @@ class Manager:
         return LoadPlan(job_id, tuple(keys[:len(slots)]), np.array(slots, dtype=np.int64))
 
     def complete_load(self, job_id: int, num_ok: int | None = None) -> None:
-        """End a load job: release its slots. `num_ok` is informational (a failed H2D leaves
-        the host copy intact).
+        """End a load job: release its slots. `num_ok` (None = all) only feeds the metrics: a
+        failed H2D leaves the host copy intact.
 
         Raises:
             EngineError: `job_id` is not an open load job.
@@ -238,6 +257,10 @@ class Manager:
         release = self.slots.release
         for slot in slots:
             release(slot)
+        n_ok = len(slots) if num_ok is None else max(0, min(num_ok, len(slots)))
+        _HOST_LOADED.inc(n_ok)
+        if n_ok < len(slots):
+            metrics.FAILED_CHUNKS.labels(metrics.HOST, "load").inc(len(slots) - n_ok)
 
     # -- secondary tiers ---------------------------------------------------------------------
     def poll(self) -> list[JobResult]:
@@ -248,6 +271,7 @@ class Manager:
             The tier results collected by this call.
         """
         results: list[JobResult] = []
+        landed: dict[tuple[int, str], list[ChunkKey]] = defaultdict(list)  # (index, tier)
         for t, tier in enumerate(self.tiers):
             for result in tier.get_finished_jobs():
                 job = self._tier_jobs.pop((t, result.job_id), None)
@@ -255,17 +279,22 @@ class Manager:
                     continue
                 kind, slot, key = job
                 results.append(result)
+                if not result.ok:
+                    metrics.FAILED_CHUNKS.labels(tier.name, kind.value).inc()
                 if kind is JobKind.LOAD:
-                    if result.ok:
-                        if self.slots.commit(slot):
-                            self._stored([key], HOST_MEDIUM)
-                    else:
+                    if not result.ok:
                         self.slots.abort(slot)
                         self._failed_promotions.add(key)
+                    else:
+                        metrics.LOADED_CHUNKS.labels(tier.name).inc()
+                        if self.slots.commit(slot):
+                            landed[(-1, metrics.HOST)].append(key)
                 else:
                     self.slots.release(slot)
                     if result.ok:
-                        self._stored([key], tier.name.upper())
+                        landed[(t, tier.name)].append(key)
+        for (_, name), keys in landed.items():
+            self._stored(keys, name)
         return results
 
     def drain(self, timeout_s: float | None = None) -> None:
@@ -282,7 +311,7 @@ class Manager:
     def discard(self, keys: Iterable[ChunkKey]) -> None:
         """Drop chunks from host memory (now if idle, else when their readers finish)."""
         gone = [key for key in keys if self.slots.discard(key)]
-        self._removed(gone, HOST_MEDIUM)
+        self._removed(gone)
 
     def clear(self) -> None:
         """Drop every chunk from host memory (deferred for chunks in use)."""
@@ -295,14 +324,23 @@ class Manager:
         out, self._events = self._events, []
         return out
 
-    def _stored(self, keys: list[ChunkKey], medium: str) -> None:
+    def _stored(self, keys: list[ChunkKey], tier: str = metrics.HOST) -> None:
+        """Count and announce chunks that became readable in `tier` ("host" or a tier name)."""
+        if tier == metrics.HOST:
+            _HOST_STORED.inc(len(keys))
+            medium = HOST_MEDIUM
+        else:
+            metrics.STORED_CHUNKS.labels(tier).inc(len(keys))
+            medium = tier.upper()
         for group, hashes in _by_group(keys).items():
             self._event(BlockStored(hashes, group, medium))
 
-    def _removed(self, keys: list, medium: str) -> None:
+    def _removed(self, keys: list[ChunkKey]) -> None:
+        """Count and announce chunks that left the host tier."""
         if keys:
+            _HOST_EVICTED.inc(len(keys))
             for group, hashes in _by_group(keys).items():
-                self._event(BlockRemoved(hashes, group, medium))
+                self._event(BlockRemoved(hashes, group, HOST_MEDIUM))
 
     def _event(self, event) -> None:
         self._events.append(event)

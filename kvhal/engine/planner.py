@@ -1,20 +1,24 @@
-"""`BlockPlanner`: the simplest chunk layout, for single-buffer caches, harnesses and tests.
+"""Planners: one chunk's device block ids + host slot address → the `CopyPlan` that moves it.
 
-Device block b is `block_bytes` contiguous bytes at `device_base + b * block_stride`; a chunk's
-host slot holds its blocks back to back (block j of the chunk at `slot + j * block_bytes`).
-Real model layouts (layers, TP ranks, NHD/HND) come from `kvhal.layout`.
+`LayoutPlanner` covers real model layouts (layers, TP ranks, NHD/HND, MLA) through
+`kvhal.layout`. `BlockPlanner` is the simplest layout, for single-buffer caches, harnesses and
+benchmarks: device block b is `block_bytes` contiguous bytes at `device_base + b *
+block_stride`, and a chunk's host slot holds its blocks back to back.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from kvhal.layout import plan_copies
 from kvhal.layout.plan import CopyPlan
 
 from .types import Direction
 
 
 class BlockPlanner:
-    """A `Planner` for the layout in the module docstring.
+    """A `Planner` for one contiguous buffer of blocks (see the module docstring).
 
     Args:
         device_base: Address of device block 0 (bytes).
@@ -31,6 +35,7 @@ class BlockPlanner:
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         self.block_stride = block_bytes if block_stride is None else block_stride
+        self._within: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> (offsets, sizes)
 
     def __call__(self, block_ids: np.ndarray, slot_addr: int, direction: Direction) -> CopyPlan:
         """See `kvhal.engine.worker.Planner`; one batch of `len(block_ids)` contiguous copies.
@@ -38,14 +43,44 @@ class BlockPlanner:
         Raises:
             ValueError: a block id is outside [0, num_blocks).
         """
-        ids = np.asarray(block_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            raise ValueError(f"block ids {ids.tolist()} outside [0, {self.num_blocks})")
-        device = (np.uint64(self.device_base)
-                  + ids.astype(np.uint64) * np.uint64(self.block_stride))
-        host = np.uint64(slot_addr) + np.arange(len(ids), dtype=np.uint64) * np.uint64(
-            self.block_bytes)
-        sizes = np.full(len(ids), self.block_bytes, dtype=np.uint64)
+        ids = np.asarray(block_ids, dtype=np.int64).astype(np.uint64)  # negatives wrap high
+        if (ids >= self.num_blocks).any():
+            raise ValueError(f"block ids {block_ids.tolist()} outside [0, {self.num_blocks})")
+        device = ids * np.uint64(self.block_stride) + np.uint64(self.device_base)
+        within = self._within.get(len(ids))
+        if within is None:
+            within = self._within[len(ids)] = (
+                np.arange(len(ids), dtype=np.uint64) * np.uint64(self.block_bytes),
+                np.full(len(ids), self.block_bytes, dtype=np.uint64))
+        host = within[0] + np.uint64(slot_addr)
+        sizes = within[1]
         if direction is Direction.D2H:
             return CopyPlan((), host, device, sizes)
         return CopyPlan((), device, host, sizes)
+
+
+class LayoutPlanner:
+    """A `Planner` over `kvhal.layout`: one TP rank's chunk mapper and its layer tensors.
+
+    Args:
+        mapper: From `kvhal.layout.chunk_mapper(spec, layout, tp_size, tp_rank,
+            blocks_per_chunk)`; the host slot holds `mapper.chunk.chunk_bytes` canonical bytes.
+        device: From `kvhal.layout.device_cache(mapper, layer_tensors)`.
+        expand_up_to: Passed to `plan_copies` (runs of at most this many fragments become
+            batch descriptors instead of 2D copies).
+    """
+
+    def __init__(self, mapper: Any, device: Any, expand_up_to: int = 1):
+        self.mapper = mapper
+        self.device = device
+        self.expand_up_to = expand_up_to
+
+    def __call__(self, block_ids: np.ndarray, slot_addr: int, direction: Direction) -> CopyPlan:
+        """See `kvhal.engine.worker.Planner`; D2H moves only this rank's elected bytes, H2D
+        fills every replica (`kvhal.layout.plan_copies`).
+
+        Raises:
+            LayoutError: bad block ids (a `ValueError`: the worker fails the chunk).
+        """
+        return plan_copies(self.mapper, block_ids, self.device, slot_addr, direction.value,
+                           self.expand_up_to)

@@ -6,11 +6,17 @@ the worker does not know the layout. Stores run on a dedicated store stream, loa
 dedicated load stream; a store first makes its stream wait on the caller's event recorded after
 the compute that produced the KV, so it never copies KV before it is written.
 
-One event is recorded after each chunk's copies. A job is finished when its last event
-completes; its device blocks are then free (stores) or hold the KV (loads). A sub-transfer that
-fails — refused when issued (`HalError`, bad plan) or faulting on the device (`DeviceFaultError`
-at its event) — fails its chunk and every later chunk of the job: `num_ok` counts only the
-leading chunks that fully arrived, so wrong bytes are never reported as loaded.
+A job's chunks are planned one by one, then issued together: every 2D copy, then one
+`copy_batch_async` for all contiguous copies, then one event (few HAL calls per job, so the
+issuing thread does not compete with the copies). A job is finished when that event completes;
+its device blocks are then free (stores) or hold the KV (loads). A sub-transfer that fails fails
+its chunk and every later chunk of the job — `num_ok` counts only the leading chunks that fully
+arrived, so wrong bytes are never reported as loaded:
+- a chunk the planner refuses, or a batch the backend refuses when issued (`HalError`), is
+  found by issuing chunk by chunk (one event per chunk); the first refused chunk ends the job;
+- a fault on the device (`DeviceFaultError` at the job's event) replays the job chunk by chunk
+  (its blocks and slots are still reserved, so copying them again is harmless) and the first
+  chunk whose event faults ends it; a transient fault that does not recur costs only time.
 
 Threading: one thread (the engine worker's) calls every method.
 """
@@ -55,8 +61,9 @@ class _Job:
     job_id: int
     direction: Direction
     block_ids: np.ndarray
-    events: list[Event]           # one per fully issued chunk
-    tail: Event                   # recorded after everything issued for the job
+    plans: list[CopyPlan]          # one per chunk that could be planned (and issued)
+    tail: Event | None = None      # recorded after everything issued for the job
+    events: list[Event] | None = None  # per-chunk events when issued chunk by chunk
     issue_error: str | None = None
     cancelled: bool = field(default=False)
 
@@ -122,37 +129,53 @@ class Worker:
                               f"(n,), got {block_ids.shape} and {slots.shape}")
         if job_id in self._by_id:
             raise EngineError(f"job {job_id} is already in flight")
-        backend, stream = self.backend, self._streams[direction]
-        if after is not None:
-            backend.stream_wait_event(stream, after)
-        events: list[Event] = []
+        plans: list[CopyPlan] = []
         error = None
         for c in range(len(slots)):
             try:
-                plan = self.planner(block_ids[c], self.host_ptr + int(slots[c]) * self.slot_bytes,
-                                    direction)
-                _issue(backend, plan, stream)
+                plans.append(self.planner(block_ids[c], self.host_ptr
+                                          + int(slots[c]) * self.slot_bytes, direction))
             except (HalError, ValueError) as exc:
                 error = f"chunk {c}: {exc}"
                 break
-            event = self._event()
-            backend.record_event(event, stream)
-            events.append(event)
-        if error is None and events:
-            tail = events[-1]
+        job = _Job(job_id, direction, block_ids, plans, issue_error=error)
+        if after is not None:
+            self.backend.stream_wait_event(self._streams[direction], after)
+        try:
+            _issue_merged(self.backend, plans, self._streams[direction])
+        except HalError:
+            self._issue_per_chunk(job)
         else:
-            tail = self._event()
-            backend.record_event(tail, stream)
-        job = _Job(job_id, direction, block_ids, events, tail, error)
+            job.tail = self._record(direction)
         self._inflight[direction].append(job)
         self._by_id[job_id] = job
+
+    def _issue_per_chunk(self, job: _Job) -> None:
+        """Issue `job.plans` one chunk at a time with an event after each; a chunk refused
+        at issue ends the job there."""
+        job.events = []
+        for i, plan in enumerate(job.plans):
+            try:
+                _issue(self.backend, plan, self._streams[job.direction])
+            except HalError as exc:
+                job.issue_error = f"chunk {i}: {exc}"
+                del job.plans[i:]
+                break
+            job.events.append(self._record(job.direction))
+        job.tail = self._record(job.direction)
+
+    def _record(self, direction: Direction) -> Event:
+        event = self._event()
+        self.backend.record_event(event, self._streams[direction])
+        return event
 
     def _event(self) -> Event:
         return self._spare_events.pop() if self._spare_events else self.backend.create_event()
 
     # -- completion --------------------------------------------------------------------------
     def get_finished(self) -> list[TransferResult]:
-        """Results of jobs finished since the last call (each job exactly once). Never blocks."""
+        """Results of jobs finished since the last call (each job exactly once). Never blocks
+        (except to replay a job chunk by chunk after a device fault)."""
         for direction in Direction:
             queue = self._inflight[direction]
             while queue and self.backend.event_query(queue[0].tail):
@@ -161,28 +184,36 @@ class Worker:
         return out
 
     def _finish(self, job: _Job) -> None:
+        """Judge a job whose tail event completed: report it, or replay it after a fault."""
         backend = self.backend
-        num_ok, error = len(job.events), job.issue_error
-        for i, event in enumerate(job.events):
+        num_ok, error = len(job.plans), job.issue_error
+        faulted, merged = False, job.events is None
+        for i, event in enumerate([job.tail] if merged else job.events):
             try:
                 backend.event_synchronize(event)
             except DeviceFaultError as exc:
-                num_ok, error = i, f"chunk {i}: {exc}"
+                faulted, num_ok, error = True, i, f"chunk {i}: {exc}"
                 break
-        if num_ok < len(job.events) or job.issue_error:
-            try:  # clear the stream's sticky error so later jobs are judged on their own
+        if faulted:
+            try:  # clear the stream's sticky error so later work is judged on its own
                 backend.stream_synchronize(self._streams[job.direction])
             except DeviceFaultError:
                 pass
+        self._recycle(job)
+        if faulted and merged and not job.cancelled:
+            self._issue_per_chunk(job)         # find the faulting chunk; judged again later
+            self._inflight[job.direction].append(job)
+            return
         if job.cancelled:
             num_ok, error = 0, _CANCELLED
-        spare = set(map(id, job.events))
-        self._spare_events.extend(job.events)
-        if id(job.tail) not in spare:
-            self._spare_events.append(job.tail)
         del self._by_id[job.job_id]
         self._finished.append(TransferResult(job.job_id, job.direction, len(job.block_ids),
                                              num_ok, job.block_ids, error))
+
+    def _recycle(self, job: _Job) -> None:
+        self._spare_events.extend(job.events or ())
+        self._spare_events.append(job.tail)
+        job.events, job.tail = None, None
 
     def cancel(self, job_id: int) -> None:
         """Make an in-flight job end as failed ("cancelled", num_ok 0). Its copies already
@@ -226,7 +257,7 @@ class Worker:
             try:
                 self.backend.event_synchronize(head.tail)
             except DeviceFaultError:
-                pass  # judged per chunk in _finish
+                pass  # judged in _finish
             self._finish(head)
 
     def close(self) -> None:
@@ -237,6 +268,19 @@ class Worker:
         for event in self._spare_events:
             self.backend.destroy_event(event)
         self._spare_events.clear()
+
+
+def _issue_merged(backend: DeviceBackend, plans: list[CopyPlan], stream) -> None:
+    """Every 2D copy of `plans`, then all their contiguous copies as one batch."""
+    for plan in plans:
+        for c in plan.copies_2d:
+            backend.copy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height,
+                                  stream)
+    batches = [p for p in plans if len(p.sizes)]
+    if batches:
+        backend.copy_batch_async(np.concatenate([p.dsts for p in batches]),
+                                 np.concatenate([p.srcs for p in batches]),
+                                 np.concatenate([p.sizes for p in batches]), stream)
 
 
 def _issue(backend: DeviceBackend, plan: CopyPlan, stream) -> None:

@@ -25,6 +25,12 @@ from .plan import CopyRun
 
 FORMAT_ID = "kvhal-hnd-v1"
 
+#: Largest accepted blocks_per_chunk and tp_size: far above real deployments (chunks of a few
+#: dozen blocks, TP ≤ 64), low enough that chunk offsets fit int64 (with the geometry bounds of
+#: `kvhal.layout.geometry`) and per-rank loops stay short.
+MAX_BLOCKS_PER_CHUNK = 1 << 16
+MAX_TP_SIZE = 1 << 10
+
 
 @dataclass(frozen=True, slots=True)
 class RankShare:
@@ -97,16 +103,17 @@ def chunk_layout(spec: KVCacheSpec, blocks_per_chunk: int) -> ChunkLayout:
     Raises:
         LayoutError: blocks_per_chunk is not a positive int.
     """
-    _check_positive(blocks_per_chunk, "blocks_per_chunk")
+    _check_positive(blocks_per_chunk, "blocks_per_chunk", MAX_BLOCKS_PER_CHUNK)
     sizes = np.concatenate([np.full(g.num_layers, canonical_page_bytes(g, blocks_per_chunk),
                                     dtype=np.int64) for g in spec.groups])
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     return ChunkLayout(offsets, sizes, int(sizes.sum()))
 
 
-def _check_positive(value: object, name: str) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise LayoutError(f"{name}: must be a positive int, got {value!r}", field=name)
+def _check_positive(value: object, name: str, limit: int) -> None:
+    if (not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_))
+            or not 0 < value <= limit):
+        raise LayoutError(f"{name}: must be an int in [1, {limit}], got {value!r}", field=name)
 
 
 def _where(spec: KVCacheSpec, gi: int) -> tuple[str, int]:
@@ -131,7 +138,7 @@ def rank_share(group: LayerGroup, tp_size: int, tp_rank: int) -> RankShare:
         LayoutError: bad tp_size/tp_rank, heads and tp_size that do not divide, or a Mamba group
             with tp_size > 1 (its opaque state's TP sharding is unknown). `reason` is set.
     """
-    _check_positive(tp_size, "tp_size")
+    _check_positive(tp_size, "tp_size", MAX_TP_SIZE)
     if not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
         raise LayoutError(f"tp_rank: must be in [0, {tp_size}), got {tp_rank!r}",
                           field="tp_rank")
@@ -184,7 +191,10 @@ def map_group(spec: KVCacheSpec, gi: int, layout_name: str, tp_size: int, tp_ran
         LayoutError: an unknown layout, or an unmappable combination; the message names the
             group's layers and the reason (`.reason`, `.layer`).
     """
-    _check_positive(blocks_per_chunk, "blocks_per_chunk")
+    _check_positive(blocks_per_chunk, "blocks_per_chunk", MAX_BLOCKS_PER_CHUNK)
+    if not isinstance(gi, int) or isinstance(gi, bool) or not 0 <= gi < len(spec.groups):
+        raise LayoutError(f"group_index: must be in [0, {len(spec.groups)}), got {gi!r}",
+                          field="group_index")
     layout = get_layout(layout_name)
     check_layout(spec, gi, layout)
     group = spec.groups[gi]
@@ -273,11 +283,14 @@ def layouts_for(spec: KVCacheSpec, layout: str | tuple[str, ...]) -> tuple[str, 
     """One layout name per group: a single name applies to every group.
 
     Raises:
-        LayoutError: a tuple whose length differs from the number of groups.
+        LayoutError: a sequence whose length differs from the number of groups, or a name that
+            is not a string.
     """
     if isinstance(layout, str):
         return (layout,) * len(spec.groups)
     layout = tuple(layout)
+    if not all(isinstance(name, str) for name in layout):
+        raise LayoutError(f"layout: names must be strings, got {layout!r}", field="layout")
     if len(layout) != len(spec.groups):
         raise LayoutError(f"layout: {len(layout)} names for {len(spec.groups)} groups",
                           field="layout")
@@ -344,6 +357,7 @@ def verify_tiling(spec: KVCacheSpec, layout: str | tuple[str, ...], tp_size: int
     Raises:
         LayoutError: the combination is refused, or a proof fails (names group, rank, offset).
     """
+    _check_positive(tp_size, "tp_size", MAX_TP_SIZE)
     for gi, name in enumerate(layouts_for(spec, layout)):
         where, _ = _where(spec, gi)
         canon_starts, canon_sizes = [], []

@@ -22,6 +22,17 @@ ELEMENT_BYTES: dict[str, int] = {
 }
 
 
+#: Upper bounds of a geometry, far above any published model (the largest KV pages known: 128 KV
+#: heads (MHA), 576-element MLA latents, 2048-token blocks, < 1000 layers) and low enough that
+#: every byte offset of a chunk fits int64 and the per-page index arrays the mapper builds
+#: (rows × components int64) stay below ~100 MB: rows per page = KV heads × tokens per page.
+MAX_LAYERS = 1 << 16
+MAX_PAGE_ROWS = 1 << 20
+MAX_ROW_BYTES = 1 << 24
+#: Bytes of one device block over all layers at TP = 1 (1 TiB).
+MAX_BLOCK_BYTES = 1 << 40
+
+
 class LayoutError(ValueError):
     """A geometry or layout that kvhal refuses, with the reason.
 
@@ -107,7 +118,7 @@ class LayerGroup:
         _positive(self.num_layers, f"{path}num_layers")
         _positive(self.block_size, f"{path}block_size")
         _positive(self.extra_bytes_per_token, f"{path}extra_bytes_per_token", zero_ok=True)
-        if self.dtype not in ELEMENT_BYTES:
+        if not isinstance(self.dtype, str) or self.dtype not in ELEMENT_BYTES:
             raise LayoutError(f"{path}dtype: unknown dtype {self.dtype!r}; accepted: "
                               f"{', '.join(ELEMENT_BYTES)}", field=f"{path}dtype")
         if self.kind is Kind.MAMBA:
@@ -131,6 +142,24 @@ class LayerGroup:
         elif self.sliding_window is not None:
             raise LayoutError(f"{path}sliding_window: only sliding_window groups have a window, "
                               f"got {self.sliding_window!r}", field=f"{path}sliding_window")
+        self._check_bounds(path)
+
+    def _check_bounds(self, path: str) -> None:
+        """Refuse a valid-typed group too large to map (see `MAX_LAYERS` and siblings)."""
+        if self.num_layers > MAX_LAYERS:
+            raise LayoutError(f"{path}num_layers: {self.num_layers} layers, at most {MAX_LAYERS}",
+                              field=f"{path}num_layers")
+        rows = self.num_kv_heads * self.tokens_per_page
+        if rows > MAX_PAGE_ROWS:
+            field = "block_size" if self.num_kv_heads == 1 else "num_kv_heads"
+            raise LayoutError(f"{path}{field}: {self.num_kv_heads} KV heads × "
+                              f"{self.tokens_per_page} tokens = {rows} rows per page, at most "
+                              f"{MAX_PAGE_ROWS}", field=f"{path}{field}")
+        for name, value in zip(("head_size", "extra_bytes_per_token", "state_bytes"),
+                               (self.head_bytes, self.extra_bytes_per_token, self.state_bytes)):
+            if value > MAX_ROW_BYTES:
+                raise LayoutError(f"{path}{name}: {value} bytes per row, at most "
+                                  f"{MAX_ROW_BYTES}", field=f"{path}{name}")
 
     @property
     def element_bytes(self) -> int:
@@ -179,6 +208,9 @@ class KVCacheSpec:
     groups: tuple[LayerGroup, ...]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.groups, (tuple, list)):
+            raise LayoutError(f"groups: expected a sequence of LayerGroup, got {self.groups!r}",
+                              field="groups")
         object.__setattr__(self, "groups", tuple(self.groups))
         if not self.groups:
             raise LayoutError("groups: a spec needs at least one layer group", field="groups")
@@ -187,6 +219,11 @@ class KVCacheSpec:
                 raise LayoutError(f"groups[{i}]: expected a LayerGroup, got {group!r}",
                                   field=f"groups[{i}]")
             group.validate(f"groups[{i}].")
+        block_bytes = sum(g.num_layers * g.num_kv_heads * g.tokens_per_page * g.row_bytes
+                          for g in self.groups)
+        if block_bytes > MAX_BLOCK_BYTES:
+            raise LayoutError(f"groups: one block of all layers is {block_bytes} bytes, at most "
+                              f"{MAX_BLOCK_BYTES}", field="groups")
 
     @property
     def num_layers(self) -> int:

@@ -111,21 +111,25 @@ class ChunkMapper:
         return np.repeat(np.arange(len(self.groups)), [g.num_layers for g in self.spec.groups])
 
 
-@functools.lru_cache(maxsize=256)
-def chunk_mapper(spec: KVCacheSpec, layout: str | tuple[str, ...], tp_size: int, tp_rank: int,
+def chunk_mapper(spec: KVCacheSpec, layout: str | Sequence[str], tp_size: int, tp_rank: int,
                  blocks_per_chunk: int) -> ChunkMapper:
     """Build (and cache) the mapper of one rank.
 
     Args:
         spec: The model geometry.
-        layout: One layout name for every group, or a tuple with one name per group.
+        layout: One layout name for every group, or a sequence with one name per group.
         tp_size, tp_rank: Tensor parallelism of the deployment and this rank.
         blocks_per_chunk: Device blocks per chunk (N).
 
     Raises:
         LayoutError: an unmappable combination (names the layer group and the reason).
     """
-    names = layouts_for(spec, layout)
+    return _chunk_mapper(spec, layouts_for(spec, layout), tp_size, tp_rank, blocks_per_chunk)
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_mapper(spec: KVCacheSpec, names: tuple[str, ...], tp_size: int, tp_rank: int,
+                  blocks_per_chunk: int) -> ChunkMapper:
     groups = tuple(map_group(spec, gi, name, tp_size, tp_rank, blocks_per_chunk)
                    for gi, name in enumerate(names))
     chunk = chunk_layout(spec, blocks_per_chunk)
@@ -180,10 +184,16 @@ def device_cache(mapper: ChunkMapper, tensors: Sequence[Any]) -> DeviceCache:
 
     Args:
         tensors: One tensor-like per layer with `data_ptr()`, `stride()` (elements),
-            `element_size()` and `shape`; its physical layout must be the group's layout.
+            `element_size()` and `shape`; its physical layout must be the group's layout: the
+            dims after the block dim (separate-kv: after the plane and block dims), ordered by
+            stride, must be the layout's shape in that order and dense (a permuted view of a
+            tensor stored in the layout's order is fine; a view whose memory order differs, or
+            with gaps inside a block, is not). Blocks (and planes) may be further apart than a
+            page, but never overlap. The element type may differ from the layout's as long as
+            the innermost dim has the same bytes.
 
     Raises:
-        LayoutError: wrong number of tensors, or a tensor whose byte size or block stride does
+        LayoutError: wrong number of tensors, or a tensor whose shape, byte size or strides do
             not fit the layout (names the layer index).
     """
     n_layers = mapper.spec.num_layers
@@ -194,18 +204,24 @@ def device_cache(mapper: ChunkMapper, tensors: Sequence[Any]) -> DeviceCache:
     bases, blocks, planes, counts = [], [], [], set()
     for i, t in enumerate(tensors):
         m = mapper.groups[groups[i]]
+        group = mapper.spec.groups[groups[i]]
         two = m.layout.num_planes == 2
         shape, stride, esize = tuple(t.shape), tuple(t.stride()), t.element_size()
-        num_blocks = shape[1 if two else 0]
-        expect = m.layout.shape(mapper.spec.groups[groups[i]], m.share.num_heads, num_blocks)
-        group = mapper.spec.groups[groups[i]]
-        if (math.prod(shape) * esize != math.prod(expect) * tensor_element_bytes(group)
-                or stride[1 if two else 0] * esize < m.plane_bytes):
+        outer = 2 if two else 1
+        num_blocks = shape[outer - 1] if len(shape) >= outer else 0
+        expect = m.layout.shape(group, m.share.num_heads, num_blocks)
+        if (len(shape) < outer or num_blocks < 1 or (two and shape[0] != 2)
+                or _page_dims(shape[outer:], stride[outer:], esize)
+                != _page_dims(expect[outer:], _dense_strides(expect[outer:]),
+                              tensor_element_bytes(group))
+                or not _disjoint([(n, st * esize) for n, st in zip(shape[:outer],
+                                                                    stride[:outer])],
+                                 m.plane_bytes)):
             raise LayoutError(f"tensors[{i}]: shape {shape} (element {esize} B, strides "
                               f"{stride}) does not hold layout {m.layout.name!r}, expected "
-                              f"{expect}", field=f"tensors[{i}]", layer=i)
+                              f"{expect} stored in that order", field=f"tensors[{i}]", layer=i)
         bases.append(t.data_ptr())
-        blocks.append(stride[1 if two else 0] * esize)
+        blocks.append(stride[outer - 1] * esize)
         planes.append(stride[0] * esize if two else 0)
         counts.add(num_blocks)
     if len(counts) != 1:
@@ -213,6 +229,43 @@ def device_cache(mapper: ChunkMapper, tensors: Sequence[Any]) -> DeviceCache:
                           field="tensors")
     return DeviceCache(np.array(bases, np.uint64), np.array(blocks, np.int64),
                        np.array(planes, np.int64), counts.pop())
+
+
+def _disjoint(dims: list[tuple[int, int]], page_bytes: int) -> bool:
+    """True if the pages `page_bytes` long at every index of `dims` ((size, byte stride) of the
+    block and plane dims) never overlap: sorted by stride, each stride spans all inner ones."""
+    extent = page_bytes
+    for n, s in sorted(dims, key=lambda d: d[1]):
+        if n == 1:
+            continue
+        if s < extent:
+            return False
+        extent += (n - 1) * s
+    return True
+
+
+def _dense_strides(shape: tuple) -> tuple[int, ...]:
+    """C-order strides (elements) of `shape`."""
+    return tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
+
+
+def _page_dims(shape: tuple, stride: tuple, esize: int) -> tuple[tuple[int, int], ...] | None:
+    """The memory order of one page: (size, byte stride) per dim of size > 1, outermost first,
+    the innermost dim counted in bytes; None if the dims are not dense (a gap, an overlap, or
+    an innermost dim that is not contiguous)."""
+    dims = sorted(((n, s * esize) for n, s in zip(shape, stride) if n != 1),
+                  key=lambda d: -d[1])
+    if not dims:
+        return ()
+    if dims[-1][1] != esize:
+        return None
+    dims[-1] = (dims[-1][0] * esize, 1)
+    inner = 1
+    for n, s in reversed(dims):
+        if s != inner:
+            return None
+        inner *= n
+    return tuple(dims)
 
 
 def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
@@ -236,8 +289,9 @@ def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
         address arrays for `copy_batch_async` for single fragments. Copies never overlap.
 
     Raises:
-        LayoutError: bad direction or expand_up_to, block_ids not 1-D integers, too many, or
-            out of [0, device.num_blocks).
+        LayoutError: bad direction, expand_up_to or host_addr, block_ids not 1-D integers,
+            too many, out of [0, device.num_blocks), or repeated (a chunk holds each device
+            block once; a repeated id would make two loads write the same device bytes).
     """
     if direction not in (D2H, H2D):
         raise LayoutError(f"direction: must be {D2H!r} or {H2D!r}, got {direction!r}",
@@ -255,6 +309,12 @@ def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
     if ids.min() < 0 or ids.max() >= device.num_blocks:
         raise LayoutError(f"block_ids: ids must be in [0, {device.num_blocks}), got "
                           f"{ids.min()}..{ids.max()}", field="block_ids")
+    if np.unique(ids).size != ids.size:
+        raise LayoutError(f"block_ids: ids repeat in {ids.tolist()}", field="block_ids")
+    if (not isinstance(host_addr, (int, np.integer)) or isinstance(host_addr, bool)
+            or not 0 <= host_addr <= 2**63 - 1 - mapper.chunk.chunk_bytes):
+        raise LayoutError(f"host_addr: must be a non-negative int address, got {host_addr!r}",
+                          field="host_addr")
     ids = ids.astype(np.int64)
     single, strided = mapper._split_runs(direction, expand_up_to)
     s_dev, s_host, s = _addresses(single, ids, device, host_addr)

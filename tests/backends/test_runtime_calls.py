@@ -10,6 +10,7 @@ reports; that is what selects the batch path under test.
 from __future__ import annotations
 
 import mmap
+import sys
 
 import numpy as np
 import pytest
@@ -212,6 +213,14 @@ def test_capabilities_name_versions_and_batch_path(cuda):
                               "native cudaMemcpyBatchAsync, 8192 descriptors per call")
     assert caps.notes[2].startswith(("copy kernel selectable per transfer "
                                      "(copy_batch_kernel_async), NVRTC 13.", "copy kernel off: "))
+
+
+def test_capabilities_say_kernel_off_when_nvrtc_does_not_import(cuda, monkeypatch):
+    monkeypatch.delattr(sys.modules["cuda.bindings"], "nvrtc", raising=False)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)  # the import system refuses
+    assert cuda.capabilities().notes[2] == (
+        "copy kernel off: NVRTC unavailable (ModuleNotFoundError); install kvhal's 'cuda-nvrtc' "
+        "extra")
 
 
 def test_kernel_batch_validates_before_compiling(cuda):

@@ -47,3 +47,17 @@ def test_layout_needs_heads_without_mla():
     out = kvhal("layout", "--layers", "4", "--block-size", "16")
     assert out.returncode == 1
     assert "--kv-heads and --head-size are required without --mla-latent" in out.stderr
+
+
+def test_layout_refuses_a_tp_size_below_one():
+    out = kvhal("layout", "--layers", "4", "--kv-heads", "8", "--head-size", "64",
+                "--block-size", "16", "--tp", "0", "--json")
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr == "kvhal layout: error: --tp: must be a positive int, got 0\n"
+
+
+def test_layout_refuses_kv_heads_with_mla():
+    out = kvhal("layout", "--layers", "4", "--mla-latent", "576", "--kv-heads", "8",
+                "--block-size", "64")
+    assert (out.returncode, out.stdout) == (1, "")
+    assert "--kv-heads and --head-size do not apply with --mla-latent" in out.stderr

@@ -23,6 +23,14 @@ GOOD = dict(kind=Kind.FULL, num_layers=2, num_kv_heads=8, head_size=64, dtype="b
     ({"kind": Kind.MLA}, "groups[0].num_kv_heads"),
     ({"kind": Kind.MAMBA, "num_kv_heads": 1}, "groups[0].state_bytes"),
     ({"state_bytes": 64}, "groups[0].state_bytes"),
+    ({"dtype": ["bf16"]}, "groups[0].dtype"),
+    ({"num_layers": 2**40}, "groups[0].num_layers"),
+    ({"num_kv_heads": 2**40}, "groups[0].num_kv_heads"),
+    ({"num_kv_heads": 1, "block_size": 2**21}, "groups[0].block_size"),
+    ({"head_size": 2**62}, "groups[0].head_size"),
+    ({"extra_bytes_per_token": 2**30}, "groups[0].extra_bytes_per_token"),
+    ({"kind": Kind.MAMBA, "num_kv_heads": 1, "head_size": 0, "state_bytes": 2**40},
+     "groups[0].state_bytes"),
 ], ids=lambda v: str(v))
 def test_impossible_group_is_refused_naming_the_field(change, field):
     with pytest.raises(LayoutError) as err:
@@ -72,7 +80,8 @@ def test_chunk_layout_puts_layers_back_to_back_in_group_order():
 
 
 def test_chunk_layout_rejects_zero_blocks_per_chunk():
-    with pytest.raises(LayoutError, match="blocks_per_chunk: must be a positive int, got 0"):
+    with pytest.raises(LayoutError,
+                       match=r"blocks_per_chunk: must be an int in \[1, 65536\], got 0"):
         chunk_layout(attention_spec(num_layers=1, num_kv_heads=1, head_size=1, dtype="bf16",
                                     block_size=1), 0)
 
@@ -82,3 +91,22 @@ def test_spec_is_hashable_and_equal_by_value():
     b = KVCacheSpec([LayerGroup("full", 2, 8, 64, "bf16", 16)])
     assert a == b and hash(a) == hash(b)
     assert np.int64(a.num_layers) == 2
+
+
+def test_spec_larger_than_a_tib_per_block_is_refused():
+    with pytest.raises(LayoutError, match=r"^groups: one block of all layers is 2199023255552 "
+                                          r"bytes, at most 1099511627776"):
+        attention_spec(num_layers=2**15, num_kv_heads=2**10, head_size=2**8, dtype="fp16",
+                       block_size=2**6)
+
+
+def test_spec_groups_must_be_a_sequence():
+    with pytest.raises(LayoutError, match="^groups: expected a sequence of LayerGroup, got None"):
+        KVCacheSpec(None)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [2**62, True, np.int64(0)])
+def test_chunk_layout_refuses_out_of_range_blocks_per_chunk(blocks_per_chunk):
+    spec = attention_spec(num_layers=1, num_kv_heads=1, head_size=1, dtype="bf16", block_size=1)
+    with pytest.raises(LayoutError, match=r"^blocks_per_chunk: must be an int in \[1, 65536\]"):
+        chunk_layout(spec, blocks_per_chunk)

@@ -123,3 +123,62 @@ def test_expand_up_to_must_be_positive():
     mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 1)
     with pytest.raises(LayoutError, match="expand_up_to: must be an int >= 1, got 0"):
         plan_copies(mapper, np.array([0]), cache([1000], 16), 5000, D2H, expand_up_to=0)
+
+
+def test_repeated_block_ids_are_refused():
+    # a load of [3, 3] would write chunk blocks 0 and 1 into the same device bytes, unordered
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
+    with pytest.raises(LayoutError, match=r"^block_ids: ids repeat in \[3, 3\]"):
+        plan_copies(mapper, np.array([3, 3]), cache([1000], 16), 5000, H2D)
+
+
+@pytest.mark.parametrize("host_addr", [-1, 2**64, 1.5, None, True])
+def test_bad_host_address_is_refused(host_addr):
+    mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 1)
+    with pytest.raises(LayoutError, match="^host_addr: must be a non-negative int address"):
+        plan_copies(mapper, np.array([0]), cache([1000], 16), host_addr, D2H)
+
+
+SMALL = attention_spec(num_layers=1, num_kv_heads=2, head_size=4, dtype="fp16", block_size=3)
+
+
+@pytest.mark.parametrize("layout,array", [
+    # packed-hnd shape, but memory holds (block, token, head, row): a permuted NHD view
+    ("packed-hnd", np.zeros((10, 3, 2, 8), np.float16).transpose(0, 2, 1, 3)),
+    # every row padded to 16 elements: gaps inside the page
+    ("packed-hnd", np.zeros((10, 2, 3, 16), np.float16)[..., :8]),
+    # a contiguous tensor of the packed-nhd shape declared packed-hnd
+    ("packed-hnd", np.zeros((10, 3, 2, 8), np.float16)),
+    # flat pages: the order inside the page cannot be checked
+    ("packed-hnd", np.zeros((10, 48), np.float16)),
+    # blocks overlapping each other
+    ("packed-hnd", np.lib.stride_tricks.as_strided(np.zeros(2000, np.float16), (10, 2, 3, 8),
+                                                   (8, 24, 8, 1), writeable=False)),
+    # K and V planes aliasing the same memory
+    ("separate-kv", np.broadcast_to(np.zeros((10, 3, 2, 4), np.float16), (2, 10, 3, 2, 4))),
+    ("separate-kv", np.zeros((3, 10, 3, 2, 4), np.float16)),
+    ("packed-hnd", np.zeros((), np.float16)),
+])
+def test_device_cache_refuses_tensors_not_stored_in_the_layout(layout, array):
+    mapper = chunk_mapper(SMALL, layout, 1, 0, 1)
+    with pytest.raises(LayoutError, match=rf"^tensors\[0\]: shape .* does not hold layout "
+                                          rf"'{layout}'"):
+        device_cache(mapper, [NumpyTensor(array)])
+
+
+@pytest.mark.parametrize("layout,array,block_stride,plane_stride", [
+    # vLLM hands HND caches as permuted views: logical (blocks, 2, T, heads, D), memory HND
+    ("split-hnd", np.zeros((10, 2, 2, 3, 4), np.float16).transpose(0, 1, 3, 2, 4), 96, 0),
+    # every other block of a larger tensor
+    ("packed-hnd", np.zeros((20, 2, 3, 8), np.float16)[::2], 192, 0),
+    # the same bytes as uint8 (fp8 caches are uint8 tensors)
+    ("packed-hnd", np.zeros((10, 2, 3, 16), np.uint8), 96, 0),
+    # K and V of a block next to each other: planes interleaved, not overlapping
+    ("separate-kv", np.zeros((10, 2, 3, 2, 4), np.float16).transpose(1, 0, 2, 3, 4), 96, 48),
+])
+def test_device_cache_takes_views_whose_memory_is_the_layout(layout, array, block_stride,
+                                                             plane_stride):
+    mapper = chunk_mapper(SMALL, layout, 1, 0, 1)
+    dev = device_cache(mapper, [NumpyTensor(array)])
+    assert (dev.block_strides.tolist(), dev.plane_strides.tolist(), dev.num_blocks) == (
+        [block_stride], [plane_stride], 10)

@@ -5,7 +5,8 @@ import pytest
 
 from kvhal import plugins
 from kvhal.layout import (BUILTIN_LAYOUTS, CopyRun, Kind, KVCacheSpec, LayerGroup, LayoutError,
-                          attention_spec, get_layout, map_group, mla_spec, verify_tiling)
+                          attention_spec, chunk_mapper, get_layout, map_group, mla_spec,
+                          verify_tiling)
 
 LLAMA_8B = attention_spec(num_layers=32, num_kv_heads=8, head_size=128, dtype="bf16",
                           block_size=16)
@@ -102,3 +103,25 @@ def test_mamba_is_refused_above_tp_1():
 def test_bad_tp_rank_names_the_field():
     with pytest.raises(LayoutError, match=r"tp_rank: must be in \[0, 2\), got 2"):
         map_group(LLAMA_8B, 0, "packed-hnd", 2, 2, 1)
+
+
+@pytest.mark.parametrize("tp", [0, -1, "2", 2.0, True, 2048])
+def test_verify_tiling_refuses_a_bad_tp_size(tp):
+    with pytest.raises(LayoutError, match=r"^tp_size: must be an int in \[1, 1024\], got "):
+        verify_tiling(LLAMA_8B, "packed-hnd", tp, 1)
+
+
+@pytest.mark.parametrize("gi", [1, -1])
+def test_group_index_out_of_range_is_refused(gi):
+    with pytest.raises(LayoutError, match=rf"^group_index: must be in \[0, 1\), got {gi}"):
+        map_group(LLAMA_8B, gi, "packed-hnd", 1, 0, 1)
+
+
+def test_layout_names_may_be_a_list():
+    spec = KVCacheSpec((LayerGroup(Kind.FULL, 1, 8, 4, "bf16", 4),
+                        LayerGroup(Kind.MLA, 1, 1, 8, "bf16", 4)))
+    mapper = chunk_mapper(spec, ["split-nhd", "mla"], 2, 1, 1)
+    assert mapper.layouts == ("split-nhd", "mla")
+    assert mapper is chunk_mapper(spec, ("split-nhd", "mla"), 2, 1, 1)
+    with pytest.raises(LayoutError, match=r"^layout: names must be strings, got \(None,"):
+        chunk_mapper(spec, [None, "mla"], 2, 1, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -49,7 +50,9 @@ def test_fsck_reports_damage_and_exits_nonzero(tmp_path):
     out = kvhal("fsck", str(tmp_path), "--json")
 
     assert out.returncode == 1, out.stderr
-    report = json.loads(out.stdout.split("\nkvhal fsck:")[0])
+    report = json.loads(out.stdout)                  # --json: stdout is the JSON alone
+    assert out.stderr == ("kvhal fsck: 2 corrupt chunk file(s); run with --repair to "
+                          "quarantine them\n")
     assert {k: report[k] for k in ("namespaces", "good", "good_bytes", "corrupt",
                                    "corrupt_bytes", "orphaned_temps", "orphaned_temp_bytes",
                                    "quarantined")} == {
@@ -82,6 +85,53 @@ def test_fsck_of_a_missing_directory_says_why(tmp_path):
     out = kvhal("fsck", str(tmp_path / "nope"))
     assert out.returncode == 1
     assert out.stderr.strip() == f"kvhal fsck: error: not a directory: {tmp_path / 'nope'}"
+
+
+
+def test_fsck_of_a_namespace_folder_points_at_its_parent(tmp_path):
+    ns_dir, _ = _damaged_dir(tmp_path)
+    out = kvhal("fsck", ns_dir)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"kvhal fsck: error: {ns_dir} is a namespace folder; pass the "
+                                  f"tier's root_dir (its parent, {tmp_path})")
+
+
+def test_fsck_of_odd_directories_finds_nothing_and_touches_nothing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_bytes(b"x")
+    garbage = tmp_path / "garbage"
+    (garbage / NAMESPACE.hex() / "chunks" / "zz" / "deeper").mkdir(parents=True)
+    (garbage / NAMESPACE.hex() / "chunks" / "00").write_bytes(b"not a folder")
+    (garbage / ("cd" * 16)).write_bytes(b"a file named like a namespace")
+    before = sorted(str(p) for p in garbage.rglob("*"))
+
+    outs = {name: kvhal("fsck", str(tmp_path / name), "--repair", "--json")
+            for name in ("empty", "a_file", "garbage")}
+
+    assert outs["a_file"].returncode == 1
+    assert outs["a_file"].stderr.strip() == (f"kvhal fsck: error: not a directory: "
+                                             f"{tmp_path / 'a_file'}")
+    for name in ("empty", "garbage"):
+        assert outs[name].returncode == 0, outs[name].stderr
+        report = json.loads(outs[name].stdout)
+        assert (report["namespaces"], report["good"], report["corrupt"],
+                report["other_files"]) == (0 if name == "empty" else 1, 0, 0, 0)
+    assert sorted(str(p) for p in garbage.rglob("*")) == before
+
+
+
+def test_fsck_never_reads_a_huge_file_with_a_chunk_name_into_memory(tmp_path):
+    ns_dir, paths = _damaged_dir(tmp_path)
+    os.truncate(paths[2], 3 << 30)                 # sparse 3 GiB, header intact
+    limit = 1 << 30                                # fsck must run in 1 GiB of address space
+    out = subprocess.run([sys.executable, "-m", "kvhal.cli", "fsck", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=300,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit,) * 2))
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout)
+    assert (report["good"], report["corrupt"], report["corrupt_bytes"]) == (
+        2, 3, 16384 + 6000 + (3 << 30))
+    assert [paths[2], f"file size {3 << 30} != expected 16384"] in report["problems"]
 
 
 def test_bench_tier_json_reports_both_directions_with_ratios(tmp_path):

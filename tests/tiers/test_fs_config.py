@@ -21,7 +21,16 @@ BAD = [
     ({"root_dir": "/x", "n_write_threads": -2}, "n_write_threads: must be a positive integer"),
     ({"root_dir": "/x", "o_direct": "yes"}, "o_direct: must be \"auto\", true or false; got 'yes'"),
     ({"root_dir": "/x", "o_direct": 1}, "o_direct: must be \"auto\", true or false; got 1"),
-    ({"root_dir": "/x", "refresh_interval_s": 0}, "refresh_interval_s: must be a positive number"),
+    ({"root_dir": "/x", "refresh_interval_s": 0},
+     "refresh_interval_s: must be a number of seconds in [0.001, 86400.0], got 0"),
+    ({"root_dir": "/x", "refresh_interval_s": float("nan")},
+     "refresh_interval_s: must be a number of seconds in [0.001, 86400.0], got nan"),
+    ({"root_dir": "/x", "refresh_interval_s": float("inf")},
+     "refresh_interval_s: must be a number of seconds in [0.001, 86400.0], got inf"),
+    ({"root_dir": "/x", "refresh_interval_s": 1e-300},
+     "refresh_interval_s: must be a number of seconds in [0.001, 86400.0], got 1e-300"),
+    ({"root_dir": "/x\0y"},
+     "root_dir: required, a non-empty path string without NUL; got '/x\\x00y'"),
     ({"root_dir": "/x", "rootdir": "/y"}, "rootdir: unknown key for the fs tier; accepted: "
                                           "max_bytes, n_read_threads, n_write_threads, o_direct, "
                                           "refresh_interval_s, root_dir"),

@@ -2,8 +2,11 @@
 orphaned temp files, ENOSPC, O_DIRECT detection, bad jobs."""
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -27,6 +30,15 @@ def region():
 
 def _open(root, host, namespace=NAMESPACE, **config) -> FsTier:
     return FsTier({"root_dir": str(root), "refresh_interval_s": 3600} | config, host, namespace)
+
+
+def _store_chunks(tier, array, count, nbytes) -> list[ChunkKey]:
+    """Store chunks 0..count-1 of `nbytes` (payload i) through slot 0; returns their keys."""
+    keys = [chunk_key(NAMESPACE, i) for i in range(count)]
+    for i, key in enumerate(keys):
+        array[:nbytes] = payload(i, nbytes)
+        assert store(tier, key, 0, nbytes).ok
+    return keys
 
 
 @pytest.mark.parametrize("o_direct", ["auto", False])
@@ -62,10 +74,7 @@ def test_a_corrupt_chunk_is_quarantined_and_counted(tmp_path, region):
 def test_restart_indexes_without_rewriting_files(tmp_path, region):
     host, array = region
     first = _open(tmp_path, host)
-    keys = [chunk_key(NAMESPACE, i) for i in range(3)]
-    for i, key in enumerate(keys):
-        array[:70000] = payload(i, 70000)
-        assert store(first, key, 0, 70000).ok
+    keys = _store_chunks(first, array, 3, 70000)
     first.close()
     before = {k: os.stat(chunk_path(first.ns_dir, k)) for k in keys}
 
@@ -77,6 +86,58 @@ def test_restart_indexes_without_rewriting_files(tmp_path, region):
         (b.st_ino, b.st_mtime_ns) for b in before.values()]
     assert second.stats()["used_bytes"] == 3 * (4096 + 73728)
     second.close()
+
+
+
+def test_a_chunk_file_replaced_by_another_keys_valid_file_is_a_miss(tmp_path, region):
+    host, array = region
+    tier = _open(tmp_path, host)
+    victim, other = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
+    for i, key in ((1, victim), (2, other)):
+        array[:5000] = payload(i, 5000)
+        assert store(tier, key, 0, 5000).ok
+    victim_path = chunk_path(tier.ns_dir, victim)
+    shutil.copy(chunk_path(tier.ns_dir, other), victim_path)  # valid header and checksum
+    array[8192:13192] = 0
+
+    result = load(tier, victim, 8192, 5000)
+
+    assert (result.ok, result.error) == (False, "corrupt: file holds another key than its "
+                                                "name says")
+    assert tier.lookup(victim) is Lookup.MISS and not os.path.exists(victim_path)
+    assert load(tier, other, 16384, 5000).ok
+    np.testing.assert_array_equal(array[16384:21384], payload(2, 5000))
+    tier.close()
+    shutil.copy(chunk_path(tier.ns_dir, other), victim_path)  # and again, seen at restart
+    again = _open(tmp_path, host)
+    assert (again.lookup(victim), again.lookup(other)) == (Lookup.MISS, Lookup.HIT)
+    again.close()
+
+
+
+def test_a_fifo_under_a_chunk_name_never_blocks_start_or_loads(tmp_path, region):
+    host, array = region
+    tier = _open(tmp_path, host, o_direct=False)               # O_DIRECT refuses FIFOs anyway
+    planted, served = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
+    array[:5000] = payload(2, 5000)
+    assert store(tier, served, 0, 5000).ok
+    os.mkfifo(chunk_path(tier.ns_dir, planted))              # no writer: a blocking open hangs
+    os.unlink(chunk_path(tier.ns_dir, served))
+    os.mkfifo(chunk_path(tier.ns_dir, served))               # replaces an indexed chunk
+
+    result = load(tier, served, 8192, 5000)
+
+    assert (result.ok, result.error) == (False, "corrupt: not a regular file (mode prw-r--r--)")
+    assert not os.path.exists(chunk_path(tier.ns_dir, served))
+    tier.close()
+    started: list[FsTier] = []
+    opener = threading.Thread(target=lambda: started.append(_open(tmp_path, host,
+                                                                  o_direct=False)), daemon=True)
+    opener.start()
+    opener.join(60)
+    assert len(started) == 1, "start blocked on a FIFO"
+    assert (started[0].lookup(planted), started[0].stats()["chunks"]) == (Lookup.MISS, 0)
+    started[0].close()
 
 
 def test_other_namespaces_are_left_alone(tmp_path, region):
@@ -137,6 +198,72 @@ def test_another_instance_sees_new_and_deleted_chunks_after_refresh(tmp_path, re
     reader.close()
 
 
+
+class FaultyPausedReadOs:
+    """The `os` module, except that `preadv` first waits for `resume` (after setting
+    `reading`): holds a load between opening its file and reading it, so that a test can evict
+    the chunk in that window (a real disk cannot pause a read on demand)."""
+
+    def __init__(self):
+        self.reading, self.resume = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    def preadv(self, *args):
+        self.reading.set()
+        assert self.resume.wait(30)
+        return os.preadv(*args)
+
+
+def test_a_chunk_evicted_while_being_read_is_served_once_and_stays_evicted(tmp_path, region):
+    host, array = region
+    faulty = FaultyPausedReadOs()
+    tier = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600,
+                   "max_bytes": 4096 + 8192}, host, NAMESPACE, os_module=faulty)
+    old, new = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
+    array[:8192] = payload(1, 8192)
+    assert store(tier, old, 0, 8192).ok
+    tier.submit_load(TierJob(10, JobKind.LOAD, old, 8192, 8192))
+    assert faulty.reading.wait(30)
+    array[:8192] = payload(2, 8192)
+    tier.submit_store(TierJob(11, JobKind.STORE, new, 0, 8192))    # evicts old mid-read
+    results, deadline = [], time.monotonic() + 30
+    while not results and time.monotonic() < deadline:             # the store ends first
+        results = tier.get_finished_jobs()
+    faulty.resume.set()
+    tier.drain(30)
+
+    results += tier.get_finished_jobs()
+    assert [(r.job_id, r.ok) for r in results] == [(11, True), (10, True)]
+    assert not os.path.exists(chunk_path(tier.ns_dir, old))        # the open file was intact
+    np.testing.assert_array_equal(array[8192:16384], payload(1, 8192))
+    assert (tier.lookup(old), tier.lookup(new)) == (Lookup.MISS, Lookup.HIT)
+    stats = tier.stats()
+    assert (stats["chunks"], stats["used_bytes"], stats["evictions"]) == (1, 4096 + 8192, 1)
+    tier.close()
+
+
+def test_a_folder_that_cannot_be_listed_keeps_the_index(tmp_path, region):
+    host, array = region
+    tier = _open(tmp_path, host)
+    keys = _store_chunks(tier, array, 3, 4096)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.open(os.devnull, os.O_RDONLY)             # open() takes the lowest free fd
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # no fd can be opened
+    try:
+        with pytest.raises(OSError) as err:                      # EMFILE: no fd for scandir
+            tier.refresh()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    assert err.value.errno == errno.EMFILE
+    assert [tier.lookup(k) for k in keys] == [Lookup.HIT] * 3
+    assert (tier.stats()["chunks"], tier.stats()["used_bytes"]) == (3, 3 * 8192)
+    tier.close()
+
+
 def test_enospc_fails_the_store_evicts_and_serving_continues(tmp_path):
     host, array = host_region(1 << 20)
     with _tiny_tmpfs(1 << 20) as mnt:
@@ -163,24 +290,6 @@ def test_enospc_fails_the_store_evicts_and_serving_continues(tmp_path):
         np.testing.assert_array_equal(array[n:2 * n], payload(99, n))
         assert os.listdir(os.path.join(tier.ns_dir, TEMP_DIR)) == []
         tier.close()
-
-
-@pytest.mark.parametrize("offset,nbytes", [(-1, 10), (0, 0), ((8 << 20) - 5, 10)])
-def test_job_outside_the_host_region_fails_without_raising(tmp_path, region, offset, nbytes):
-    tier = _open(tmp_path, region[0])
-    results = [store(tier, chunk_key(NAMESPACE, 1), offset, nbytes, job_id=1),
-               load(tier, chunk_key(NAMESPACE, 1), offset, nbytes, job_id=2)]
-    tier.close()
-    assert [(r.ok, r.error) for r in results] == [
-        (False, f"slot [{offset}, {offset + nbytes}) outside the host region of "
-                f"{8 << 20} bytes")] * 2
-
-
-def test_key_of_another_namespace_is_refused(tmp_path, region):
-    tier = _open(tmp_path, region[0])
-    result = store(tier, chunk_key(OTHER_NAMESPACE, 1), 0, 4096)
-    tier.close()
-    assert (result.ok, result.error) == (False, "key namespace differs from the tier's namespace")
 
 
 def test_jobs_after_close_fail_once_and_close_is_idempotent(tmp_path, region):

@@ -62,9 +62,11 @@ def _check_namespace(ns_dir: str, namespace: bytes, report: CheckReport, repair:
             if key is None:
                 report.other_files += 1
                 continue
-            size = entry.stat().st_size
             try:
+                size = entry.stat().st_size
                 verify_file(entry.path, namespace, key)
+            except FileNotFoundError:  # evicted or replaced by a live tier meanwhile
+                continue
             except CorruptChunk as exc:
                 reason = str(exc)
             except OSError as exc:
@@ -94,9 +96,15 @@ def check_dir(root_dir: str, repair: bool = False) -> CheckReport:
 
     Raises:
         NotADirectoryError: `root_dir` is not a directory.
+        ValueError: `root_dir` is itself a namespace folder (its parent is the root_dir).
+        OSError: `root_dir` cannot be listed.
     """
     if not os.path.isdir(root_dir):
         raise NotADirectoryError(f"not a directory: {root_dir}")
+    if (is_namespace_dir_name(os.path.basename(os.path.normpath(root_dir)))
+            and os.path.isdir(os.path.join(root_dir, CHUNKS_DIR))):
+        raise ValueError(f"{root_dir} is a namespace folder; pass the tier's root_dir "
+                         f"(its parent, {os.path.dirname(os.path.abspath(root_dir))})")
     report = CheckReport(repaired=repair)
     for entry in sorted(os.scandir(root_dir), key=lambda e: e.name):
         if entry.is_dir() and is_namespace_dir_name(entry.name):

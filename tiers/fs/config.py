@@ -9,8 +9,8 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
         (default 4 each).
     o_direct ("auto" | true | false): "auto" uses O_DIRECT where the filesystem supports it;
         true refuses to start without it; false always uses the page cache. Default "auto".
-    refresh_interval_s (number > 0): how often the index picks up files other processes wrote
-        or deleted (default 1.0 s).
+    refresh_interval_s (number in [0.001, 86400]): how often the index picks up files other
+        processes wrote or deleted (default 1.0 s).
 Errors name the key (`root_dir: ...`); the config loader prefixes the list position.
 """
 from __future__ import annotations
@@ -22,6 +22,10 @@ from ..base import TierError
 
 DEFAULT_THREADS = 4
 DEFAULT_REFRESH_INTERVAL_S = 1.0
+#: Bounds of `refresh_interval_s`: below 1 ms the refresh thread would spin on the directory;
+#: above a day (or NaN/inf) `threading.Event.wait` overflows or the index never refreshes.
+MIN_REFRESH_INTERVAL_S = 0.001
+MAX_REFRESH_INTERVAL_S = 86400.0
 #: Keys the tier ignores because the config loader or plugin system uses them.
 _PASSTHROUGH = frozenset({"type", "module_path"})
 _KEYS = frozenset({"root_dir", "max_bytes", "n_read_threads", "n_write_threads", "o_direct",
@@ -61,15 +65,18 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
         raise TierError(f"{unknown[0]}: unknown key for the fs tier; accepted: "
                         f"{', '.join(sorted(_KEYS))}")
     root_dir = config.get("root_dir")
-    if not isinstance(root_dir, str) or not root_dir:
-        raise TierError(f"root_dir: required, a non-empty path string; got {root_dir!r}")
+    if not isinstance(root_dir, str) or not root_dir or "\0" in root_dir:
+        raise TierError(f"root_dir: required, a non-empty path string without NUL; "
+                        f"got {root_dir!r}")
     o_direct = config.get("o_direct", "auto")
     if o_direct not in ("auto", True, False) or isinstance(o_direct, int) and not isinstance(
             o_direct, bool):
         raise TierError(f"o_direct: must be \"auto\", true or false; got {o_direct!r}")
     interval = config.get("refresh_interval_s", DEFAULT_REFRESH_INTERVAL_S)
-    if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
-        raise TierError(f"refresh_interval_s: must be a positive number, got {interval!r}")
+    if (not isinstance(interval, (int, float)) or isinstance(interval, bool)
+            or not MIN_REFRESH_INTERVAL_S <= interval <= MAX_REFRESH_INTERVAL_S):
+        raise TierError(f"refresh_interval_s: must be a number of seconds in "
+                        f"[{MIN_REFRESH_INTERVAL_S}, {MAX_REFRESH_INTERVAL_S}], got {interval!r}")
     return FsConfig(root_dir, _positive_int(config, "max_bytes", None),
                     _positive_int(config, "n_read_threads", DEFAULT_THREADS),
                     _positive_int(config, "n_write_threads", DEFAULT_THREADS),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 import time
 
 from kvhal.keys import ChunkKey
@@ -19,6 +20,9 @@ from .format import (ALIGN, HEADER_BYTES, QUARANTINE_DIR, FormatError, Header, c
                      decode_header, encode_header, file_nbytes, payload_checksum, temp_path)
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Opening a chunk file never blocks: O_NONBLOCK makes a FIFO (or device) planted under a
+#: chunk name open at once, and `_regular_file_size` then refuses it.
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class CorruptChunk(Exception):
@@ -71,6 +75,18 @@ def fsync_dir(osm, folder: str) -> None:
         osm.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _regular_file_size(fd: int) -> int:
+    """Size of the open file `fd` in bytes.
+
+    Raises:
+        CorruptChunk: `fd` is not a regular file (a FIFO, device, socket or folder).
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptChunk(f"not a regular file (mode {stat.filemode(st.st_mode)})")
+    return st.st_size
 
 
 def _split(payload: memoryview) -> tuple[memoryview, int]:
@@ -141,12 +157,13 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
 
     Raises:
         OSError: the file cannot be opened or read (ENOENT, EACCES, EIO, ...).
-        CorruptChunk: short file, bad header, other key or namespace, checksum mismatch.
+        CorruptChunk: not a regular file, short file, bad header, other key or namespace,
+            checksum mismatch.
         SizeMismatch: a valid file whose payload size is not `len(dest)`.
     """
-    fd = osm.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
+    fd = osm.open(path, _READ_FLAGS | (O_DIRECT if direct else 0))
     try:
-        size = os.fstat(fd).st_size
+        size = _regular_file_size(fd)
         expected = file_nbytes(len(dest))
         if size != expected:
             _raise_size_problem(osm, fd, size, expected, scratch)
@@ -196,12 +213,13 @@ def read_header(path: str, namespace: bytes) -> tuple[Header, int]:
 
     Raises:
         OSError: the file cannot be opened or read.
-        CorruptChunk: bad header, other namespace, or a size that does not match the header.
+        CorruptChunk: not a regular file, bad header, other namespace, or a size that does
+            not match the header.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, _READ_FLAGS)
     try:
+        size = _regular_file_size(fd)
         block = os.pread(fd, HEADER_BYTES, 0)
-        size = os.fstat(fd).st_size
     finally:
         os.close(fd)
     header = _checked_header(block, None, namespace)
@@ -211,19 +229,23 @@ def read_header(path: str, namespace: bytes) -> tuple[Header, int]:
 
 
 def verify_file(path: str, namespace: bytes, key: ChunkKey | None) -> Header:
-    """Fully verify the chunk file at `path` (buffered read): header, key, size, checksum.
+    """Fully verify the chunk file at `path` (buffered read): header, key, size, checksum. Reads
+    the payload only after the header and the file size agree (a huge file with a chunk name
+    costs one header read, never its size in memory).
 
     Raises:
         OSError: the file cannot be opened or read.
         CorruptChunk: any check fails.
     """
-    with open(path, "rb", buffering=0) as f:
-        data = memoryview(f.read())
-    header = _checked_header(data[:HEADER_BYTES], key, namespace)
-    if len(data) != file_nbytes(header.payload_nbytes):
-        raise CorruptChunk(f"file size {len(data)} != expected "
-                           f"{file_nbytes(header.payload_nbytes)}")
-    payload = data[HEADER_BYTES:HEADER_BYTES + header.payload_nbytes]
+    with open(os.open(path, _READ_FLAGS), "rb", buffering=0) as f:
+        size = _regular_file_size(f.fileno())
+        header = _checked_header(f.read(HEADER_BYTES), key, namespace)
+        if size != file_nbytes(header.payload_nbytes):  # checked before reading the payload
+            raise CorruptChunk(f"file size {size} != expected "
+                               f"{file_nbytes(header.payload_nbytes)}")
+        payload = f.read(header.payload_nbytes)
+    if len(payload) != header.payload_nbytes:
+        raise CorruptChunk(f"short read: {len(payload)} of {header.payload_nbytes} payload bytes")
     if payload_checksum(payload) != header.checksum:
         raise CorruptChunk("checksum mismatch")
     return header

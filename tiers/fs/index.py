@@ -41,17 +41,22 @@ def scan_namespace(ns_dir: str, namespace: bytes, known: dict[ChunkKey, int]) ->
     Files whose key is in `known` are taken at the known size without any I/O beyond the
     directory listing; new files get their header read and checked (`read_header`). Files
     that vanish during the scan are skipped. Never raises for I/O errors on single files.
+
+    Raises:
+        OSError: a folder exists but cannot be listed (EMFILE, EIO, EACCES, ...): the caller
+            must keep its index rather than take the folder for empty. A folder that is gone
+            (ENOENT) counts as empty.
     """
     out = ScanResult()
     chunks = os.path.join(ns_dir, CHUNKS_DIR)
     try:
         subdirs = [e.path for e in os.scandir(chunks) if e.is_dir(follow_symlinks=False)]
-    except OSError:
+    except FileNotFoundError:
         return out
     for sub in subdirs:
         try:
             entries = list(os.scandir(sub))
-        except OSError:
+        except FileNotFoundError:
             continue
         for entry in entries:
             key = key_from_name(namespace, entry.name)

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvhal.keys import ChunkKey
 
-from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob
+from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
 from .config import parse_config
 from .fileio import (CorruptChunk, Scratch, SizeMismatch, fsync_dir, probe_o_direct,
                      quarantine_file, read_chunk, write_chunk)
@@ -58,7 +58,7 @@ class FsTier(SecondaryTier):
             to inject errno values.
 
     Raises:
-        TierError: bad config, `root_dir` not creatable or not writable, or `o_direct: true`
+        TierError: bad config, `root_dir` not creatable, writable or listable, or `o_direct: true`
             on a filesystem without O_DIRECT support.
     """
 
@@ -86,7 +86,11 @@ class FsTier(SecondaryTier):
         self._remove_orphaned_temps()
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
-        self.refresh()
+        try:
+            self.refresh()
+        except OSError as exc:
+            raise TierError(f"root_dir: cannot list {self.ns_dir!r} "
+                            f"({_errno_text(exc)})") from None
         self.max_bytes = cfg.max_bytes or self._default_max_bytes()
         self._scratch = threading.local()
         self._lock = threading.Condition()
@@ -141,7 +145,12 @@ class FsTier(SecondaryTier):
     def refresh(self) -> None:
         """Re-scan the namespace folder now (the background thread does this every
         `refresh_interval_s`): index files other processes wrote, forget deleted ones.
-        Thread-safe; scans run one at a time."""
+        Thread-safe; scans run one at a time.
+
+        Raises:
+            OSError: a folder could not be listed; the index is left as it was (the background
+                thread counts `refresh_errors` and tries again).
+        """
         with self._scan_lock:
             known, epoch = self._index.snapshot()
             self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known), epoch)
@@ -225,12 +234,7 @@ class FsTier(SecondaryTier):
             self._stats[f"{job.kind.value}_failed"] += 1
 
     def _check_job(self, job: TierJob) -> str | None:
-        if job.key.namespace != self.namespace:
-            return "key namespace differs from the tier's namespace"
-        if job.offset < 0 or job.nbytes <= 0 or job.offset + job.nbytes > len(self._host):
-            return (f"slot [{job.offset}, {job.offset + job.nbytes}) outside the host region "
-                    f"of {len(self._host)} bytes")
-        return None
+        return job_problem(job, len(self._host), self.namespace)
 
     def _direct(self, job: TierJob) -> bool:
         return self.o_direct and (self._host_addr + job.offset) % ALIGN == 0
@@ -295,8 +299,9 @@ class FsTier(SecondaryTier):
                 self._quarantine(path)
             self._index.discard(job.key)
             return _errno_text(exc)
-        if not self._index.touch(job.key):
-            self._index.add(job.key, file_nbytes(job.nbytes))
+        # touch only: a chunk evicted while this load read its open file stays evicted (its
+        # file is gone); an unindexed file another process wrote arrives with the next refresh
+        self._index.touch(job.key)
         self._count("bytes_loaded", job.nbytes)
         return None
 

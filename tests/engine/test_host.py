@@ -1,0 +1,117 @@
+"""Host tier: exact sizing, a region shared by a second process, slot states, LRU and ARC."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvhal.backends.cpu import CpuBackend
+from kvhal.hal import MemoryKind
+from kvhal.host import (ARCPolicy, HostRegion, HostRegionError, LRUPolicy, SlotTable,
+                        host_geometry)
+
+
+def test_capacity_is_budget_over_slot_bytes_exactly():
+    geo = host_geometry(chunk_nbytes=5000, cpu_bytes_to_use=100_000)
+    assert (geo.slot_bytes, geo.capacity, geo.nbytes) == (8192, 12, 98_304)
+
+
+def test_budget_below_one_slot_is_refused():
+    with pytest.raises(HostRegionError, match="cpu_bytes_to_use=4095 holds no slot of 4096"):
+        host_geometry(4096, 4095)
+
+
+def test_region_is_allocated_at_its_exact_size():
+    backend = CpuBackend()
+    geo = host_geometry(3 * 4096, 7 * 3 * 4096)
+    region = HostRegion.allocate(backend, geo)
+    assert (region.allocation.nbytes, region.allocation.kind) == (7 * 3 * 4096, MemoryKind.PINNED)
+    assert region.array.shape == (86_016,) and len(region.view) == 86_016
+    region.close()
+
+
+CHILD = """
+import sys
+import numpy as np
+from kvhal.backends.cpu import CpuBackend
+from kvhal.host import HostRegion, host_geometry
+region = HostRegion.attach_shared(CpuBackend(), sys.argv[1], host_geometry(4096, 4 * 4096))
+assert region.slot_array(2)[:4].tolist() == [1, 2, 3, 4], region.slot_array(2)[:4]
+region.slot_array(3)[:] = 9
+region.close()
+"""
+
+
+def test_shared_region_is_seen_by_another_process(tmp_path):
+    path = f"/dev/shm/kvhal-test-{os.getpid()}-{tmp_path.name}"
+    backend = CpuBackend()
+    region = HostRegion.create_shared(backend, host_geometry(4096, 4 * 4096), path)
+    try:
+        assert region.allocation.kind is MemoryKind.REGISTERED and os.path.getsize(path) == 16384
+        region.slot_array(2)[:4] = [1, 2, 3, 4]
+        subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), path], check=True)
+        assert int(region.slot_array(3).sum()) == 9 * 4096
+    finally:
+        region.close()
+    assert not os.path.exists(path)
+
+
+def test_attach_with_other_geometry_is_refused(tmp_path):
+    path = f"/dev/shm/kvhal-test-{os.getpid()}-{tmp_path.name}"
+    region = HostRegion.create_shared(CpuBackend(), host_geometry(4096, 4 * 4096), path)
+    try:
+        with pytest.raises(HostRegionError, match="has 16384 bytes, expected 20480"):
+            HostRegion.attach_shared(CpuBackend(), path, host_geometry(4096, 5 * 4096))
+    finally:
+        region.close()
+
+
+def test_slot_states_follow_writers_and_readers():
+    table = SlotTable(3, LRUPolicy(3))
+    slots, _ = table.reserve(["a", "b"])
+    assert slots == [0, 1] and table.state == [-1, -1, 0]
+    table.commit(0)
+    table.abort(1)
+    table.acquire(0)
+    table.acquire(0)
+    assert table.state == [2, 0, 0] and table.index == {"a": 0} and table.num_free == 2
+    table.discard("a")  # deferred: two readers
+    assert table.index == {} and table.num_free == 2
+    table.release(0)
+    table.release(0)
+    assert table.num_free == 3 and table.keys == [None, None, None]
+
+
+def test_eviction_takes_only_idle_unprotected_slots():
+    table = SlotTable(3, LRUPolicy(3))
+    table.reserve(["a", "b", "c"])
+    for s in range(3):
+        table.commit(s)
+    table.acquire(table.index["a"])            # reader on the oldest
+    slots, evicted = table.reserve(["d", "e"], protect={"b"})
+    assert evicted == ["c"] and slots == [2]   # "e" does not fit: a has a reader, b protected
+
+
+def test_lru_evicts_least_recently_used():
+    lru = LRUPolicy(4)
+    for k in "abcd":
+        lru.insert(k)
+    lru.touch("a")
+    assert lru.evict(2, lambda k: True) == ["b", "c"]
+    assert lru.evict(5, lambda k: k != "d") == ["a"]
+
+
+def test_arc_keeps_frequent_keys_and_adapts_on_ghost_hits():
+    arc = ARCPolicy(4)
+    for k in "abcd":
+        arc.insert(k)
+    arc.touch("a")
+    arc.touch("b")                             # T1 = c d, T2 = a b
+    assert arc.evict(1, lambda k: True) == ["c"]   # |T1| = 2 > p = 0: recency side first
+    arc.insert("c")                            # ghost hit in B1: p grows, c enters T2
+    assert arc.p == 1.0
+    # |T1| = 1 is no longer above p = 1: the frequency side gives up its LRU keys first
+    assert arc.evict(4, lambda k: True) == ["a", "b", "c", "d"]
