@@ -138,7 +138,8 @@ def build_report(turns: list, runs: dict, kvhal_config: dict, wall_s: float) -> 
                                                                   kv["logprobs"])), default=0.0),
         })
     counters = runs["kvhal"][-1][f"{turns[-1].conversation}.{turns[-1].turn}"]["counters"]
-    total = lambda key, run: sum(r[key][run] for r in rows)  # noqa: E731
+    total = lambda key, run, rs=rows: sum(r[key][run] for r in rs)  # noqa: E731
+    served = [r for r in rows if 2 * sum(r["kvhal_hit_tokens"].values()) >= r["prompt_tokens"]]
     tiers: dict[str, int] = {}
     for r in rows:
         for tier, n in r["kvhal_hit_tokens"].items():
@@ -152,6 +153,9 @@ def build_report(turns: list, runs: dict, kvhal_config: dict, wall_s: float) -> 
             "computed_tokens": {run: total("computed_tokens", run) for run in ("baseline",
                                                                                "kvhal")},
             "kvhal_hit_tokens": tiers,
+            "served_by_kvhal": {"requests": len(served),
+                                "ttft_s": {run: total("ttft_s", run, served)
+                                           for run in ("baseline", "kvhal")}},
             "outputs_matching": sum(r["output_match"] for r in rows),
             "max_logprob_diff": max(r["max_logprob_diff"] for r in rows),
             "wall_s": wall_s,
@@ -181,6 +185,11 @@ def print_report(report: dict, workdir: Path) -> None:
           f"{len(report['rows'])} requests (max logprob difference {t['max_logprob_diff']:.3f}: "
           "reused KV was computed in an earlier, shorter prefill, as with vLLM's own prefix "
           "cache)")
+    served = t["served_by_kvhal"]
+    print(f"requests with at least half their prompt loaded by kvhal: {served['requests']}; their "
+          f"TTFT total {served['ttft_s']['baseline']:.2f} s without kvhal, "
+          f"{served['ttft_s']['kvhal']:.2f} s with kvhal "
+          f"({served['ttft_s']['baseline'] / served['ttft_s']['kvhal']:.1f}x)")
     print(f"report: {workdir / 'report.json'}  plot: {workdir / 'ttft.png'}")
 
 
