@@ -47,9 +47,8 @@ class _Request:
     max_offload_tokens: int | None
     num_stored_chunks: int = 0
     store_jobs: set[int] = field(default_factory=set)
-    # Lookup result of the last get_num_new_matched_tokens: first chunk and hit count.
+    # First chunk of the hit found by the last get_num_new_matched_tokens.
     load_start: int = 0
-    load_hits: int = 0
     promoted: set = field(default_factory=set)
     hit_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -139,7 +138,7 @@ class SchedulerSide:
         hits = leading_hits(answers)
         if hits is None:
             return None, False
-        state.load_start, state.load_hits = start, hits
+        state.load_start = start
         return hits * tpc, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
