@@ -125,7 +125,11 @@ class SchedulerSide:
                                    ) -> tuple[int | None, bool]:
         """Tokens beyond `num_computed_tokens` loadable from kvhal now (whole chunks only, and
         never the prompt's last token, which vLLM must compute); None asks vLLM to come back
-        next step because a chunk is being promoted from a secondary tier."""
+        next step because a chunk is being promoted from a secondary tier.
+
+        With blocks_per_chunk > 1, a local prefix hit that ends inside a chunk gets no external
+        hit (loads start at chunk boundaries); vLLM-CPU's 128-token blocks make 1 the default.
+        """
         state = self._state(request)
         tpc = self.deployment.tokens_per_chunk
         start = -(-num_computed_tokens // tpc)
