@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "kvhal.integrations.harness.cli",
     "kvhal.fsck",
     "kvhal.layout_cli",
+    "kvhal.integrations.vllm.demo",
 )
 
 

@@ -15,6 +15,7 @@ BENCH_MODULES = (
     "kvhal.bench.copy_kernel",
     "kvhal.bench.engine",
     "kvhal.integrations.harness.bench",
+    "kvhal.integrations.vllm.bench",
 )
 
 

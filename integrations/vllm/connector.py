@@ -1,0 +1,151 @@
+"""`KVHalConnector`: kvhal as a vLLM KV connector (vLLM `KVConnectorBase_V1`, vLLM 0.32).
+
+Select it with `kv_transfer_config={"kv_connector": "KVHalConnector", "kv_role": "kv_both",
+"kv_connector_extra_config": {...kvhal config, DESIGN §7...}}` (the `vllm.general_plugins`
+entry point registers the name) or add `"kv_connector_module_path":
+"kvhal.integrations.vllm.connector"`. Per request, `SamplingParams(extra_args=
+{"kv_transfer_params": {"max_offload_tokens": N}})` caps what is stored.
+
+vLLM builds one instance per role: SCHEDULER in the engine core (`SchedulerSide`) and WORKER in
+each worker process (`WorkerSide`); this class only routes vLLM's hooks to them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from kvhal import events
+from kvhal.config import parse_config
+
+from .geometry import deployment
+from .metadata import KVHalMetadata, KVHalWorkerMetadata
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+
+class KVHalConnector(KVConnectorBase_V1):
+    """kvhal's vLLM connector (see the module docstring).
+
+    Args (from vLLM):
+        vllm_config: The engine's `VllmConfig`; `kv_transfer_config.kv_connector_extra_config`
+            is the kvhal config.
+        role: SCHEDULER or WORKER.
+        kv_cache_config: vLLM's `KVCacheConfig` (one full-attention group).
+
+    Raises:
+        kvhal.config.ConfigError: the extra config is invalid (message names the key path).
+        UnsupportedModelError: hybrid or non-attention KV cache.
+    """
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a dropped store is a future miss, not lost data."""
+        return False
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        config = parse_config(dict(transfer.kv_connector_extra_config or {}))
+        dep = deployment(vllm_config, kv_cache_config,
+                         config.blocks_per_chunk_for(kv_cache_config.kv_cache_groups[0]
+                                                     .kv_cache_spec.block_size))
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(dep, config, transfer.engine_id)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker_side = WorkerSide(dep, get_tensor_model_parallel_rank())
+
+    # -- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Map this rank's per-layer KV tensors into canonical pages."""
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Fence preempted blocks: wait for in-flight stores before vLLM reuses them."""
+        self.worker_side.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Issue this step's loads (H2D)."""
+        self.worker_side.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until the loads this layer reads have landed."""
+        self.worker_side.wait_for_layer_load()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Nothing per layer: one store per chunk moves every layer, after the forward."""
+
+    def wait_for_save(self) -> None:
+        """Issue this step's stores (D2H); they complete asynchronously."""
+        self.worker_side.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """Delayed-free requests whose stores have all finished on this rank."""
+        return self.worker_side.get_finished() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Device blocks whose load failed this step: vLLM recomputes them."""
+        return self.worker_side.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVHalWorkerMetadata | None:
+        """Job completions of this rank since the last step."""
+        return self.worker_side.take_worker_meta() if self.worker_side else None
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Keep vLLM's KV cache manager (a request's block ids for stores)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler_side.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Tokens loadable from kvhal beyond `num_computed_tokens` (None: ask next step)."""
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        """Queue the load of the hit chunks into the blocks vLLM allocated."""
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVHalMetadata:
+        """This step's loads, stores and fences for the workers."""
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Complete jobs that every rank has finished."""
+        self.scheduler_side.update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Release the request; delay the free while a store reads its blocks."""
+        return self.scheduler_side.request_finished(request)
+
+    def take_events(self) -> list:
+        """kvhal's KV events as vLLM's (`BlockStored`/`BlockRemoved`/`AllBlocksCleared`)."""
+        tpc = self.scheduler_side.deployment.tokens_per_chunk
+        out = []
+        for event in self.scheduler_side.take_events():
+            if isinstance(event, events.BlockStored):
+                out.append(BlockStored(block_hashes=list(event.block_hashes),
+                                       parent_block_hash=None, token_ids=[], block_size=tpc,
+                                       lora_id=None, medium=event.medium, lora_name=None))
+            elif isinstance(event, events.BlockRemoved):
+                out.append(BlockRemoved(block_hashes=list(event.block_hashes),
+                                        medium=event.medium))
+            else:
+                out.append(AllBlocksCleared())
+        return out
+
+    def shutdown(self) -> None:
+        """Finish in-flight jobs and release the host region and tiers."""
+        for side in (self.worker_side, self.scheduler_side):
+            if side is not None:
+                side.close()

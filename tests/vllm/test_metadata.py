@@ -1,0 +1,32 @@
+"""Worker → scheduler metadata across TP ranks, and the layout a vLLM KV tensor maps to."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="the connector's metadata subclasses vLLM's (vllm extra)")
+
+import torch  # noqa: E402
+
+from kvhal.integrations.vllm.geometry import (UnsupportedModelError,  # noqa: E402
+                                              device_layout_name)
+from kvhal.integrations.vllm.metadata import KVHalWorkerMetadata  # noqa: E402
+
+
+def test_aggregate_sums_ranks_and_keeps_the_smallest_num_ok():
+    rank0 = KVHalWorkerMetadata({7: 1, 8: 1}, {7: 4, 8: 2})
+    rank1 = KVHalWorkerMetadata({7: 1}, {7: 3})
+    merged = rank0.aggregate(rank1)
+    assert merged.ranks_done == {7: 2, 8: 1}
+    assert merged.num_ok == {7: 3, 8: 2}
+
+
+@pytest.mark.parametrize("shape,layout", [((16, 2, 128, 128), "vllm-cpu"),
+                                          ((2, 16, 128, 2, 64), "separate-kv")],
+                         ids=["cpu-4d", "separate-kv"])
+def test_device_layout_of_vllm_kv_tensors(shape, layout):
+    assert device_layout_name(torch.empty(shape, dtype=torch.bfloat16)) == layout
+
+
+def test_unknown_kv_tensor_shape_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match=r"shape \(4, 4\)"):
+        device_layout_name(torch.empty(4, 4))
