@@ -28,9 +28,12 @@ class DevicePool:
         if num_blocks <= 0:
             raise DevicePoolError("--device-bytes: holds no device block (0 blocks)")
         self.num_blocks = num_blocks
-        #: Free blocks, least recently freed first; value = cached hash or None.
-        self._free: OrderedDict[int, bytes | None] = OrderedDict((b, None)
-                                                                 for b in range(num_blocks))
+        #: Blocks [_unused, num_blocks) were never handed out; they are older than every freed
+        #: block, so they are taken first (kept as a counter: a pool of billions of blocks costs
+        #: no memory until used).
+        self._unused = 0
+        #: Freed blocks, least recently freed first; value = cached hash or None.
+        self._free: OrderedDict[int, bytes | None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
 
     def match_prefix(self, hashes: Sequence[bytes]) -> int:
@@ -57,6 +60,10 @@ class DevicePool:
         for b in blocks:
             del self._free[b]  # requests run one at a time: every cached block is free
         for _ in range(len(hashes) - num_hit):
+            if self._unused < self.num_blocks:
+                blocks.append(self._unused)
+                self._unused += 1
+                continue
             b, old = self._free.popitem(last=False)
             if old is not None and self._cached.get(old) == b:
                 del self._cached[old]

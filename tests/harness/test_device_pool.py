@@ -1,6 +1,8 @@
 """The device pool's prefix cache: hits, LRU reuse, tail-first eviction."""
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from kvhal.integrations.harness.device_pool import DevicePool, DevicePoolError
@@ -50,3 +52,18 @@ def test_request_larger_than_pool_names_the_option():
     with pytest.raises(DevicePoolError, match="--device-bytes: a request of 3 chunks does not "
                                               "fit a device pool of 2 blocks"):
         DevicePool(2).acquire([b"a", b"b", b"c"], 0)
+
+
+
+def test_huge_pool_costs_nothing_until_used():
+    # a pool of 2**20 blocks must not allocate per block up front (--device-bytes 99999999999T
+    # used to build a dict of every block and run the machine out of memory)
+    tracemalloc.start()
+    try:
+        pool = DevicePool(1 << 20)
+        assert run(pool, [b"a", b"b"]) == (0, [0, 1])
+        assert run(pool, [b"a", b"c"]) == (1, [0, 2])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, peak
