@@ -7,17 +7,27 @@ from typing import Any, Sequence
 
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """Print `rows` under `columns` as a table on stdout."""
+    """Print `rows` under `columns` as a table on stdout.
+
+    On a terminal the table fits its width; written to a file or pipe (a log, `| tee`) it is
+    printed at its natural width, so no header or cell is cut to "…" (rich would assume 80
+    columns there).
+    """
     table = Table(title=title)
     for col in columns:
         table.add_column(col, justify="right" if col[:1].isalpha() is False else "left")
     for row in rows:
         table.add_row(*(escape(f"{v:.3g}" if isinstance(v, float) else str(v)) for v in row))
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:
+        natural = Measurement.get(console, console.options.update(width=1 << 16), table).maximum
+        console = Console(width=max(console.width, natural))
+    console.print(table)
 
 
 def print_json(payload: Any) -> None:
