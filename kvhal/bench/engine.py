@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvhal.argtypes import positive_int
 from kvhal.engine import BlockPlanner, Manager, Worker
 from kvhal.hal import address_array
 from kvhal.host import HostRegion, LRUPolicy, SlotTable, host_geometry
@@ -208,11 +209,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvhal bench engine`."""
     p = sub.add_parser("engine", help="manager µs/chunk; host-tier round trip vs memcpy")
     p.add_argument("--backend", default=None, help="backend name (default: auto-select)")
-    p.add_argument("--chunks", type=int, default=1000, help="prefix length for bookkeeping")
-    p.add_argument("--rt-chunks", type=int, default=64, help="chunks in the round trip")
-    p.add_argument("--chunk-mib", type=int, default=2, help="chunk size in MiB")
-    p.add_argument("--blocks-per-chunk", type=int, default=16, help="device blocks per chunk")
-    p.add_argument("--repeats", type=int, default=20,
+    p.add_argument("--chunks", type=positive_int, default=1000,
+                   help="prefix length for bookkeeping")
+    p.add_argument("--rt-chunks", type=positive_int, default=64, help="chunks in the round trip")
+    p.add_argument("--chunk-mib", type=positive_int, default=2, help="chunk size in MiB")
+    p.add_argument("--blocks-per-chunk", type=positive_int, default=16,
+                   help="device blocks per chunk")
+    p.add_argument("--repeats", type=positive_int, default=20,
                    help="timed passes per round-trip figure (best; bookkeeping: 4x)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

@@ -13,6 +13,7 @@ import argparse
 
 import numpy as np
 
+from kvhal.argtypes import positive_int
 from kvhal.bench.copy import _best_seconds
 from kvhal.layout import D2H, DeviceCache, attention_spec, chunk_mapper, plan_copies
 from kvhal.report import print_json, print_table
@@ -69,6 +70,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 8], help="TP sizes")
     p.add_argument("--blocks-per-chunk", type=int, nargs="+", default=[1, 16],
                    help="blocks per chunk")
-    p.add_argument("--repeats", type=int, default=50, help="timed passes (best is kept)")
+    p.add_argument("--repeats", type=positive_int, default=50, help="timed passes (best is kept)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import mmap
 import os
 import shutil
@@ -24,6 +23,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvhal import plugins
+from kvhal.argtypes import json_object, positive_int
 from kvhal.keys import ChunkKey
 from kvhal.report import print_json, print_table, progress
 from kvhal.tiers.base import JobKind, TierJob
@@ -165,7 +165,11 @@ def vllm_note() -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvhal bench tier` and print the table (or JSON)."""
-    config = json.loads(args.config) if args.config else {}
+    registered = plugins.tiers()
+    if args.tier not in registered:
+        raise ValueError(f"--tier: {args.tier!r} is not a registered tier type; registered: "
+                         f"{', '.join(registered)}")
+    config = json_object(args.config, "--config") if args.config else {}
     root = args.root_dir or tempfile.mkdtemp(prefix="kvhal-bench-tier-")
     os.makedirs(root, exist_ok=True)
     if args.tier == "fs":
@@ -198,8 +202,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tier", help="tier write / cold-read throughput vs a raw file loop")
     p.add_argument("--tier", default="fs", help="registered tier type (default: fs)")
     p.add_argument("--chunk-bytes", type=_size, default=2 << 20, help="e.g. 2MiB (default)")
-    p.add_argument("--count", type=int, default=256, help="chunks per pass (default 256)")
-    p.add_argument("--repeats", type=int, default=3, help="passes; best is reported")
+    p.add_argument("--count", type=positive_int, default=256, help="chunks per pass (default 256)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="passes; best is reported")
     p.add_argument("--root-dir", default=None,
                    help="folder for the files (default: a temp folder, removed afterwards)")
     p.add_argument("--config", default=None,

@@ -55,3 +55,25 @@ def test_bench_copy_labels_sub_kib_blocks_in_bytes():
     out = kvhal("bench", "copy", "--sizes", "3", "1536", "--repeats", "1")
     assert out.returncode == 0, out.stderr
     assert "│ 3 B " in out.stdout and "│ 1536 B " in out.stdout and "0 KiB" not in out.stdout
+
+
+def test_bench_bad_counts_are_usage_errors_naming_the_value():
+    for argv in (("bench", "engine", "--chunks", "0"), ("bench", "engine", "--blocks-per-chunk",
+                                                          "0"),
+                 ("bench", "tier", "--count", "-1"), ("bench", "tier", "--repeats", "0"),
+                 ("bench", "layout", "--repeats", "0"), ("demo", "--conversations", "0"),
+                 ("demo", "--turns", "-1"), ("bench", "vllm", "--samples", "0")):
+        out = kvhal(*argv)
+        assert out.returncode == 2, (argv, out.stderr)
+        assert out.stderr.splitlines()[-1].endswith(
+            f"error: argument {argv[-2]}: must be a positive integer, got '{argv[-1]}'"), argv
+
+
+def test_bench_tier_unknown_tier_and_bad_config_are_one_line():
+    out = kvhal("bench", "tier", "--tier", "nope")
+    assert (out.returncode, out.stderr) == (
+        1, "kvhal bench: error: --tier: 'nope' is not a registered tier type; registered: "
+           "memory, fs\n")
+    out = kvhal("bench", "tier", "--config", "[1]")
+    assert (out.returncode, out.stderr) == (
+        1, "kvhal bench: error: --config: must be a JSON object, got list\n")

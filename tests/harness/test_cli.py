@@ -109,3 +109,41 @@ def test_unknown_layout_is_refused_in_one_line(write_trace):
     assert out.returncode == 1
     assert out.stderr.startswith("kvhal replay: error: --layout: layout: unknown layout 'nope'; "
                                  "registered: packed-hnd")
+
+
+def test_empty_trace_is_refused_naming_the_file(write_trace):
+    path = write_trace([])
+    out = kvhal("replay", str(path))
+    assert (out.returncode, out.stderr) == (
+        1, f"kvhal replay: error: {path}: no requests to replay (empty trace)\n")
+
+
+def test_non_utf8_trace_names_file_line_and_byte(write_trace, tmp_path):
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(json.dumps(TRACE[0]).encode() + b"\n\xff\xfe\n")
+    out = kvhal("replay", str(path))
+    assert (out.returncode, out.stderr) == (
+        1, f"kvhal replay: error: {path} line 2: json: not UTF-8 text (byte 0)\n")
+
+
+def test_non_utf8_config_file_names_it(write_trace, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_bytes(b'{"cpu_bytes_to_use": \xff}')
+    out = kvhal("replay", str(write_trace(TRACE)), "--config", str(config))
+    assert (out.returncode, out.stderr) == (
+        1, f"kvhal replay: error: {config}: not UTF-8 text (byte 21)\n")
+
+
+def test_bad_numbers_are_usage_errors_naming_the_value(write_trace):
+    path = str(write_trace(TRACE))
+    for option, value, reason in (("--layers", "0", "must be a positive integer, got '0'"),
+                                  ("--limit", "-1", "must be a positive integer, got '-1'"),
+                                  ("--chunk-tokens", "x", "not an integer: 'x'"),
+                                  ("--time-scale", "nan", "must be a finite number ≥ 0, got "
+                                                          "'nan'"),
+                                  ("--prefill-us-per-token", "-1", "must be a finite number ≥ "
+                                                                   "0, got '-1'")):
+        out = kvhal("replay", path, option, value)
+        assert out.returncode == 2, (option, out.stderr)
+        assert out.stderr.splitlines()[-1] == (f"kvhal replay: error: argument {option}: "
+                                               f"{reason}")

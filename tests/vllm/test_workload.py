@@ -42,6 +42,14 @@ def test_bad_trace_line_names_the_line(tmp_path):
         read_trace(path)
 
 
+
+def test_non_utf8_trace_line_names_the_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\n\xff\xfe\n")
+    with pytest.raises(TraceError, match=r"t.jsonl:2: bad trace line \(UnicodeDecodeError"):
+        read_trace(path)
+
+
 def test_too_few_conversations_is_refused():
     with pytest.raises(TraceError, match="trace has 8 conversations with ≥ 6 turns, 9 needed"):
         select_conversations(read_trace(DEMO_SLICE), 9, 6)

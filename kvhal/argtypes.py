@@ -1,0 +1,55 @@
+"""argparse `type=` callables for numeric CLI options, so a bad number is an argparse usage
+error naming the value (exit code 2), never a traceback deep inside a run."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+
+def positive_int(text: str) -> int:
+    """An integer ≥ 1 ("3").
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or < 1 (the message quotes `text`).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number ≥ 0 ("0", "1.5").
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN/infinite, or < 0 (the message quotes
+            `text`).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text!r}")
+    return value
+
+
+def json_object(text: str, source: str) -> dict:
+    """`text` parsed as a JSON object; `source` names where it came from in errors
+    (e.g. "--config" or a file path).
+
+    Raises:
+        ValueError: invalid JSON, or valid JSON that is not an object (names `source`).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                         f"{exc.colno})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: must be a JSON object, got {type(value).__name__}")
+    return value
