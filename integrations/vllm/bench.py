@@ -144,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
     """`kvhal bench vllm`: print the table (or JSON); exit 0 when the run completed."""
     from .demo import check_vllm
 
+    if args.context_tokens % 128:
+        raise ValueError(f"--context-tokens: must be a multiple of 128 (the demo model's block "
+                         f"size), got {args.context_tokens}")
     check_vllm()
     with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
         result = measure(args.context_tokens, args.samples, Path(tmp), not args.json)

@@ -77,3 +77,10 @@ def test_bench_tier_unknown_tier_and_bad_config_are_one_line():
     out = kvhal("bench", "tier", "--config", "[1]")
     assert (out.returncode, out.stderr) == (
         1, "kvhal bench: error: --config: must be a JSON object, got list\n")
+
+
+def test_bench_vllm_context_not_a_block_multiple_is_one_line():
+    out = kvhal("bench", "vllm", "--context-tokens", "100")
+    assert (out.returncode, out.stderr) == (
+        1, "kvhal bench: error: --context-tokens: must be a multiple of 128 (the demo model's "
+           "block size), got 100\n")
