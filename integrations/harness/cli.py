@@ -15,7 +15,7 @@ from kvhal.layout import ELEMENT_BYTES
 from kvhal.report import progress
 
 from .geometry import PRESETS, Geometry, preset
-from .plot import plot_sweep, plot_timeline
+from .plot import check_plot_path, plot_sweep, plot_timeline
 from .reference import reference_hits
 from .replay import DEFAULT_CONFIG, ReplayOptions, check_replay, run_replay, with_capacity
 from .report import DEFAULT_PREFILL_US_PER_TOKEN, print_report, print_sweep
@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
                           limit=args.limit)
     if not requests:
         raise ValueError(f"{args.trace}: no requests to replay (empty trace)")
+    if args.plot:
+        check_plot_path(args.plot)
     reference = reference_hits(requests, chunk_tokens)
     config = load_config(args.config)
     options = ReplayOptions(geometry=_geometry(args), chunk_tokens=chunk_tokens,

@@ -20,6 +20,27 @@ def _pyplot():
     return plt
 
 
+def check_plot_path(path: str | os.PathLike) -> None:
+    """Fail before a replay, not after it, if `path` cannot take a plot.
+
+    Raises:
+        RuntimeError: matplotlib is missing.
+        ValueError: the folder of `path` does not exist, or its suffix is not an image format
+            matplotlib writes (the message names `path` and lists the formats).
+    """
+    _pyplot()
+    from matplotlib.figure import Figure  # not pyplot's: nothing to close
+
+    formats = Figure().canvas.get_supported_filetypes()
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot: folder {folder!r} does not exist")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(f"--plot: {os.fspath(path)!r} is not an image file name; use one of "
+                         f".{', .'.join(sorted(formats))}")
+
+
 def plot_timeline(path: str | os.PathLike, time_s: np.ndarray, input_tokens: np.ndarray,
                   hit_tokens: np.ndarray, ttft_saved_s: np.ndarray, title: str) -> None:
     """Draw cumulative hit ratio and cumulative modeled TTFT saved over the trace timeline.

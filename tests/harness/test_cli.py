@@ -147,3 +147,16 @@ def test_bad_numbers_are_usage_errors_naming_the_value(write_trace):
         assert out.returncode == 2, (option, out.stderr)
         assert out.stderr.splitlines()[-1] == (f"kvhal replay: error: argument {option}: "
                                                f"{reason}")
+
+
+def test_bad_plot_path_fails_before_the_replay(write_trace, tmp_path):
+    path = str(write_trace(TRACE))
+    missing = tmp_path / "no" / "such"
+    out = kvhal("replay", path, "--plot", str(missing / "x.png"))
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr == f"kvhal replay: error: --plot: folder {str(missing)!r} does not exist\n"
+    out = kvhal("replay", path, "--plot", str(tmp_path / "plot.txt"))
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr.startswith(f"kvhal replay: error: --plot: {str(tmp_path / 'plot.txt')!r} "
+                                 "is not an image file name; use one of ")
+    assert ".png" in out.stderr and not (tmp_path / "plot.txt").exists()
