@@ -16,8 +16,8 @@ from typing import ClassVar
 import numpy as np
 
 from kvhal.hal import (Allocation, Availability, Capabilities, Event, InvalidValueError,
-                       MemoryKind, OutOfMemoryError, Stream, as_int, as_u64, coalesce_batch,
-                       DeviceFaultError)
+                       MemoryKind, OutOfMemoryError, Stream, address_array, as_copies_2d, as_int,
+                       as_u64, coalesce_batch, DeviceFaultError)
 
 from .memory import (PAGE_BYTES, RangeRegistry, lock_pages, map_anonymous, probe_page_locking,
                      unlock_pages, unmap, unmapped_or_read_only)
@@ -73,6 +73,8 @@ class CpuBackend:
         self._lock = threading.Lock()
         self._ranges = RangeRegistry(self.name)
         self._allocs: dict[int, Allocation] = {}
+        #: start -> uint8 numpy view of the whole live allocation, for `copy_2d_batch_async`
+        self._views: dict[int, np.ndarray] = {}
         self._workers: set[StreamWorker] = set()  # live (not destroyed) streams
         self._stream_ids = itertools.count()
         self._page_locked = probe_page_locking()
@@ -129,6 +131,7 @@ class CpuBackend:
         self._ranges.add(ptr, int(nbytes))
         with self._lock:
             self._allocs[ptr] = alloc
+            self._views[ptr] = address_array(ptr, int(nbytes))
         return alloc
 
     def alloc_device(self, nbytes: int, device: int = 0) -> Allocation:
@@ -164,6 +167,7 @@ class CpuBackend:
                            handle=(nbytes, locked))
         with self._lock:
             self._allocs[ptr] = alloc
+            self._views[ptr] = address_array(ptr, nbytes)
         return alloc
 
     def free(self, allocation: Allocation) -> None:
@@ -188,6 +192,8 @@ class CpuBackend:
         for worker in workers:
             worker.synchronize()
         self._ranges.remove(allocation.ptr)
+        with self._lock:
+            del self._views[allocation.ptr]
         mapped, locked = live.handle
         if locked:
             unlock_pages(allocation.ptr, mapped)
@@ -336,6 +342,23 @@ class CpuBackend:
 
         worker.submit(run)
 
+    def copy_2d_batch_async(self, copies: np.ndarray, stream: Stream) -> None:
+        """See `DeviceBackend.copy_2d_batch_async`: the whole batch is validated vectorised
+        (`as_copies_2d` with the range registry), then queued as ONE stream operation that
+        runs one numpy strided copy per row, on views made with `np.ndarray(...,
+        buffer=<cached view of the allocation>, offset=, strides=)` (no ctypes per copy)."""
+        worker = self._worker(stream)
+        rows = as_copies_2d(copies, self.name, self._ranges)
+        if not len(rows):
+            return
+        ends = rows[:, [0, 2]]
+        starts = self._ranges.starts_of(ends)
+        with self._lock:
+            buffers = {start: self._views[start] for start in np.unique(starts).tolist()}
+        work = list(zip(rows[:, [1, 3, 4, 5]].tolist(), starts.tolist(),
+                        (ends - starts).tolist()))
+        worker.submit(lambda: _copy_2d_all(work, buffers))
+
     def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                          stream: Stream) -> None:
         """See `DeviceBackend.copy_batch_async`: the batch is re-cut into memmoves of at most
@@ -367,6 +390,16 @@ def _memmove_all(triples: list[tuple[int, int, int]]) -> None:
     move = ctypes.memmove
     for dst, src, nbytes in triples:
         move(dst, src, nbytes)
+
+
+def _copy_2d_all(work: list, buffers: dict[int, np.ndarray]) -> None:
+    """Run validated 2D copies: `work` holds ((dst_pitch, src_pitch, width, height),
+    (dst_start, src_start), (dst_offset, src_offset)) per copy, starts keying `buffers`."""
+    view, u8 = np.ndarray, np.uint8
+    for (dst_pitch, src_pitch, width, height), (dst_buf, src_buf), (dst_off, src_off) in work:
+        shape = (height, width)
+        view(shape, u8, buffers[dst_buf], dst_off, (dst_pitch, 1))[...] = \
+            view(shape, u8, buffers[src_buf], src_off, (src_pitch, 1))
 
 
 def _strided(ptr: int, pitch: int, width: int, height: int) -> np.ndarray:
