@@ -55,3 +55,19 @@ def test_bench_copy_labels_sub_kib_blocks_in_bytes():
     out = kvhal("bench", "copy", "--sizes", "3", "1536", "--repeats", "1")
     assert out.returncode == 0, out.stderr
     assert "│ 3 B " in out.stdout and "│ 1536 B " in out.stdout and "0 KiB" not in out.stdout
+
+
+def test_bench_copy2d_json_compares_loop_and_batch_of_one_vllm_cpu_chunk():
+    out = kvhal("bench", "copy2d", "--blocks-per-chunk", "1", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["results"]
+    assert [(r["layout"], r["direction"]) for r in rows] == [("vllm-cpu", "h2d"),
+                                                             ("vllm-cpu", "d2h")]
+    for r in rows:  # 32 layers x 8 heads x (K, V), 16 tokens x 128 bf16 each
+        assert (r["copies_2d"], r["chunk_bytes"]) == (512, 2 << 20)
+        assert r["speedup"] == r["loop_us"] / r["batch_us"]
+
+
+def test_bench_copy2d_rejects_unknown_layout():
+    out = kvhal("bench", "copy2d", "--layouts", "nope")
+    assert out.returncode == 2 and "invalid choice: 'nope'" in out.stderr
