@@ -1,7 +1,8 @@
 """`kvhal bench copy2d`: one chunk's 2D copies issued one by one vs as one batch.
 
-For Llama-3.1-8B geometry (`kvhal.bench.layout.SPEC`), per attention layout × blocks per chunk
-× direction: the chunk's plan (`plan_copies`, TP 1, scattered block ids) is run on a real
+Per model geometry (`GEOMETRIES`: Llama-3.1-8B with 16-token blocks as `kvhal bench layout`,
+and `kvhal bench vllm`'s demo model with vLLM-CPU's 128-token blocks) × attention layout × blocks
+per chunk × direction: the chunk's plan (`plan_copies`, TP 1, scattered block ids) is run on a real
 backend between per-layer device allocations and a pinned host slot, in the same run, as
 (a) one `copy_2d_async` per row of `CopyPlan.copies_2d` (the worker before
 `copy_2d_batch_async`), (b) one `copy_2d_batch_async`, each followed by a stream synchronize,
@@ -18,27 +19,37 @@ import numpy as np
 from kvhal.bench.copy import _best_seconds, _repeats
 from kvhal.bench.layout import LAYOUTS, SPEC
 from kvhal.hal import DeviceBackend, host_array
-from kvhal.layout import D2H, H2D, DeviceCache, chunk_mapper, plan_copies
+from kvhal.layout import D2H, H2D, DeviceCache, KVCacheSpec, attention_spec, chunk_mapper, \
+    plan_copies
 from kvhal.plugins import select_backend
 from kvhal.report import print_json, print_table
 
 #: Device blocks per layer allocation; chunks pick scattered ids among them.
 NUM_BLOCKS = 64
+#: Model geometries by name: Llama-3.1-8B (`kvhal.bench.layout.SPEC`) and the demo model of
+#: `kvhal bench vllm` (integrations/vllm/model.py DEMO: 8 layers, 4 KV heads, head size 64) with
+#: vLLM-CPU's 128-token blocks (/work/shared/REFERENCE.md).
+GEOMETRIES: dict[str, KVCacheSpec] = {
+    "llama-3.1-8b": SPEC,
+    "vllm-demo": attention_spec(num_layers=8, num_kv_heads=4, head_size=64, dtype="bf16",
+                                block_size=128),
+}
 
 
-def measure(backend: DeviceBackend, layout: str, blocks_per_chunk: int, direction: str,
-            repeats: int) -> dict:
+def measure(backend: DeviceBackend, geometry: str, layout: str, blocks_per_chunk: int,
+            direction: str, repeats: int) -> dict:
     """One row (see module docstring); times in µs. Allocations are freed before returning."""
-    mapper = chunk_mapper(SPEC, layout, 1, 0, blocks_per_chunk)
+    spec = GEOMETRIES[geometry]
+    mapper = chunk_mapper(spec, layout, 1, 0, blocks_per_chunk)
     page, planes = mapper.groups[0].page_bytes, mapper.groups[0].layout.num_planes
     layer_bytes = NUM_BLOCKS * page
-    layers = [backend.alloc_device(layer_bytes) for _ in range(SPEC.num_layers)]
+    layers = [backend.alloc_device(layer_bytes) for _ in range(spec.num_layers)]
     host = backend.alloc_pinned(mapper.chunk.chunk_bytes)
     stream = backend.create_stream()
     try:
         device = DeviceCache(np.array([a.ptr for a in layers], np.uint64),
-                             np.full(SPEC.num_layers, page // planes, np.int64),
-                             np.full(SPEC.num_layers, layer_bytes // 2 if planes == 2 else 0,
+                             np.full(spec.num_layers, page // planes, np.int64),
+                             np.full(spec.num_layers, layer_bytes // 2 if planes == 2 else 0,
                                      np.int64), NUM_BLOCKS)
         ids = np.random.default_rng(0).permutation(NUM_BLOCKS)[:blocks_per_chunk]
         copies = plan_copies(mapper, ids, device, host.ptr, direction).copies_2d
@@ -61,7 +72,7 @@ def measure(backend: DeviceBackend, layout: str, blocks_per_chunk: int, directio
         backend.destroy_stream(stream)
         for a in layers + [host]:
             backend.free(a)
-    return {"layout": layout, "blocks_per_chunk": blocks_per_chunk, "direction": direction,
+    return {"geometry": geometry, "layout": layout, "blocks_per_chunk": blocks_per_chunk, "direction": direction,
             "chunk_bytes": mapper.chunk.chunk_bytes, "copies_2d": len(rows),
             "loop_us": loop_s * 1e6, "batch_us": batch_s * 1e6, "speedup": loop_s / batch_s,
             "memcpy_us": copy_s * 1e6, "batch_vs_memcpy": batch_s / copy_s}
@@ -70,17 +81,17 @@ def measure(backend: DeviceBackend, layout: str, blocks_per_chunk: int, directio
 def run(args: argparse.Namespace) -> int:
     """Print one row per layout × blocks per chunk × direction."""
     backend = select_backend(args.backend)
-    rows = [measure(backend, lay, n, d, args.repeats) for lay in args.layouts
-            for n in args.blocks_per_chunk for d in (H2D, D2H)]
+    rows = [measure(backend, g, lay, n, d, args.repeats) for g in args.geometries
+            for lay in args.layouts for n in args.blocks_per_chunk for d in (H2D, D2H)]
     rows = [r for r in rows if r["copies_2d"]]
     if args.json:
         print_json({"backend": backend.name, "results": rows})
         return 0
     print_table(f"one chunk's 2D copies: copy_2d_async loop vs copy_2d_batch_async "
-                f"(backend {backend.name}, Llama-3.1-8B, TP 1)",
-                ["layout", "N", "dir", "chunk B", "2D copies", "loop µs", "batch µs",
+                f"(backend {backend.name}, TP 1)",
+                ["geometry", "layout", "N", "dir", "chunk B", "2D copies", "loop µs", "batch µs",
                  "loop/batch", "memcpy µs", "batch/memcpy"],
-                [[r["layout"], r["blocks_per_chunk"], r["direction"], r["chunk_bytes"],
+                [[r["geometry"], r["layout"], r["blocks_per_chunk"], r["direction"], r["chunk_bytes"],
                   r["copies_2d"], round(r["loop_us"], 1), round(r["batch_us"], 1),
                   round(r["speedup"], 2), round(r["memcpy_us"], 1),
                   round(r["batch_vs_memcpy"], 2)] for r in rows])
@@ -91,6 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvhal bench copy2d`."""
     p = sub.add_parser("copy2d", help="a chunk's 2D copies: one-by-one loop vs one batch")
     p.add_argument("--backend", default=None, help="backend name (default: auto-select)")
+    p.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=GEOMETRIES,
+                   help="model geometries")
     p.add_argument("--layouts", nargs="+", default=["vllm-cpu"], choices=LAYOUTS,
                    help="device layouts")
     p.add_argument("--blocks-per-chunk", type=int, nargs="+", default=[1, 16],

@@ -58,7 +58,8 @@ def test_bench_copy_labels_sub_kib_blocks_in_bytes():
 
 
 def test_bench_copy2d_json_compares_loop_and_batch_of_one_vllm_cpu_chunk():
-    out = kvhal("bench", "copy2d", "--blocks-per-chunk", "1", "--repeats", "1", "--json")
+    out = kvhal("bench", "copy2d", "--geometries", "llama-3.1-8b", "--blocks-per-chunk", "1",
+                "--repeats", "1", "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["results"]
     assert [(r["layout"], r["direction"]) for r in rows] == [("vllm-cpu", "h2d"),
