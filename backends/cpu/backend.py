@@ -352,12 +352,15 @@ class CpuBackend:
         rows = as_copies_2d(copies, self.name, self._ranges)
         if not len(rows):
             return
-        ends = rows[:, [0, 2]]
-        starts = self._ranges.starts_of(ends)
+        addrs = rows[:, [0, 2]]  # (m, 2): dst, src
+        starts = self._ranges.starts_of(addrs)
         with self._lock:
-            buffers = {start: self._views[start] for start in np.unique(starts).tolist()}
+            buffers = {start: self._views.get(start) for start in np.unique(starts).tolist()}
+        if any(view is None for view in buffers.values()):
+            raise InvalidValueError("copy_2d_batch_async: an allocation was freed while the "
+                                    "batch was being issued", backend=self.name)
         work = list(zip(rows[:, [1, 3, 4, 5]].tolist(), starts.tolist(),
-                        (ends - starts).tolist()))
+                        (addrs - starts).tolist()))
         worker.submit(lambda: _copy_2d_all(work, buffers))
 
     def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,

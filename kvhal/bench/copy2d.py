@@ -72,14 +72,16 @@ def measure(backend: DeviceBackend, geometry: str, layout: str, blocks_per_chunk
         backend.destroy_stream(stream)
         for a in layers + [host]:
             backend.free(a)
-    return {"geometry": geometry, "layout": layout, "blocks_per_chunk": blocks_per_chunk, "direction": direction,
+    return {"geometry": geometry, "layout": layout, "blocks_per_chunk": blocks_per_chunk,
+            "direction": direction,
             "chunk_bytes": mapper.chunk.chunk_bytes, "copies_2d": len(rows),
             "loop_us": loop_s * 1e6, "batch_us": batch_s * 1e6, "speedup": loop_s / batch_s,
             "memcpy_us": copy_s * 1e6, "batch_vs_memcpy": batch_s / copy_s}
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print one row per layout × blocks per chunk × direction."""
+    """Print one row per geometry × layout × blocks per chunk × direction (rows without 2D
+    copies left out)."""
     backend = select_backend(args.backend)
     rows = [measure(backend, g, lay, n, d, args.repeats) for g in args.geometries
             for lay in args.layouts for n in args.blocks_per_chunk for d in (H2D, D2H)]
@@ -91,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
                 f"(backend {backend.name}, TP 1)",
                 ["geometry", "layout", "N", "dir", "chunk B", "2D copies", "loop µs", "batch µs",
                  "loop/batch", "memcpy µs", "batch/memcpy"],
-                [[r["geometry"], r["layout"], r["blocks_per_chunk"], r["direction"], r["chunk_bytes"],
+                [[r["geometry"], r["layout"], r["blocks_per_chunk"], r["direction"],
+                  r["chunk_bytes"],
                   r["copies_2d"], round(r["loop_us"], 1), round(r["batch_us"], 1),
                   round(r["speedup"], 2), round(r["memcpy_us"], 1),
                   round(r["batch_vs_memcpy"], 2)] for r in rows])
