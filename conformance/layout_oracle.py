@@ -112,9 +112,8 @@ def download(backend: DeviceBackend, device: RankDevice) -> list[np.ndarray]:
 
 
 def run_plan(backend: DeviceBackend, plan: CopyPlan, stream) -> None:
-    """Submit a plan's 2D copies and its batch to `stream`."""
-    for c in plan.copies_2d:
-        backend.copy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height, stream)
+    """Submit a plan's 2D copies (one `copy_2d_batch_async`) and its batch to `stream`."""
+    backend.copy_2d_batch_async(plan.copies_2d, stream)
     backend.copy_batch_async(plan.dsts, plan.srcs, plan.sizes, stream)
 
 

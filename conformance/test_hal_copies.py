@@ -143,3 +143,68 @@ def test_copy_batch_mismatched_lengths_is_invalid(backend, stream):
                                      np.array([8, 8], dtype=np.uint64), stream)
     finally:
         backend.free(buf)
+
+
+def _copies_2d_case(backend, stream, direction: str, n: int, seed: int) -> None:
+    """n 2D copies of mixed shapes (a zero-width and a zero-height row among them) in one
+    `copy_2d_batch_async`, each between its own src and dst slot, checked byte for byte."""
+    rng = np.random.default_rng(seed)
+    shapes = [CASES_2D[i % len(CASES_2D)] for i in range(n)]
+    if n > 2:
+        shapes[1], shapes[2] = (0, 8, 8, 4), (16, 16, 16, 0)
+    slot = max(max(sp, dp) * h + w for w, sp, dp, h in shapes) if n else 1
+    src_kind, dst_kind = DIRECTIONS[direction]
+    src = alloc_kind(backend, src_kind, max(n, 1) * slot + 3)
+    dst = alloc_kind(backend, dst_kind, max(n, 1) * slot + 5)
+    try:
+        src_data = reference_bytes(src.nbytes, seed)
+        dst_data = reference_bytes(dst.nbytes, seed + 1)
+        write(backend, src, src_data)
+        write(backend, dst, dst_data)
+        src_off = rng.permutation(n) * slot + 3
+        dst_off = rng.permutation(n) * slot + 5
+        copies = np.array([[dst.ptr + int(d), dp, src.ptr + int(s), sp, w, h] for
+                           (w, sp, dp, h), s, d in zip(shapes, src_off, dst_off)],
+                          dtype=np.uint64).reshape(n, 6)
+        backend.copy_2d_batch_async(copies, stream)
+        backend.stream_synchronize(stream)
+        expected = dst_data.copy()
+        for (w, sp, dp, h), s, d in zip(shapes, src_off, dst_off):
+            for row in range(h):
+                expected[d + row * dp:d + row * dp + w] = src_data[s + row * sp:s + row * sp + w]
+        np.testing.assert_array_equal(read(backend, dst), expected)
+    finally:
+        backend.free(src)
+        backend.free(dst)
+
+
+@pytest.mark.parametrize("n", [0, 1, 64])
+@pytest.mark.parametrize("direction", ["H2D", "D2H", "D2D"])
+def test_copy_2d_batch_async(backend, stream, direction, n):
+    _copies_2d_case(backend, stream, direction, n, seed=n + len(direction))
+
+
+@pytest.mark.parametrize("bad", [
+    {"shape": (3, 5)}, {"shape": (6,)}, {"shape": (2, 6, 1)}, {"dtype": np.float64},
+    {"row": [0, 32, 2048, 64, 48, 4]}, {"row": [0, 64, 2048, 32, 48, 4]},
+    {"row": [0, 64, 1 << 40, 64, 48, 4]}, {"row": [0, 64, 2048, 64, 48, 1 << 62]},
+], ids=["shape-3x5", "shape-6", "shape-3d", "float", "dst_pitch<width", "src_pitch<width",
+        "src-outside", "span-past-2**64"])
+def test_copy_2d_batch_invalid_queues_nothing(backend, stream, bad):
+    """A bad batch raises InvalidValueError at the call and queues none of its copies."""
+    buf = backend.alloc_device(1 << 16)
+    try:
+        data = reference_bytes(buf.nbytes, seed=7)
+        write(backend, buf, data)
+        good = [buf.ptr + 8192, 64, buf.ptr + 16384, 64, 48, 4]
+        rows = [good] + ([[buf.ptr + v if i in (0, 2) and v < (1 << 40) else v
+                           for i, v in enumerate(bad["row"])]] if "row" in bad else [])
+        copies = np.array(rows, dtype=bad.get("dtype", np.uint64))
+        if "shape" in bad:
+            copies = np.resize(copies.ravel(), bad["shape"])
+        with pytest.raises(InvalidValueError):
+            backend.copy_2d_batch_async(copies, stream)
+        backend.stream_synchronize(stream)
+        np.testing.assert_array_equal(read(backend, buf), data)
+    finally:
+        backend.free(buf)

@@ -324,6 +324,24 @@ class DeviceBackend(Protocol):
                 allocations.
         """
 
+    def copy_2d_batch_async(self, copies: np.ndarray, stream: Stream) -> None:
+        """Issue n independent `copy_2d_async` copies at once; no order among them.
+
+        Args:
+            copies: integer array of shape (n, 6), one row per copy with the columns
+                `COPY_2D_COLUMNS` = (dst, dst_pitch, src, src_pitch, width, height), in bytes
+                (height in rows). n = 0 is a no-op; rows with width = 0 or height = 0 are
+                no-ops.
+
+        Every row is checked as `copy_2d_async` checks its arguments, for the whole batch
+        before any copy is queued (`as_copies_2d`, then the backend's range checks).
+
+        Raises:
+            InvalidValueError: `copies` is not an (n, 6) integer array, has negative entries, a
+                row has dst_pitch < width or src_pitch < width, or a row's range lies outside
+                known allocations (the message names the row).
+        """
+
 
 def host_array(allocation: Allocation) -> np.ndarray:
     """A writable uint8 numpy view, shape (nbytes,), of a host (PINNED/REGISTERED) allocation.
@@ -436,3 +454,91 @@ def as_u64(values: Any, what: str, backend: str) -> np.ndarray:
         bad = int(np.flatnonzero(arr < 0)[0])
         raise InvalidValueError(f"{what}[{bad}] is negative: {int(arr[bad])}", backend=backend)
     return np.ascontiguousarray(arr.astype(np.uint64))
+
+
+#: Columns of a `copy_2d_batch_async` row, in order (all bytes, height in rows).
+COPY_2D_COLUMNS = ("dst", "dst_pitch", "src", "src_pitch", "width", "height")
+
+
+def as_copies_2d(copies: Any, backend: str, ranges: Any = None) -> np.ndarray:
+    """Validate a `copy_2d_batch_async` argument; returns its non-empty rows.
+
+    Args:
+        copies: The argument (see `DeviceBackend.copy_2d_batch_async`).
+        backend: Backend name for errors.
+        ranges: Optional registry of live allocations with a vectorised
+            `check_many(ptrs, sizes, what)` (e.g. the cpu backend's `RangeRegistry`); when
+            given, every row's dst and src span (`copy_2d_spans`) is checked against it too.
+
+    Returns:
+        A C-contiguous uint64 array of shape (m, 6) (`COPY_2D_COLUMNS`): the rows with
+        width > 0 and height > 0, in their original order, each with both pitches ≥ width and
+        both spans `(height - 1) * pitch + width` below 2**64.
+
+    Raises:
+        InvalidValueError: not an integer array of shape (n, 6), a negative entry, a pitch
+            smaller than the width, a span that does not fit in 64 bits, or (with `ranges`) a
+            span outside the live allocations (names the row).
+    """
+    try:
+        arr = np.asarray(copies)
+    except (OverflowError, ValueError) as exc:
+        raise InvalidValueError(f"copies is not an integer array: {exc}", backend=backend) \
+            from None
+    if arr.ndim != 2 or arr.shape[1] != len(COPY_2D_COLUMNS):
+        raise InvalidValueError(f"copies must have shape (n, {len(COPY_2D_COLUMNS)}) with "
+                                f"columns {COPY_2D_COLUMNS}, got shape {arr.shape}",
+                                backend=backend)
+    if arr.size == 0:
+        return np.empty((0, len(COPY_2D_COLUMNS)), dtype=np.uint64)
+    if arr.dtype != np.uint64:
+        arr = as_u64(arr.ravel(), "copies", backend).reshape(arr.shape)
+    rows = np.ascontiguousarray(arr)
+    width, height = rows[:, 4], rows[:, 5]
+    keep = (width > 0) & (height > 0)
+    if not keep.all():
+        rows = rows[keep]
+        width, height = rows[:, 4], rows[:, 5]
+    for col in (1, 3):
+        pitch = rows[:, col]
+        short = pitch < width
+        if short.any():
+            bad = int(np.flatnonzero(short)[0])
+            raise InvalidValueError(f"copies row {bad}: {COPY_2D_COLUMNS[col]} "
+                                    f"{int(pitch[bad])} < width {int(width[bad])}",
+                                    backend=backend)
+        # (height - 1) * pitch + width must not wrap: pitch ≥ width > 0 here
+        wraps = height - np.uint64(1) > (np.uint64(MAX_U64) - width) // pitch
+        if wraps.any():
+            bad = int(np.flatnonzero(wraps)[0])
+            raise InvalidValueError(f"copies row {bad}: {int(height[bad])} rows of pitch "
+                                    f"{int(pitch[bad])} span past 2**64", backend=backend)
+    if ranges is not None and len(rows):
+        dst_span, src_span = copy_2d_spans(rows)
+        ranges.check_many(rows[:, 0], dst_span, "copies dst")
+        ranges.check_many(rows[:, 2], src_span, "copies src")
+    return rows
+
+
+def copy_2d_spans(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes each row of `as_copies_2d` touches from its dst and from its src:
+    `(height - 1) * pitch + width`, two uint64 arrays of shape (m,)."""
+    last = rows[:, 5] - np.uint64(1)
+    return last * rows[:, 1] + rows[:, 4], last * rows[:, 3] + rows[:, 4]
+
+
+def copy_2d_batch_by_loop(backend: DeviceBackend, copies: Any, stream: Stream) -> None:
+    """`copy_2d_batch_async` as one `backend.copy_2d_async` per non-empty row: the shared
+    default for backends without a batched 2D call.
+
+    The whole batch's shape and pitches are checked first (`as_copies_2d`); each row's ranges
+    are checked by its `copy_2d_async`, so a caller wanting all-or-nothing range checks runs
+    `as_copies_2d(copies, name, ranges)` before calling this (as `RuntimeBackend` does).
+
+    Raises:
+        InvalidValueError: as `DeviceBackend.copy_2d_batch_async`.
+    """
+    copy = backend.copy_2d_async
+    for dst, dst_pitch, src, src_pitch, width, height in \
+            as_copies_2d(copies, backend.name).tolist():
+        copy(dst, dst_pitch, src, src_pitch, width, height, stream)

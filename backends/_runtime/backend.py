@@ -17,7 +17,8 @@ import numpy as np
 
 from kvhal.backends.cpu.memory import RangeRegistry
 from kvhal.hal import (Allocation, Availability, BackendUnavailableError, Capabilities, Event,
-                       HalError, InvalidValueError, MemoryKind, Stream, as_int)
+                       HalError, InvalidValueError, MemoryKind, Stream, as_copies_2d,
+                       as_int, copy_2d_batch_by_loop)
 
 from .batch import chunk_bounds, select_batch_mode, uses_native
 from .calls import binding_batch_call, ctypes_batch_call, load_ctypes_symbol
@@ -351,6 +352,13 @@ class RuntimeBackend:
                             height)
         if args is not None:
             self._call("memcpy_2d_async", *args, self._copy_kind, handle)
+
+    def copy_2d_batch_async(self, copies: np.ndarray, stream: Stream) -> None:
+        """See `DeviceBackend.copy_2d_batch_async`: the whole batch is validated first
+        (`kvhal.hal.as_copies_2d` with the live ranges), then one `*Memcpy2DAsync` per row
+        (`kvhal.hal.copy_2d_batch_by_loop`; the runtimes have no batched 2D call)."""
+        self._stream(stream)
+        copy_2d_batch_by_loop(self, as_copies_2d(copies, self.name, self._ranges), stream)
 
     def _all_inside(self, ranges: RangeRegistry, ptrs: np.ndarray, sizes: np.ndarray) -> bool:
         try:

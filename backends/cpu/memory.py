@@ -141,6 +141,12 @@ class RangeRegistry:
             raise InvalidValueError(f"{what} range [{ptr:#x}, +{nbytes}) is outside every "
                                     "allocation of this backend", backend=self._backend)
 
+    def starts_of(self, ptrs: np.ndarray) -> np.ndarray:
+        """Start of the live range holding each address of the uint64 array `ptrs` (any shape;
+        the addresses must have passed `check`/`check_many`); uint64, same shape."""
+        starts = self._starts
+        return starts[np.searchsorted(starts, ptrs, side="right") - 1]
+
     def check_many(self, ptrs: np.ndarray, sizes: np.ndarray, what: str) -> None:
         """Vectorised `check` for uint64 arrays of shape (n,)."""
         starts, ends = self._starts, self._ends

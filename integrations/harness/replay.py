@@ -217,13 +217,12 @@ class _LayerTensor:
 
 
 def _issue(backend: DeviceBackend, plans: Sequence[CopyPlan], stream: Any) -> None:
-    """Issue the copies of `plans` on `stream`: every 2D copy, then one batch of the rest."""
+    """Issue the copies of `plans` on `stream`: one batch of 2D copies, then one of the rest."""
     if not plans:
         return
-    for plan in plans:
-        for c in plan.copies_2d:
-            backend.copy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height,
-                                  stream)
+    copies_2d = np.concatenate([p.copies_2d for p in plans])
+    if len(copies_2d):
+        backend.copy_2d_batch_async(copies_2d, stream)
     sizes = np.concatenate([p.sizes for p in plans])
     if len(sizes):
         backend.copy_batch_async(np.concatenate([p.dsts for p in plans]),

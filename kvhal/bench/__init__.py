@@ -13,6 +13,7 @@ BENCH_MODULES = (
     "kvhal.bench.tier",
     "kvhal.bench.layout",
     "kvhal.bench.copy_kernel",
+    "kvhal.bench.copy2d",
     "kvhal.bench.engine",
     "kvhal.integrations.harness.bench",
     "kvhal.integrations.vllm.bench",

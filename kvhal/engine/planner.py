@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvhal.layout import plan_copies, plan_job_copies
-from kvhal.layout.plan import CopyPlan
+from kvhal.layout.plan import NO_COPIES_2D, CopyPlan
 
 from .types import Direction
 
@@ -77,8 +77,8 @@ class BlockPlanner:
                 + offsets).ravel()
         sizes = np.full(ids.size, self.block_bytes, dtype=np.uint64)
         if direction is Direction.D2H:
-            return CopyPlan((), host, device, sizes)
-        return CopyPlan((), device, host, sizes)
+            return CopyPlan(NO_COPIES_2D, host, device, sizes)
+        return CopyPlan(NO_COPIES_2D, device, host, sizes)
 
 
 class LayoutPlanner:

@@ -318,8 +318,8 @@ class Worker:
 
 
 def _issue(backend: DeviceBackend, plan: CopyPlan, stream) -> None:
-    """Every 2D copy of `plan`, then its contiguous copies as one batch."""
-    for c in plan.copies_2d:
-        backend.copy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height, stream)
+    """The 2D copies of `plan` as one batch, then its contiguous copies as one batch."""
+    if len(plan.copies_2d):
+        backend.copy_2d_batch_async(plan.copies_2d, stream)
     if len(plan.sizes):
         backend.copy_batch_async(plan.dsts, plan.srcs, plan.sizes, stream)

@@ -37,10 +37,10 @@ from .geometry import (ATTENTION_KINDS, ELEMENT_BYTES, Kind, KVCacheSpec, LayerG
                        LayoutError, attention_spec, mla_spec)
 from .mapper import (D2H, H2D, ChunkMapper, DeviceCache, chunk_mapper, device_cache, plan_copies,
                      plan_job_copies)
-from .plan import Copy2D, CopyPlan, CopyRun
+from .plan import CopyPlan, CopyRun
 
 __all__ = [
-    "ATTENTION_KINDS", "BUILTIN_LAYOUTS", "ChunkLayout", "ChunkMapper", "Copy2D", "CopyPlan",
+    "ATTENTION_KINDS", "BUILTIN_LAYOUTS", "ChunkLayout", "ChunkMapper", "CopyPlan",
     "CopyRun", "D2H", "DeviceCache", "DeviceLayout", "ELEMENT_BYTES", "FORMAT_ID",
     "GroupMapping", "H2D", "KVCacheSpec", "Kind", "LayerGroup", "LayoutError", "RankShare",
     "attention_spec", "canonical_page_bytes", "check_tiles", "chunk_layout", "chunk_mapper",

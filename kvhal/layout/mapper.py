@@ -3,7 +3,7 @@
 A `ChunkMapper` holds, for one (spec, layouts, tp_size, tp_rank, blocks_per_chunk), every run of
 every layer of every block position of a chunk as flat numpy arrays (block-position-major), so
 planning one chunk is a handful of vectorised gathers: no Python loop per block or per
-contiguous run; only runs with more than one fragment become `Copy2D` objects.
+contiguous run; runs with more than one fragment become rows of one 2D-copy array.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 from .canonical import ChunkLayout, GroupMapping, chunk_layout, layouts_for, map_group
 from .devices import tensor_element_bytes
 from .geometry import KVCacheSpec, LayoutError
-from .plan import Copy2D, CopyPlan
+from .plan import CopyPlan
 
 D2H = "d2h"
 H2D = "h2d"
@@ -94,7 +94,8 @@ class ChunkMapper:
         return self._tables[direction].per_block * self.blocks_per_chunk
 
     def copies_2d_per_chunk(self, direction: str, expand_up_to: int = 1) -> int:
-        """`Copy2D`s in the plan of a full chunk (see `plan_copies`)."""
+        """2D copies (rows of `CopyPlan.copies_2d`) in the plan of a full chunk (see
+        `plan_copies`)."""
         return self._split_runs(direction, expand_up_to)[1].per_block * self.blocks_per_chunk
 
     def _split_runs(self, direction: str, expand_up_to: int) -> tuple["_Runs", "_Runs"]:
@@ -285,7 +286,7 @@ def plan_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCache,
             A backend with a native batch call may prefer e.g. 16: fewer calls, same bytes.
 
     Returns:
-        A `CopyPlan`: one `Copy2D` per remaining multi-fragment run per block, and uint64
+        A `CopyPlan`: one 2D-copy row per remaining multi-fragment run per block, and uint64
         address arrays for `copy_batch_async` for single fragments. Copies never overlap.
 
     Raises:
@@ -359,18 +360,15 @@ def plan_job_copies(mapper: ChunkMapper, block_ids: np.ndarray, device: DeviceCa
     sizes = np.tile(s.width.astype(np.uint64), len(addrs))
     d_dev, d_host, d = _addresses(strided, ids, device, addrs)
     n = len(addrs)
-    dev_pitch, host_pitch = (np.tile(d.local_stride, n).tolist(),
-                             np.tile(d.canonical_stride, n).tolist())
-    width, count = np.tile(d.width, n).tolist(), np.tile(d.count, n).tolist()
+    copies = np.empty((len(d_dev), 6), dtype=np.uint64)
+    dev_pitch, host_pitch = (1, 3) if direction == H2D else (3, 1)
+    copies[:, dev_pitch - 1], copies[:, host_pitch - 1] = d_dev, d_host
+    copies[:, dev_pitch] = np.tile(d.local_stride, n)
+    copies[:, host_pitch] = np.tile(d.canonical_stride, n)
+    copies[:, 4], copies[:, 5] = np.tile(d.width, n), np.tile(d.count, n)
     if direction == D2H:
-        dsts, srcs = s_host, s_dev
-        copies = tuple(map(Copy2D, d_host.tolist(), host_pitch, d_dev.tolist(), dev_pitch,
-                           width, count))
-    else:
-        dsts, srcs = s_dev, s_host
-        copies = tuple(map(Copy2D, d_dev.tolist(), dev_pitch, d_host.tolist(), host_pitch,
-                           width, count))
-    return CopyPlan(copies, dsts, srcs, sizes)
+        return CopyPlan(copies, s_host, s_dev, sizes)
+    return CopyPlan(copies, s_dev, s_host, sizes)
 
 
 def _addresses(t: _Runs, ids: np.ndarray, device: DeviceCache, host_addrs: np.ndarray):

@@ -26,28 +26,24 @@ class CopyRun:
     canonical_stride: int
 
 
-@dataclass(frozen=True, slots=True)
-class Copy2D:
-    """One `copy_2d_async` call: `height` rows of `width` bytes (addresses and pitches in bytes)."""
-
-    dst: int
-    dst_pitch: int
-    src: int
-    src_pitch: int
-    width: int
-    height: int
+#: `CopyPlan.copies_2d` of a plan without 2D copies: uint64, shape (0, 6), read-only.
+NO_COPIES_2D = np.empty((0, 6), dtype=np.uint64)
+NO_COPIES_2D.flags.writeable = False
 
 
 @dataclass(frozen=True, slots=True)
 class CopyPlan:
-    """The HAL calls that move one set of blocks: 2D copies plus one batch of contiguous copies.
+    """The HAL calls that move one set of blocks: one batch of 2D copies plus one batch of
+    contiguous copies.
 
     Attributes:
-        copies_2d: One `Copy2D` per strided run that has more than one fragment.
+        copies_2d: uint64 array of shape (m, 6) for `copy_2d_batch_async`: one row
+            (dst, dst_pitch, src, src_pitch, width, height) per strided run that has more than
+            one fragment (`kvhal.hal.COPY_2D_COLUMNS`; bytes, height in rows).
         dsts, srcs, sizes: uint64 arrays of shape (n,) for `copy_batch_async`.
     """
 
-    copies_2d: tuple[Copy2D, ...]
+    copies_2d: np.ndarray
     dsts: np.ndarray
     srcs: np.ndarray
     sizes: np.ndarray
@@ -55,19 +51,19 @@ class CopyPlan:
     @property
     def nbytes(self) -> int:
         """Total bytes the plan moves."""
-        return int(self.sizes.sum()) + sum(c.width * c.height for c in self.copies_2d)
+        return int(self.sizes.sum()) + int((self.copies_2d[:, 4] * self.copies_2d[:, 5]).sum())
 
 
 def merge_plans(plans: list[CopyPlan]) -> CopyPlan:
     """One `CopyPlan` with every copy of `plans`, in order (2D copies, then batch descriptors).
 
     Returns:
-        The concatenation; an empty plan (uint64 arrays of shape (0,)) for no plans.
+        The concatenation; an empty plan (uint64 arrays of shape (0, 6) and (0,)) for no plans.
     """
     if len(plans) == 1:
         return plans[0]
     empty = np.empty(0, dtype=np.uint64)
-    return CopyPlan(tuple(c for p in plans for c in p.copies_2d),
+    return CopyPlan(np.concatenate([p.copies_2d for p in plans] or [NO_COPIES_2D]),
                     np.concatenate([p.dsts for p in plans] or [empty]),
                     np.concatenate([p.srcs for p in plans] or [empty]),
                     np.concatenate([p.sizes for p in plans] or [empty]))

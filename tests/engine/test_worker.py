@@ -285,7 +285,7 @@ def test_block_planner_plans_a_job_as_its_chunks_merged():
     job = planner.plan_job(ids, addrs, Direction.D2H)
     assert job.dsts.tolist() == [8000, 8256, 4000, 4256]
     assert job.srcs.tolist() == [(1 << 20) + 512 * b for b in (3, 1, 0, 9)]
-    assert job.sizes.tolist() == [256] * 4 and job.copies_2d == ()
+    assert job.sizes.tolist() == [256] * 4 and job.copies_2d.shape == (0, 6)
     for direction in Direction:
         merged = merge_plans([planner(ids[c], int(addrs[c]), direction) for c in range(2)])
         job = planner.plan_job(ids, addrs, direction)

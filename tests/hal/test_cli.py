@@ -84,3 +84,18 @@ def test_bench_vllm_context_not_a_block_multiple_is_one_line():
     assert (out.returncode, out.stderr) == (
         1, "kvhal bench: error: --context-tokens: must be a multiple of 128 (the demo model's "
            "block size), got 100\n")
+def test_bench_copy2d_json_compares_loop_and_batch_of_one_vllm_cpu_chunk():
+    out = kvhal("bench", "copy2d", "--geometries", "llama-3.1-8b", "--blocks-per-chunk", "1",
+                "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["results"]
+    assert [(r["layout"], r["direction"]) for r in rows] == [("vllm-cpu", "h2d"),
+                                                             ("vllm-cpu", "d2h")]
+    for r in rows:  # 32 layers x 8 heads x (K, V), 16 tokens x 128 bf16 each
+        assert (r["copies_2d"], r["chunk_bytes"]) == (512, 2 << 20)
+        assert r["speedup"] == r["loop_us"] / r["batch_us"]
+
+
+def test_bench_copy2d_rejects_unknown_layout():
+    out = kvhal("bench", "copy2d", "--layouts", "nope")
+    assert out.returncode == 2 and "invalid choice: 'nope'" in out.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvhal.layout import (D2H, H2D, Copy2D, DeviceCache, LayoutError, attention_spec,
+from kvhal.layout import (D2H, H2D, DeviceCache, LayoutError, attention_spec,
                           chunk_mapper, device_cache, plan_copies, plan_job_copies)
 from kvhal.layout.plan import merge_plans
 
@@ -38,7 +38,10 @@ def test_strided_run_becomes_one_2d_copy_per_block():
     # 2 heads x 2 tokens x 4 B rows; chunk of 2 blocks: head rows 16 B apart in the chunk page
     mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
     plan = plan_copies(mapper, np.array([5, 2]), cache([1000], 16), 5000, D2H)
-    assert plan.copies_2d == (Copy2D(5000, 16, 1080, 8, 8, 2), Copy2D(5008, 16, 1032, 8, 8, 2))
+    assert plan.copies_2d.dtype == np.uint64
+    assert plan.copies_2d.tolist() == [[5000, 16, 1080, 8, 8, 2], [5008, 16, 1032, 8, 8, 2]]
+    load = plan_copies(mapper, np.array([5, 2]), cache([1000], 16), 5000, H2D)
+    assert load.copies_2d.tolist() == [[1080, 8, 5000, 16, 8, 2], [1032, 8, 5008, 16, 8, 2]]
     assert plan.sizes.size == 0 and plan.nbytes == 32
 
 
@@ -47,7 +50,7 @@ def test_contiguous_runs_become_one_batch():
                           block_size=2)
     mapper = chunk_mapper(spec, "packed-hnd", 2, 1, 1)
     plan = plan_copies(mapper, np.array([3]), cache([1000, 9000], 8), 5000, H2D)
-    assert plan.copies_2d == ()
+    assert plan.copies_2d.shape == (0, 6)
     assert plan.dsts.tolist() == [1024, 9024]
     assert plan.srcs.tolist() == [5008, 5024]
     assert plan.sizes.tolist() == [8, 8]
@@ -73,7 +76,7 @@ def test_store_skips_replicas_but_load_fills_them():
 def test_prefix_of_a_chunk_plans_only_its_blocks():
     mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
     plan = plan_copies(mapper, np.array([5]), cache([1000], 16), 5000, D2H)
-    assert plan.copies_2d == (Copy2D(5000, 16, 1080, 8, 8, 2),)
+    assert plan.copies_2d.tolist() == [[5000, 16, 1080, 8, 8, 2]]
 
 
 @pytest.mark.parametrize("ids,message", [
@@ -116,7 +119,7 @@ def test_device_cache_refuses_a_tensor_of_the_wrong_size():
 def test_expanded_runs_move_the_same_bytes_as_2d_copies():
     mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
     plan = plan_copies(mapper, np.array([5, 2]), cache([1000], 16), 5000, D2H, expand_up_to=2)
-    assert plan.copies_2d == ()
+    assert plan.copies_2d.shape == (0, 6)
     assert list(zip(plan.dsts.tolist(), plan.srcs.tolist(), plan.sizes.tolist())) == [
         (5000, 1080, 8), (5016, 1088, 8), (5008, 1032, 8), (5024, 1040, 8)]
 
@@ -188,8 +191,8 @@ def test_a_job_plan_is_its_chunk_plans_merged_in_chunk_order():
     mapper = chunk_mapper(TINY, "packed-hnd", 1, 0, 2)
     job = plan_job_copies(mapper, np.array([[5, 2], [0, 7]]), cache([1000], 16),
                           np.array([5000, 9000]), D2H)
-    assert job.copies_2d == (Copy2D(5000, 16, 1080, 8, 8, 2), Copy2D(5008, 16, 1032, 8, 8, 2),
-                             Copy2D(9000, 16, 1000, 8, 8, 2), Copy2D(9008, 16, 1112, 8, 8, 2))
+    assert job.copies_2d.tolist() == [[5000, 16, 1080, 8, 8, 2], [5008, 16, 1032, 8, 8, 2],
+                                      [9000, 16, 1000, 8, 8, 2], [9008, 16, 1112, 8, 8, 2]]
     spec = attention_spec(num_layers=2, num_kv_heads=2, head_size=1, dtype="bf16",
                           block_size=2)
     for layout, expand in (("packed-hnd", 1), ("packed-hnd", 2), ("separate-kv", 1)):
@@ -200,7 +203,7 @@ def test_a_job_plan_is_its_chunk_plans_merged_in_chunk_order():
             job = plan_job_copies(mapper, ids, dev, addrs, direction, expand)
             merged = merge_plans([plan_copies(mapper, ids[c], dev, int(addrs[c]), direction,
                                               expand) for c in range(3)])
-            assert job.copies_2d == merged.copies_2d
+            assert job.copies_2d.tolist() == merged.copies_2d.tolist()
             assert [a.tolist() for a in (job.dsts, job.srcs, job.sizes)] == \
                 [a.tolist() for a in (merged.dsts, merged.srcs, merged.sizes)]
 
