@@ -184,7 +184,7 @@ def print_report(report: dict, workdir: Path) -> None:
     print(f"TTFT total {ttft['baseline']:.2f} s without kvhal, {ttft['kvhal']:.2f} s with kvhal "
           f"({ttft['baseline'] / ttft['kvhal']:.1f}x); prefill tokens computed "
           f"{t['computed_tokens']['baseline']} vs {t['computed_tokens']['kvhal']}; loaded by "
-          f"kvhal: {t['kvhal_hit_tokens']}; output tokens identical in {t['outputs_matching']}/"
+          f"kvhal: {', '.join(f'{tier} {n}' for tier, n in t['kvhal_hit_tokens'].items())}; output tokens identical in {t['outputs_matching']}/"
           f"{len(report['rows'])} requests (max logprob difference {t['max_logprob_diff']:.3f}: "
           "reused KV was computed in an earlier, shorter prefill, as with vLLM's own prefix "
           "cache)")
