@@ -59,6 +59,8 @@ class TraceRequest:
         output_tokens: Generated tokens (not replayed; reported only).
         chunk_hashes: One block hash per *full* chunk of the prompt, in prompt order, each
             chained over all earlier chunks (bytes; equal hash ⇔ equal prefix).
+        hash_ids: The line's raw Mooncake `hash_ids`, `ceil(input_tokens / 512)` of them,
+            partial last block included (empty for token-id lines).
     """
 
     line: int
@@ -66,6 +68,7 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     chunk_hashes: tuple[bytes, ...]
+    hash_ids: tuple[int, ...] = ()
 
 
 def chain_hashes(ids: list[int], ids_per_chunk: int) -> tuple[bytes, ...]:
@@ -113,7 +116,7 @@ def _parse_mooncake(obj: dict, line: int, err) -> TraceRequest:
         raise err("hash_ids", f"expected {expected} ids for input_length {n_in} "
                               f"({MOONCAKE_BLOCK_TOKENS} tokens per block), got {len(ids)}")
     full = n_in // MOONCAKE_BLOCK_TOKENS
-    return TraceRequest(line, float(ts), n_in, n_out, chain_hashes(ids[:full], 1))
+    return TraceRequest(line, float(ts), n_in, n_out, chain_hashes(ids[:full], 1), tuple(ids))
 
 
 def _parse_tokens(obj: dict, line: int, err, chunk_tokens: int) -> TraceRequest:

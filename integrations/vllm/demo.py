@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kvhal.argtypes import positive_int
+from kvhal.integrations.harness.trace import read_trace
 from kvhal.report import print_json, print_table, progress
 
-from .workload import DEMO_SLICE, build_turns, read_trace, select_conversations
+from .workload import DEMO_SLICE, build_turns, select_conversations
 
 #: vLLM KV cache of the demo: 40 blocks × 128 tokens = 5K tokens (40 MiB): one long prompt,
 #: far less than the eight interleaved conversations need.
@@ -74,14 +75,16 @@ def warmup_steps() -> list[dict]:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run both engines side by side (alternating requests) and report; exit code 0 if both
-    completed."""
+    completed. The trace is read (harness parser, Mooncake format) before vLLM is checked, so a
+    malformed trace fails first with a `TraceFormatError` naming file, line and field."""
     from .model import DEMO, build_model
     from .runner import EngineProcess
 
-    check_vllm()
-    convs = select_conversations(read_trace(args.trace), args.conversations, args.turns)
+    convs = select_conversations(read_trace(args.trace, fmt="mooncake"), args.conversations,
+                                 args.turns)
     turns = build_turns(convs, max_input_tokens=args.max_input_tokens,
                         max_output_tokens=args.max_output_tokens, vocab_size=DEMO.vocab_size)
+    check_vllm()
     workdir = args.workdir.resolve()
     fs_root = workdir / "fs"
     shutil.rmtree(fs_root, ignore_errors=True)

@@ -1,13 +1,13 @@
 """Multi-turn conversation workloads shaped by the Mooncake conversation trace.
 
-Source format (kvcache-ai/Mooncake `FAST25-release/traces/conversation_trace.jsonl`, Apache-2.0):
-one JSON object per request with `timestamp` (ms), `input_length` and `output_length` (tokens)
-and `hash_ids` (remapped hashes of the prompt's 512-token prefix blocks; equal ids = equal
-tokens). Every request starts with the shared block 0 (a system prompt); requests of one
-conversation share their first two ids and each turn extends the previous turn's prefix.
+Source: kvcache-ai/Mooncake `FAST25-release/traces/conversation_trace.jsonl` (Apache-2.0), read
+by the one trace parser, `kvhal.integrations.harness.trace` (its docstring describes the format).
+Every request starts with the shared block 0 (a system prompt); requests of one conversation
+share their first two hash ids and each turn extends the previous turn's prefix.
 
 `demo_slice.jsonl` next to this module holds the conversations the demo uses, cut from that trace
-by `select_conversations` (so a fresh clone needs no copy of the full trace).
+by `select_conversations` and written by `write_slice` (so a fresh clone needs no copy of the
+full trace).
 """
 from __future__ import annotations
 
@@ -18,24 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-#: Tokens per hash id in the Mooncake trace (its README: "block size 512").
-TRACE_BLOCK_TOKENS = 512
+from kvhal.integrations.harness.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
+
 #: The slice shipped with the package.
 DEMO_SLICE = Path(__file__).with_name("demo_slice.jsonl")
-
-
-class TraceError(ValueError):
-    """A trace line is malformed; the message names the line number and the field."""
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request of the trace (lengths in tokens, timestamp in milliseconds)."""
-
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,37 +41,16 @@ class Turn:
     max_tokens: int
 
 
-def read_trace(path: Path) -> list[TraceRequest]:
-    """Parse a Mooncake-format JSONL trace.
-
-    Raises:
-        TraceError: a line is not JSON or lacks/mistypes a field (line number named).
-        OSError: the file cannot be read.
-    """
-    out: list[TraceRequest] = []
-    with open(path, "rb") as f:  # bytes: a non-UTF-8 line is a TraceError naming it
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.decode("utf-8"))
-                out.append(TraceRequest(int(row["timestamp"]), int(row["input_length"]),
-                                        int(row["output_length"]),
-                                        tuple(int(h) for h in row["hash_ids"])))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise TraceError(f"{path}:{lineno}: bad trace line ({exc!r})") from None
-    return out
-
-
 def select_conversations(trace: Sequence[TraceRequest], num_conversations: int,
                          turns_per_conversation: int) -> list[list[TraceRequest]]:
     """The first `num_conversations` conversations with at least `turns_per_conversation`
     turns, each cut to that many turns, in order of first arrival.
 
-    A conversation is the requests sharing their first two hash ids (block 0 is common to all).
+    A conversation is the requests sharing their first two Mooncake hash ids (block 0 is
+    common to all); requests with fewer ids (token-id lines have none) belong to none.
 
     Raises:
-        TraceError: the trace has fewer such conversations.
+        ValueError: the trace has fewer such conversations.
     """
     groups: dict[tuple[int, ...], list[TraceRequest]] = defaultdict(list)
     for req in trace:
@@ -94,7 +59,7 @@ def select_conversations(trace: Sequence[TraceRequest], num_conversations: int,
     chosen = [g[:turns_per_conversation] for g in groups.values()
               if len(g) >= turns_per_conversation][:num_conversations]
     if len(chosen) < num_conversations:
-        raise TraceError(f"trace has {len(chosen)} conversations with ≥ "
+        raise ValueError(f"trace has {len(chosen)} conversations with ≥ "
                          f"{turns_per_conversation} turns, {num_conversations} needed")
     return chosen
 
@@ -114,9 +79,9 @@ def build_turns(conversations: Sequence[Sequence[TraceRequest]], *, max_input_to
     if max_input_tokens < 1 or max_output_tokens < 1 or vocab_size <= 3:
         raise ValueError(f"need max_input_tokens ≥ 1, max_output_tokens ≥ 1, vocab_size > 3; "
                          f"got {max_input_tokens}, {max_output_tokens}, {vocab_size}")
-    longest = max(r.input_length for conv in conversations for r in conv)
+    longest = max(r.input_tokens for conv in conversations for r in conv)
     factor = max_input_tokens / longest
-    block_tokens = max(1, round(TRACE_BLOCK_TOKENS * factor))
+    block_tokens = max(1, round(MOONCAKE_BLOCK_TOKENS * factor))
     cache: dict[int, list[int]] = {}
 
     def block(hash_id: int) -> list[int]:
@@ -128,18 +93,24 @@ def build_turns(conversations: Sequence[Sequence[TraceRequest]], *, max_input_to
     events = []
     for c, conv in enumerate(conversations):
         for t, req in enumerate(conv):
-            n = max(1, round(req.input_length * factor))
+            n = max(1, round(req.input_tokens * factor))
             tokens = [tok for h in req.hash_ids for tok in block(h)][:n]
-            out = max(1, min(max_output_tokens, round(req.output_length * factor)))
+            out = max(1, min(max_output_tokens, round(req.output_tokens * factor)))
             events.append((req.timestamp_ms, c, t, Turn(c, t, tuple(tokens), out)))
     return [turn for *_, turn in sorted(events, key=lambda e: e[:3])]
 
 
 def write_slice(conversations: Iterable[Sequence[TraceRequest]], path: Path) -> None:
-    """Write conversations back as Mooncake-format JSONL (for shipping a small slice)."""
+    """Write requests read from a Mooncake trace back as Mooncake-format JSONL (for shipping a
+    small slice); `read_trace` gives them back with equal fields, line numbers aside.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
     with open(path, "w") as f:
         for conv in conversations:
             for r in conv:
-                f.write(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
-                                    "output_length": r.output_length,
+                ts = int(r.timestamp_ms) if r.timestamp_ms.is_integer() else r.timestamp_ms
+                f.write(json.dumps({"timestamp": ts, "input_length": r.input_tokens,
+                                    "output_length": r.output_tokens,
                                     "hash_ids": list(r.hash_ids)}) + "\n")

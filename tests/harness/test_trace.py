@@ -15,6 +15,7 @@ def test_mooncake_full_blocks_only_and_chained(write_trace):
     assert (first.line, first.input_tokens, first.output_tokens) == (1, 1025, 1)
     assert len(first.chunk_hashes) == 2  # id 9 covers the 1 token of the partial block
     assert first.chunk_hashes == second.chunk_hashes == chain_hashes([7, 8], 1)
+    assert (first.hash_ids, second.hash_ids) == ((7, 8, 9), (7, 8))  # raw ids, partial included
 
 
 def test_mooncake_same_id_under_different_prefix_is_a_different_chunk(write_trace):
@@ -36,6 +37,7 @@ def test_token_trace_chunks_by_chunk_tokens(write_trace):
     assert (a.timestamp_ms, a.input_tokens, a.output_tokens) == (5.0, 10, 0)
     assert a.chunk_hashes == chain_hashes(toks[:8], 4)
     assert b.chunk_hashes == a.chunk_hashes
+    assert a.hash_ids == b.hash_ids == ()
 
 
 def test_limit_stops_reading_before_later_lines(write_trace):
@@ -44,7 +46,8 @@ def test_limit_stops_reading_before_later_lines(write_trace):
 
 
 @pytest.mark.parametrize("line, field, reason", [
-    ("{oops", "json", "not valid JSON"),
+    ("{oops", "json",
+     "not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
     ("[1, 2]", "json", "must be a JSON object, got list"),
     ({"input_length": 512, "output_length": 1, "hash_ids": [1]}, "timestamp", "missing"),
     ({"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}, "input_length",
@@ -63,16 +66,28 @@ def test_malformed_line_names_line_and_field(write_trace, line, field, reason):
     with pytest.raises(TraceFormatError) as info:
         read_trace(path)
     assert (info.value.line, info.value.field) == (3, field)
-    assert str(info.value).startswith(f"{path} line 3: {field}: {reason}")
+    assert str(info.value) == f"{path} line 3: {field}: {reason}"
 
 
 def test_malformed_token_line(write_trace):
     path = write_trace([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1, "x"]}])
-    with pytest.raises(TraceFormatError, match=r"line 2: prompt_token_ids: element 1 must be an "
-                                               r"integer, got 'x'"):
+    with pytest.raises(TraceFormatError) as info:
         read_trace(path)
+    assert str(info.value) == f"{path} line 2: prompt_token_ids: element 1 must be an integer, " \
+                              "got 'x'"
 
 
 def test_unknown_format_names_the_expected_field(write_trace):
-    with pytest.raises(TraceFormatError, match="line 1: hash_ids: missing"):
-        read_trace(write_trace([{"prompt": "hello"}]))
+    path = write_trace([{"prompt": "hello"}])
+    with pytest.raises(TraceFormatError) as info:
+        read_trace(path)
+    assert str(info.value) == f"{path} line 1: hash_ids: missing (neither a Mooncake line with " \
+                              "hash_ids nor a token-id line with prompt_token_ids)"
+
+
+def test_non_utf8_line_names_line_and_byte(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\n\xff\xfe\n")
+    with pytest.raises(TraceFormatError) as info:
+        read_trace(path)
+    assert str(info.value) == f"{path} line 2: json: not UTF-8 text (byte 0)"
