@@ -4,7 +4,7 @@ from .batch import BatchMode, chunk_bounds, select_batch_mode, uses_native
 from .errors import Errors
 from .interop import tensor_allocation, tensor_device, tensor_span, torch_stream
 from .probe import probe
-from .validate import batch_arrays, copy_2d_args, copy_args, host_range
+from ..validate import batch_arrays, copy_2d_args, copy_args, host_range
 from .vendor import BatchQuirks, VendorTable
 
 __all__ = ["BatchMode", "BatchQuirks", "Errors", "RuntimeBackend", "VendorTable", "batch_arrays",

@@ -24,7 +24,7 @@ from .batch import chunk_bounds, select_batch_mode, uses_native
 from .calls import binding_batch_call, ctypes_batch_call, load_ctypes_symbol
 from .errors import Errors, code_of
 from .probe import error_enum, import_binding, probe
-from .validate import batch_arrays, copy_2d_args, copy_args, host_range
+from ..validate import batch_arrays, copy_2d_args, copy_args, host_range
 from .vendor import CONSTANTS, OPERATIONS, VendorTable
 
 #: `Allocation.handle` of device memory adopted with `adopt_device` (freed by its owner).

@@ -18,10 +18,11 @@ import numpy as np
 
 from kvhal.hal import (Allocation, Availability, Capabilities, Event, InvalidValueError,
                        MemoryKind, OutOfMemoryError, Stream, address_array, as_copies_2d, as_int,
-                       as_u64, coalesce_batch, DeviceFaultError)
+                       coalesce_batch, DeviceFaultError)
 
+from ..validate import batch_arrays, copy_2d_args, copy_args, host_range
 from .memory import (PAGE_BYTES, RangeRegistry, lock_pages, map_anonymous, probe_page_locking,
-                     unlock_pages, unmap, unmapped_or_read_only)
+                     unlock_pages, unmap)
 from .streams import EventState, StreamWorker
 
 #: Env var that turns chaos mode on with the given integer seed.
@@ -151,17 +152,9 @@ class CpuBackend:
         writable in this process (as `cudaHostRegister` refuses an unmapped range), so a garbage
         address fails here instead of crashing a later copy.
         """
-        nbytes = as_int(nbytes, "nbytes", self.name)
+        ptr, nbytes = host_range(self.name, ptr, nbytes)
         if nbytes == 0:
             return Allocation(0, 0, MemoryKind.REGISTERED, -1, self.name)
-        ptr = as_int(0 if ptr is None else ptr, "ptr", self.name)
-        if not ptr:
-            raise InvalidValueError("register_host: ptr is NULL", backend=self.name)
-        bad = unmapped_or_read_only(ptr, nbytes)
-        if bad is not None:
-            raise InvalidValueError(f"register_host: [{ptr:#x}, +{nbytes}) is not mapped "
-                                    f"read-write in this process (first bad byte {bad:#x})",
-                                    backend=self.name, api="register_host")
         self._ranges.add(ptr, nbytes)
         locked = self._page_locked and lock_pages(ptr, nbytes)
         alloc = Allocation(ptr, nbytes, MemoryKind.REGISTERED, -1, self.name,
@@ -309,29 +302,21 @@ class CpuBackend:
     def copy_async(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         """See `DeviceBackend.copy_async`."""
         worker = self._worker(stream)
-        nbytes = as_int(nbytes, "nbytes", self.name)
-        dst, src = as_int(dst, "dst", self.name), as_int(src, "src", self.name)
+        nbytes = copy_args(self.name, self._ranges, dst, src, nbytes)
         if nbytes == 0:
             return
-        self._ranges.check(dst, nbytes, "dst")
-        self._ranges.check(src, nbytes, "src")
+        dst, src = int(dst), int(src)
         worker.submit(lambda: ctypes.memmove(dst, src, nbytes))
 
     def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
                       height: int, stream: Stream) -> None:
         """See `DeviceBackend.copy_2d_async`: one numpy strided copy."""
         worker = self._worker(stream)
-        dst, dst_pitch, src, src_pitch, width, height = (
-            as_int(v, what, self.name) for v, what in (
-                (dst, "dst"), (dst_pitch, "dst_pitch"), (src, "src"), (src_pitch, "src_pitch"),
-                (width, "width"), (height, "height")))
-        if width == 0 or height == 0:
+        args = copy_2d_args(self.name, self._ranges, dst, dst_pitch, src, src_pitch, width,
+                            height)
+        if args is None:
             return
-        for what, pitch in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch)):
-            if pitch < width:
-                raise InvalidValueError(f"{what} {pitch} < width {width}", backend=self.name)
-        self._ranges.check(dst, (height - 1) * dst_pitch + width, "dst")
-        self._ranges.check(src, (height - 1) * src_pitch + width, "src")
+        dst, dst_pitch, src, src_pitch, width, height = args
         if dst_pitch == src_pitch == width:
             worker.submit(lambda: ctypes.memmove(dst, src, width * height))
             return
@@ -372,19 +357,9 @@ class CpuBackend:
         `kvhal.hal.coalesce_batch`), then a memmove loop runs on the stream's thread (each
         ctypes.memmove releases the GIL)."""
         worker = self._worker(stream)
-        d = as_u64(dsts, "dsts", self.name)
-        s = as_u64(srcs, "srcs", self.name)
-        n = as_u64(sizes, "sizes", self.name)
-        if not (len(d) == len(s) == len(n)):
-            raise InvalidValueError(f"batch arrays differ in length: dsts={len(d)} "
-                                    f"srcs={len(s)} sizes={len(n)}", backend=self.name)
-        keep = n > 0
-        if not keep.all():
-            d, s, n = d[keep], s[keep], n[keep]
+        d, s, n = batch_arrays(self.name, self._ranges, dsts, srcs, sizes)
         if len(n) == 0:
             return
-        self._ranges.check_many(d, n, "dsts")
-        self._ranges.check_many(s, n, "srcs")
         d, s, n = coalesce_batch(d, s, n, MEMMOVE_PIECE_BYTES)
         for lo in range(0, len(n), BATCH_CHUNK):
             triples = list(zip(d[lo:lo + BATCH_CHUNK].tolist(), s[lo:lo + BATCH_CHUNK].tolist(),

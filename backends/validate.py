@@ -1,4 +1,5 @@
-"""Argument checks every backend shares: 2D geometry, batch descriptor arrays, host ranges.
+"""Argument checks every backend shares (cpu, cuda, rocm): copies, 2D copies, batch arrays,
+host ranges.
 
 Backend-neutral (they take the backend's name and its `RangeRegistry`), so the cpu reference
 can use them too.
