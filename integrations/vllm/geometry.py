@@ -154,7 +154,8 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
 
     Raises:
         UnsupportedModelError: a group `group_spec` refuses, groups of different block sizes,
-            or block hashes that do not span exactly one block.
+            a sliding window with blocks_per_chunk > 1, MLA on an engine without prefix
+            caching (vLLM-CPU), or block hashes that do not span exactly one block.
     """
     model = vllm_config.model_config
     groups = kv_cache_config.kv_cache_groups
@@ -170,6 +171,12 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
             raise _refuse(gi, group, f"a sliding window needs blocks_per_chunk 1, got "
                                      f"{blocks_per_chunk} (the window's first block may sit "
                                      "inside a chunk)")
+    if any(s.kind is Kind.MLA for s in specs) and not vllm_config.cache_config.enable_prefix_caching:
+        gi = next(i for i, s in enumerate(specs) if s.kind is Kind.MLA)
+        raise _refuse(gi, groups[gi], "this engine runs MLA without prefix caching, so it cannot "
+                                      "compute on top of a reused prefix (vLLM-CPU 0.32 without "
+                                      "AMX: 'MLA is enabled on a non-GPU platform; forcing "
+                                      "chunked prefill and prefix caching to be disabled')")
     hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
     if hash_block != block_size:
         raise UnsupportedModelError(f"kv_cache_config.hash_block_size: {hash_block} tokens per "
@@ -199,7 +206,7 @@ def device_layout_name(tensor: Any, kind: Kind) -> str:
 
     vLLM-CPU registers attention as `(num_blocks, heads, block_size, 2*head_size)` with K rows
     then V rows per (block, head) tile ("vllm-cpu") and MLA as `(num_blocks, block_size,
-    latent)` ("mla"); vLLM's GPU backends register `(num_blocks, 2, block_size, heads,
+    latent)` or, on vLLM-CPU, `(num_blocks, 1, block_size, latent)` ("mla"); vLLM's GPU backends register `(num_blocks, 2, block_size, heads,
     head_size)` ("split-nhd") or `(2, num_blocks, block_size, heads, head_size)`
     ("separate-kv").
 
@@ -207,8 +214,8 @@ def device_layout_name(tensor: Any, kind: Kind) -> str:
         UnsupportedModelError: a tensor rank this function does not know (names the shape).
     """
     shape = tuple(tensor.shape)
-    if kind is Kind.MLA and len(shape) == 3:
-        return "mla"
+    if kind is Kind.MLA and (len(shape) == 3 or (len(shape) == 4 and shape[1] == 1)):
+        return "mla"  # vLLM-CPU's MLA backend adds a head dim of 1: (num_blocks, 1, T, D)
     if kind is not Kind.MLA:
         if tensor.device.type == "cpu" and len(shape) == 4:
             return "vllm-cpu"
