@@ -8,4 +8,5 @@ def kvhal_register_tiers():
     """Register the built-in tier types."""
     from .fs import FsTier
     from .memory import MemoryTier
-    return [TierSpec("memory", MemoryTier), TierSpec("fs", FsTier)]
+    from .p2p import P2PTier
+    return [TierSpec("memory", MemoryTier), TierSpec("fs", FsTier), TierSpec("p2p", P2PTier)]
