@@ -198,7 +198,9 @@ class Puller:
         except AuthError as exc:
             self._count("auth_failed")
             raise PullError(f"peer {where}: {exc}") from None
-        except (ConnectionError, TimeoutError, OSError, WireError) as exc:
+        except TimeoutError:
+            raise PullError(f"peer {where}: timed out connecting") from None
+        except (ConnectionError, OSError, WireError) as exc:
             raise PullError(f"peer {where}: cannot connect ({type(exc).__name__})") from None
         try:
             conn.send(encode("get", key=key, n=len(out)), deadline)

@@ -101,8 +101,12 @@ class P2PTier(SecondaryTier):
         return Lookup.HIT if not self._jobs.closed and key in self._directory else Lookup.MISS
 
     def submit_store(self, job: TierJob) -> None:
-        """Make the chunk available to peers (see `SecondaryTier.submit_store`)."""
-        self._jobs.submit(self._storers, self._store, job)
+        """Make the chunk available to peers (see `SecondaryTier.submit_store`). Attached to a
+        host tier the chunk is served from its slot already: the job ends here, at once."""
+        if self._attached:
+            self._jobs.finish(job, job_problem(job, len(self._host), self.namespace))
+        else:
+            self._jobs.submit(self._storers, self._store, job)
 
     def submit_load(self, job: TierJob) -> None:
         """Pull the chunk from a peer that announced it, within `timeout_s` of this call."""
@@ -164,8 +168,6 @@ class P2PTier(SecondaryTier):
     def _store(self, job: TierJob) -> str | None:
         if (problem := job_problem(job, len(self._host), self.namespace)) is not None:
             return problem
-        if self._attached:
-            return None  # the host slot is served as long as the host tier keeps it
         error = self._source.put(job.key, self._host[job.offset:job.offset + job.nbytes])
         if error is None:
             self._jobs.count("bytes_stored", job.nbytes)
