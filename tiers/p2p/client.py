@@ -18,9 +18,10 @@ import threading
 import time
 from typing import Callable
 
+import xxhash
+
 from kvhal.keys import ChunkKey
 
-from ..chunk_format import payload_checksum
 from .auth import AuthError, client_handshake
 from .directory import Directory, Peer
 from .transport import Connection, Transport, remaining
@@ -41,11 +42,13 @@ class FeedLink:
 
     Args:
         count: `count(name)` bumps a tier counter ("feed_resyncs", "peer_lost", ...).
+        on_lost: `on_lost(peer)` runs whenever the link to the peer is lost (the tier drops
+            its pooled data connections to it).
     """
 
     def __init__(self, peer: Peer, transport: Transport, key: bytes, identity: str,
                  directory: Directory, *, timeout_s: float, silence_s: float,
-                 count: Callable[[str], None]):
+                 count: Callable[[str], None], on_lost: Callable[[Peer], None]):
         self.peer = peer
         self._transport = transport
         self._key = key
@@ -54,6 +57,7 @@ class FeedLink:
         self._timeout_s = timeout_s
         self._silence_s = silence_s
         self._count = count
+        self._on_lost = on_lost
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conn: Connection | None = None
@@ -79,6 +83,7 @@ class FeedLink:
                 self._count("peer_lost")
             self.synced.clear()
             self._directory.drop_peer(self.peer)
+            self._on_lost(self.peer)
             if self._stop.wait(backoff):
                 return
             backoff = min(2 * backoff, BACKOFF_S[1])
@@ -212,7 +217,8 @@ class Puller:
             if reply["n"] != len(out) or reply["key"] != key:
                 raise WireError(f"another chunk announced ({reply['n']} bytes, "
                                 f"{len(out)} asked)")
-            conn.recv_payload_into(out, deadline)
+            hasher = xxhash.xxh3_128()
+            conn.recv_payload_into(out, deadline, hasher)
             digest = conn.recv(deadline, "end")["sum"]
         except PullError:
             raise
@@ -227,9 +233,17 @@ class Puller:
             self._drop(conn)
             raise PullError(f"peer {where}: connection lost ({type(exc).__name__})") from None
         self._give_back(peer, conn)
-        if payload_checksum(out) != digest:
+        if hasher.digest() != digest:
             self._count("checksum_mismatch")
             raise PullError(f"peer {where}: checksum mismatch")
+
+    def forget_peer(self, peer: Peer) -> None:
+        """Close the idle data connections to `peer` (its feed link was lost: they are most
+        likely dead, and a restarted peer needs new ones)."""
+        with self._lock:
+            conns = self._idle.pop(peer, [])
+        for conn in conns:
+            conn.close()
 
     def connections(self) -> int:
         """Data connections open now (idle and busy)."""

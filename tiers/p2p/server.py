@@ -9,8 +9,8 @@ served nothing. Then by its role:
 - "data": a loop of `get(key, n)` → `chunk(key, n)` + n raw payload bytes + `end(sum)`, or
   `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). The chunk is held
   (`Source.acquire`: host slot pinned) for the whole transfer and released after it; `sum` is
-  the xxh3-128 digest the bytes had when stored, or of the bytes sent (pinned host slot). A
-  serve whose bytes differ from their stored digest drops the chunk from the source.
+  the xxh3-128 digest the bytes had when stored (own store: bytes damaged since then fail the
+  puller's check), or the digest of the bytes sent, taken while sending (pinned host slot).
 Anything unexpected (malformed frame, wrong key, deadline, reset) drops that connection only
 and bumps a counter; the listener and every other connection carry on. `close` stops the
 listener, closes every connection and joins every thread.
@@ -40,8 +40,6 @@ class Source(Protocol):
     """Where served chunks come from (`source.HostSource` or `source.OwnStore`)."""
 
     def acquire(self, key: ChunkKey) -> Served | None: ...
-
-    def discard(self, key: ChunkKey) -> None: ...
 
 
 class Server:
@@ -159,13 +157,9 @@ class Server:
                 conn.send(encode("miss", why=f"holds {len(served.payload)} bytes"), deadline)
                 return
             conn.send(encode("chunk", key=key, n=nbytes), deadline)
-            hasher = xxhash.xxh3_128()
+            hasher = xxhash.xxh3_128() if served.checksum is None else None
             conn.send_payload(served.payload, deadline, hasher)
-            digest = hasher.digest()
-            if served.checksum is not None and digest != served.checksum:
-                self._count("serve_corrupt")
-                self.source.discard(key)
-            conn.send(encode("end", sum=served.checksum or digest), deadline)
+            conn.send(encode("end", sum=served.checksum or hasher.digest()), deadline)
             self._count("chunks_served")
         finally:
             served.release()

@@ -160,9 +160,6 @@ class HostSource:
         payload = self._host[offset:offset + self._access.chunk_nbytes]
         return Served(payload, None, lambda: self._access.unpin(offset))
 
-    def discard(self, key: ChunkKey) -> None:
-        """Host slots are the engine's: a bad serve only fails that transfer."""
-
     def take_removed(self) -> list[ChunkKey]:
         """Keys the host tier lost since the last call."""
         return self._removals.take()
@@ -215,14 +212,6 @@ class OwnStore:
         self._index.touch(key)
         return Served(memoryview(held[0]), held[1], _noop)
 
-    def discard(self, key: ChunkKey) -> None:
-        """Drop `key` (found damaged while serving, or removed by a test)."""
-        with self._lock:
-            gone = self._data.pop(key, None) is not None
-        self._index.discard(key)
-        if gone:
-            self._feed.publish((), [key])
-
     def take_removed(self) -> list[ChunkKey]:
-        """Keys evicted or discarded since the last call."""
+        """Keys evicted since the last call."""
         return self._index.take_removed()

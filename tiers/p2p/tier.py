@@ -76,7 +76,8 @@ class P2PTier(SecondaryTier):
         self._storers = ThreadPoolExecutor(1, "kvhal-p2p-store")
         self._links = [FeedLink(peer, transport, cfg.auth_key, self.identity,
                                 self._directory, timeout_s=cfg.timeout_s,
-                                silence_s=MISSED_HEARTBEATS * beat, count=self._jobs.count)
+                                silence_s=MISSED_HEARTBEATS * beat, count=self._jobs.count,
+                                on_lost=self._puller.forget_peer)
                        for peer in cfg.peers
                        if peer not in (self._self_peer, (cfg.host, self._self_peer[1]))]
 

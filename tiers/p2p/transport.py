@@ -5,7 +5,7 @@ A `Transport` makes `Connection`s: `connect(address, deadline)` on the pulling s
 frames (`wire.py`) and chunk payloads: `send_payload` streams a memoryview of the serving slot
 (no copy in Python) while feeding an xxh3 hasher; `recv_payload_into` fills a memoryview of the
 reserved host slot straight from the socket (`recv_into`; bytes that arrived with the
-preceding frame are the only ones copied). Every call takes an absolute `time.monotonic()`
+preceding frame are the only ones copied), hashing each piece while it is in cache. Every call takes an absolute `time.monotonic()`
 deadline and raises `TimeoutError` past it; a closed or reset peer raises `ConnectionError`;
 a malformed frame raises `wire.WireError`. After any of these the connection is unusable and
 must be closed.
@@ -50,10 +50,12 @@ class Connection(Protocol):
         """Receive and decode one frame of a type in `expected` (any if empty)."""
 
     def send_payload(self, payload: memoryview, deadline: float, hasher) -> None:
-        """Send `payload` raw, calling `hasher.update` on each piece before sending it."""
+        """Send `payload` raw, calling `hasher.update` (unless None) on each piece before
+        sending it."""
 
-    def recv_payload_into(self, out: memoryview, deadline: float) -> None:
-        """Fill `out` exactly with the next `len(out)` bytes of the stream."""
+    def recv_payload_into(self, out: memoryview, deadline: float, hasher) -> None:
+        """Fill `out` exactly with the next `len(out)` bytes of the stream, calling
+        `hasher.update` on each piece as it lands."""
 
     def close(self) -> None:
         """Release the connection. Idempotent."""
@@ -125,14 +127,16 @@ class TcpConnection:
     def send_payload(self, payload: memoryview, deadline: float, hasher) -> None:
         for start in range(0, len(payload), _PIECE_BYTES):
             piece = payload[start:start + _PIECE_BYTES]
-            hasher.update(piece)
+            if hasher is not None:
+                hasher.update(piece)
             self._sock.settimeout(remaining(deadline))
             self._sock.sendall(piece)
 
-    def recv_payload_into(self, out: memoryview, deadline: float) -> None:
+    def recv_payload_into(self, out: memoryview, deadline: float, hasher) -> None:
         buffered = min(self._end - self._start, len(out))
         out[:buffered] = self._view[self._start:self._start + buffered]
         self._start += buffered
+        hasher.update(out[:buffered])
         done, total, sock = buffered, len(out), self._sock
         while done < total:
             sock.settimeout(remaining(deadline))
@@ -140,6 +144,7 @@ class TcpConnection:
             if n == 0:
                 raise ConnectionError(f"peer closed the connection after {done} of {total} "
                                       f"payload bytes")
+            hasher.update(out[done:done + n])  # while the bytes are still in cache
             done += n
 
     def close(self) -> None:
