@@ -86,9 +86,10 @@ class Manager:
         self.lock = threading.RLock()
         #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.
         self.host_listeners: list = []
-        access = ManagerHostAccess(self)
-        for tier in self.tiers:
-            tier.attach_host(access)
+        if len(slots.capacities) == 1:  # pools of different slot sizes: no shared host access
+            access = ManagerHostAccess(self)
+            for tier in self.tiers:
+                tier.attach_host(access)
 
     # -- lookup ------------------------------------------------------------------------------
     @_locked
