@@ -21,6 +21,7 @@ an order rotated every pass, and each figure is the median over the passes.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import mmap
 import os
 import shutil
@@ -101,6 +102,12 @@ def drop_page_cache(folder: str) -> None:
                 os.close(fd)
 
 
+def block_hash(rep: int, i: int) -> bytes:
+    """The 32-byte block hash of chunk `i` in pass `rep`, shared by kvhal's and vLLM's keys
+    (sha256, as vLLM's default prefix-cache hash: names spread over folders as in service)."""
+    return hashlib.sha256(f"kvhal-bench-tier {rep} {i}".encode()).digest()
+
+
 def _fsync_dir(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -124,7 +131,7 @@ class _TierContender:
     def _run(self, kind: JobKind, rep: int) -> None:
         submit = self.tier.submit_store if kind is JobKind.STORE else self.tier.submit_load
         for i in range(self.count):
-            submit(TierJob(i, kind, ChunkKey(self.namespace, rep, i.to_bytes(8, "big")),
+            submit(TierJob(i, kind, ChunkKey(self.namespace, 0, block_hash(rep, i)),
                            i * self.chunk, self.chunk))
         self.tier.drain()
         failed = [r for r in self.tier.get_finished_jobs() if not r.ok]
@@ -207,11 +214,14 @@ class _VllmContender:
         self.threads, self.durability = self.tier.threads, self.tier.durability
         self.o_direct, self.count = self.tier.o_direct, count
 
+    def _keys(self, rep: int) -> list[bytes]:
+        return [VllmFsTier.key(block_hash(rep, i)) for i in range(self.count)]
+
     def write(self, rep: int) -> None:
-        self.tier.store(VllmFsTier.keys(rep, self.count))
+        self.tier.store(self._keys(rep))
 
     def read(self, rep: int) -> None:
-        self.tier.load(VllmFsTier.keys(rep, self.count))
+        self.tier.load(self._keys(rep))
 
     def close(self) -> None:
         self.tier.close()

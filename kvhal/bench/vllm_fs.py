@@ -91,12 +91,11 @@ class VllmFsTier:
             raise RuntimeError(f"vllm fs tier: {len(failed)} jobs failed")
 
     @staticmethod
-    def keys(rep: int, count: int) -> list[bytes]:
-        """`count` fresh offload keys for pass `rep` (32-byte hash + group index 0)."""
+    def key(block_hash: bytes) -> bytes:
+        """vLLM's offload key of a chunk: its last block hash and group index 0."""
         from vllm.v1.kv_offload.base import make_offload_key
 
-        return [make_offload_key(rep.to_bytes(4, "big") + i.to_bytes(28, "big"), 0)
-                for i in range(count)]
+        return make_offload_key(block_hash, 0)
 
     def store(self, keys: list[bytes]) -> None:
         """Store chunk i under `keys[i]`, one job per chunk; returns when all are done.

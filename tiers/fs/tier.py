@@ -40,6 +40,8 @@ from .scan import orphaned_temp_files, scan_namespace
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
+#: The refresh thread waits at least this many times as long as its last scan took.
+REFRESH_DUTY_FACTOR = 20
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
 _BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
 
@@ -135,11 +137,17 @@ class FsTier(SecondaryTier):
         return max(ALIGN, int(DEFAULT_SPACE_SHARE * free) + self._index.used_bytes)
 
     def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.config.refresh_interval_s):
+        wait_s = self.config.refresh_interval_s
+        while not self._stop.wait(wait_s):
+            t0 = time.perf_counter()
             try:
                 self.refresh()
             except Exception:  # keep refreshing; the counter shows it in metrics
                 self._count("refresh_errors")
+            # a scan lists every file: a big folder is scanned less often, so scanning takes
+            # at most 1 / REFRESH_DUTY_FACTOR of one core's time
+            wait_s = max(self.config.refresh_interval_s,
+                         REFRESH_DUTY_FACTOR * (time.perf_counter() - t0))
 
     def refresh(self) -> None:
         """Re-scan the namespace folder now (the background thread does this every
