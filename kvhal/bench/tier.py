@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import mmap
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -38,6 +37,7 @@ from kvhal.argtypes import json_object, positive_int
 from kvhal.keys import ChunkKey
 from kvhal.report import print_json, print_table, progress
 from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tiers.fs.remove import remove_tree
 
 from .copy import _size
 from .vllm_fs import VllmFsTier, vllm_available
@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
                              args.repeats, bar, with_vllm=not args.no_vllm)
     finally:
         if args.root_dir is None:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
     if args.json:
         print_json(to_json(result))
         return 0
