@@ -60,7 +60,8 @@ class Fault:
 
     Attributes:
         kind: "status" (answer `status` with S3 error `code`), "stall" (read the request, never
-            answer), or "cut" (forward, then close after half the response body).
+            answer), or "cut" (forward, then close after half the response body, or half the
+            head of a response without a body).
         methods: HTTP methods it applies to.
         objects_only: Apply only to object requests (not bucket LIST / bulk DELETE).
         status, code: For "status".
@@ -203,7 +204,8 @@ class FaultyS3Proxy:
                 resp_body = b"" if method == b"HEAD" else _read_body(up_reader, resp_head)
                 out = b"\r\n".join(resp_head) + b"\r\n\r\n"
                 if fault is not None and fault.kind == "cut":
-                    client.sendall(out + resp_body[:len(resp_body) // 2])
+                    keep = len(out) + len(resp_body) // 2 if resp_body else len(out) // 2
+                    client.sendall((out + resp_body)[:keep])
                     return
                 client.sendall(out + resp_body)
         except OSError:

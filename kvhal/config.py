@@ -212,8 +212,8 @@ def tier_factory(tier: TierConfig, path: str = "secondary_tiers[?]") -> Any:
 def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes) -> list[Any]:
     """Construct every secondary tier of `config`, in order.
 
-    A tier's own validation error (`TierError`/`ValueError` whose message starts with its key,
-    e.g. "root_dir: ...") is re-raised as a `ConfigError` under `secondary_tiers[i]`; any other
+    A tier's own validation error (`TierError`/`ValueError` whose message starts with its key
+    or dotted key path, e.g. "root_dir: ..." or "store_config.bucket: ...") is re-raised as a `ConfigError` under `secondary_tiers[i]`; any other
     exception from a factory (an out-of-tree tier's bug, an OSError) becomes a `ConfigError`
     naming `secondary_tiers[i]` and the exception type.
 
@@ -230,7 +230,7 @@ def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes) -
                 built.append(factory(tier.options, host_view, namespace))
             except ValueError as exc:
                 key, sep, message = str(exc).partition(": ")
-                if sep and key.isidentifier():
+                if sep and all(part.isidentifier() for part in key.split(".")):
                     raise ConfigError(f"{path}.{key}", message) from None
                 raise ConfigError(path, str(exc)) from None
             except Exception as exc:

@@ -3,9 +3,10 @@
 obstore was measured against boto3 at equal concurrency against one `moto_server` (2 MiB
 objects, 4 and 8 threads; README "obj tier"): about 2x boto3's PUT and GET throughput, because
 signing, HTTP and body handling run in Rust with the GIL released. Every call has a bounded
-wall time: each attempt has `timeout_s / 3`, retries (5xx, 503 SlowDown, dropped connections,
-timeouts of reads) stop starting after `timeout_s / 3` with backoff at most `timeout_s / 6`,
-so a call ends within `timeout_s` whatever the server does.
+wall time: each attempt has `timeout_s / 2`; retries (5xx, 503 SlowDown, dropped connections,
+timeouts of reads; object_store's retry policy) start only within `timeout_s / 4` of the first
+attempt, after a backoff of at most `timeout_s / 8`, so a call ends within 7/8 `timeout_s`
+whatever the server does.
 
 Failures are `StoreFailure`s carrying an errno-style class, so obj and fs failures read alike
 in job errors and counters: 401/403 → EACCES, 404 → ENOENT, 507 and quota codes → ENOSPC,
@@ -122,7 +123,7 @@ class S3Client:
         self.store = store
         self.timeout_s = timeout_s
         kwargs, provider, self.region = _credentials(store)
-        attempt = timedelta(seconds=timeout_s / 3)
+        attempt = timedelta(seconds=timeout_s / 2)
         client = {"timeout": attempt, "connect_timeout": attempt,
                   "pool_max_idle_per_host": str(connections)}
         if store.endpoint is not None:
@@ -136,9 +137,10 @@ class S3Client:
             except OSError as exc:
                 raise TierError(f"store_config.ca_bundle: cannot read {store.ca_bundle!r} "
                                 f"({exc.strerror})") from None
-        retry = {"max_retries": MAX_RETRIES, "retry_timeout": attempt,
-                 "backoff": {"init_backoff": timedelta(seconds=INITIAL_BACKOFF_S),
-                             "max_backoff": timedelta(seconds=timeout_s / 6), "base": 2}}
+        retry = {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=timeout_s / 4),
+                 "backoff": {"init_backoff": timedelta(seconds=min(INITIAL_BACKOFF_S,
+                                                                   timeout_s / 16)),
+                             "max_backoff": timedelta(seconds=timeout_s / 8), "base": 2}}
         #: Whether the server honours If-None-Match on PUT (off after a 501 answer).
         self.conditional_put = True
         self._store = S3Store(store.bucket, region=self.region, client_options=client,

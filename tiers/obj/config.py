@@ -23,7 +23,7 @@ kvhal's own keys:
     refresh_interval_s (number in [0.001, 86400]): how often the index re-lists the bucket to
         pick up objects other instances stored or deleted (default 5 s).
     timeout_s (number in [0.05, 3600]): wall-time bound of one job, retries included
-        (default 10 s).
+        (default 20 s).
 Errors name the key path (`store_config.bucket: ...`); the config loader prefixes the list
 position. Values of secret keys never appear in error messages.
 """
@@ -40,7 +40,7 @@ from ..fs.config import MAX_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S
 DEFAULT_IO_THREADS = 4
 DEFAULT_MAX_BYTES = 100 << 30
 DEFAULT_REFRESH_INTERVAL_S = 5.0
-DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_TIMEOUT_S = 20.0
 #: Bounds of `timeout_s`: below 50 ms a healthy loopback request of a 2 MiB chunk may not
 #: finish; above an hour a hung server would hold a job (and `close`) that long.
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.05, 3600.0
@@ -156,7 +156,12 @@ def _store_config(store: Any) -> StoreConfig:
                        _optional_str(store, "ca_bundle"))
 
 
-def _prefix(value: Any) -> str:
+def normalize_prefix(value: Any) -> str:
+    """`value` without surrounding "/", checked segment by segment.
+
+    Raises:
+        TierError: not a string, or a bad segment.
+    """
     if not isinstance(value, str):
         raise TierError(f"prefix: must be a string, got {value!r}")
     prefix = value.strip("/")
@@ -192,7 +197,7 @@ def parse_config(config: Mapping[str, Any]) -> ObjConfig:
                         f"{', '.join(sorted(_KEYS))}")
     return ObjConfig(
         store=_store_config(config.get("store_config")),
-        prefix=_prefix(config.get("prefix", "")),
+        prefix=normalize_prefix(config.get("prefix", "")),
         io_threads=_number(config, "io_threads", DEFAULT_IO_THREADS, 1, 1024, integer=True),
         max_bytes=_number(config, "max_bytes", DEFAULT_MAX_BYTES, 1, 1 << 62, integer=True),
         refresh_interval_s=float(_number(config, "refresh_interval_s",
