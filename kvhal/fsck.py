@@ -31,9 +31,11 @@ def _check_s3(args: argparse.Namespace) -> CheckReport:
         return check_bucket(store, prefix, repair=args.repair)
     except StoreFailure as failure:
         raise ValueError(f"cannot list {store.describe()}: {failure}") from None
-    except TierError as exc:
-        raise ValueError(str(exc).replace("store_config.endpoint_override", "--endpoint")
-                         .replace("store_config.region", "--region")) from None
+    except TierError as exc:  # "store_config.KEY: why" → "--endpoint: why" / "why"
+        key, _, why = str(exc).partition(": ")
+        flag = {"store_config.endpoint_override": "--endpoint: ",
+                "store_config.region": "--region: "}.get(key, "")
+        raise ValueError(flag + why) from None
 
 
 def run(args: argparse.Namespace) -> int:
