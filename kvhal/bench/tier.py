@@ -160,30 +160,63 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
                            total / best["rr"] / 1e9)
 
 
-def _raw_obj_pass(pool, store, kind: JobKind, host: memoryview, chunk: int, count: int,
-                  tag: str) -> None:
-    """The raw client loop: one obstore PUT of each payload, or one GET of each object copied
-    into its host slot, `pool`'s threads at a time (the tier's concurrency)."""
+def _obstore_loop(store):
+    """The raw obstore loop: PUT each payload as is; GET each object into its host slot."""
     import obstore
 
-    def put(i: int) -> None:
-        obstore.put(store, f"{tag}/{i}", host[i * chunk:(i + 1) * chunk], use_multipart=False)
+    def put(name: str, view: memoryview) -> None:
+        obstore.put(store, name, view, use_multipart=False)
 
-    def get(i: int) -> None:
-        host[i * chunk:(i + 1) * chunk] = memoryview(obstore.get(store, f"{tag}/{i}").bytes())
+    def get(name: str, view: memoryview) -> None:
+        view[:] = memoryview(obstore.get(store, name).bytes())
+    return put, get
 
-    list(pool.map(put if kind is JobKind.STORE else get, range(count)))
+
+def _boto3_loop(store_cfg, region: str, connections: int):
+    """The raw boto3 loop (the other client measured): PUT each payload, GET each object with
+    `readinto` straight into its host slot; botocore's own CRC32 checksums off (as kvhal
+    verifies xxh3-128 itself)."""
+    import boto3
+    import botocore.config
+    client = boto3.client(
+        "s3", endpoint_url=store_cfg.endpoint, region_name=region,
+        aws_access_key_id=store_cfg.access_key, aws_secret_access_key=store_cfg.secret_key,
+        aws_session_token=store_cfg.session_token,
+        config=botocore.config.Config(max_pool_connections=connections,
+                                      request_checksum_calculation="when_required",
+                                      response_checksum_validation="when_required"))
+
+    def put(name: str, view: memoryview) -> None:
+        client.put_object(Bucket=store_cfg.bucket, Key=name, Body=bytes(view))
+
+    def get(name: str, view: memoryview) -> None:
+        raw, done = client.get_object(Bucket=store_cfg.bucket, Key=name)["Body"], 0
+        while done < len(view) and (n := raw._raw_stream.readinto(view[done:])):
+            done += n
+        raw.close()
+    return put, get
+
+
+def _raw_obj_pass(pool, op, kind: JobKind, host: memoryview, chunk: int, count: int,
+                  tag: str) -> None:
+    """One raw-loop pass: `op` = (put, get) of a client, `pool`'s threads at a time."""
+    fn = op[0] if kind is JobKind.STORE else op[1]
+    list(pool.map(lambda i: fn(f"{tag}/{i}", host[i * chunk:(i + 1) * chunk]), range(count)))
 
 
 def measure_obj(config: dict, chunk: int, count: int, repeats: int,
-                bar=None) -> TierBenchResult:
+                bar=None) -> tuple[TierBenchResult, dict[str, float]]:
     """PUT and cold GET throughput of the obj tier (checksums on: every load verified) next
-    to a raw obstore loop at the same concurrency (`io_threads`) against the same bucket, in
-    the same run; raw and tier passes alternate, best of `repeats`. A GET is cold by nature
-    (no client cache). Write figures are in the `*_write_gbps` fields, GETs in `*_read_gbps`.
+    to raw client loops at the same concurrency (`io_threads`) against the same bucket, in
+    the same run: obstore (the tier's client; the ratios) and boto3 (the client not chosen).
+    Passes alternate, best of `repeats`. A GET is cold by nature (no client cache). PUT
+    figures are in the `*_write_gbps` fields, GETs in `*_read_gbps`.
+
+    Returns:
+        The result, and {"boto3_write_gbps", "boto3_read_gbps"}.
 
     Raises:
-        RuntimeError: a tier job failed or a loaded chunk differs from the stored bytes.
+        RuntimeError: a tier job failed or loaded bytes differ from the stored bytes.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -197,41 +230,51 @@ def measure_obj(config: dict, chunk: int, count: int, repeats: int,
     namespace = b"kvhal-bench-tier"
     cfg = parse_config(config)
     tier = plugins.tiers()["obj"].factory(config, host, namespace)
-    raw = S3Client(cfg.store, cfg.timeout_s, 2 * cfg.io_threads).obstore
+    raw = S3Client(cfg.store, cfg.timeout_s, 2 * cfg.io_threads)
+    loops = {"r": _obstore_loop(raw.obstore),
+             "b": _boto3_loop(cfg.store, raw.region, 2 * cfg.io_threads)}
     pool = ThreadPoolExecutor(cfg.io_threads)
-    best = {"tw": float("inf"), "rw": float("inf"), "tr": float("inf"), "rr": float("inf")}
+    best = dict.fromkeys(("tw", "rw", "bw", "tr", "rr", "br"), float("inf"))
     task = bar.add_task("bench tier [obj]", total=repeats) if bar else None
+
+    def check(what: str) -> None:
+        if not np.array_equal(array, reference):
+            raise RuntimeError(f"{what} returned other bytes than stored")
+        array[:] = 0
+
     try:
         for rep in range(repeats):
+            array[:] = reference
             keys = [ChunkKey(namespace, rep, i.to_bytes(8, "big")) for i in range(count)]
-            tag = f"{cfg.prefix}/bench-raw/{os.getpid()}-{rep}".lstrip("/")
-            best["rw"] = min(best["rw"], _timed(_raw_obj_pass, pool, raw, JobKind.STORE, host,
-                                                chunk, count, tag))
+            tags = {c: f"{cfg.prefix}/bench-raw/{os.getpid()}-{rep}-{c}".lstrip("/")
+                    for c in loops}
+            for c, op in loops.items():
+                best[c + "w"] = min(best[c + "w"], _timed(_raw_obj_pass, pool, op,
+                                                          JobKind.STORE, host, chunk, count,
+                                                          tags[c]))
             best["tw"] = min(best["tw"], _timed(_tier_pass, tier, JobKind.STORE, keys, chunk))
             array[:] = 0
-            best["rr"] = min(best["rr"], _timed(_raw_obj_pass, pool, raw, JobKind.LOAD, host,
-                                                chunk, count, tag))
-            if not np.array_equal(array, reference):
-                raise RuntimeError("raw GETs returned other bytes than stored")
-            array[:] = 0
+            for c, op in loops.items():
+                best[c + "r"] = min(best[c + "r"], _timed(_raw_obj_pass, pool, op,
+                                                          JobKind.LOAD, host, chunk, count,
+                                                          tags[c]))
+                check(f"raw {c} GETs")
             best["tr"] = min(best["tr"], _timed(_tier_pass, tier, JobKind.LOAD, keys, chunk))
-            if not np.array_equal(array, reference):
-                raise RuntimeError("loaded bytes differ from the stored bytes")
-            import obstore
-            obstore.delete(raw, [f"{tag}/{i}" for i in range(count)]
-                           + [tier.object_name(k) for k in keys])
+            check("tier loads")
+            raw.delete([f"{t}/{i}" for t in tags.values() for i in range(count)]
+                       + [tier.object_name(k) for k in keys])
             if bar:
                 bar.advance(task)
     finally:
         pool.shutdown()
         tier.close()
-    total = chunk * count
-    return TierBenchResult("obj", chunk, count, False, total / best["tw"] / 1e9,
-                           total / best["rw"] / 1e9, total / best["tr"] / 1e9,
-                           total / best["rr"] / 1e9)
+    gbps = {k: chunk * count / v / 1e9 for k, v in best.items()}
+    return (TierBenchResult("obj", chunk, count, False, gbps["tw"], gbps["rw"], gbps["tr"],
+                            gbps["rr"]),
+            {"boto3_write_gbps": gbps["bw"], "boto3_read_gbps": gbps["br"]})
 
 
-def _run_obj(args: argparse.Namespace, config: dict, bar) -> TierBenchResult:
+def _run_obj(args: argparse.Namespace, config: dict, bar):
     """`measure_obj` against `config`'s bucket, or a local moto_server started for the run."""
     config = {"type": "obj"} | config
     if "store_config" in config:
@@ -260,11 +303,12 @@ def run(args: argparse.Namespace) -> int:
     config = json_object(args.config, "--config") if args.config else {}
     if args.tier == "obj":
         with progress(disable=args.json) as bar:
-            result = _run_obj(args, config, bar)
+            result, boto3 = _run_obj(args, config, bar)
         return _report(args, result, "PUT", "cold GET",
-                       f"obj (obstore), io_threads {config.get('io_threads', 4)}, "
-                       "checksums verified, raw loop = obstore put/get at the same "
-                       "concurrency")
+                       f"obj, io_threads {config.get('io_threads', 4)}, checksums verified, "
+                       "raw loop = obstore (the tier's client) at the same concurrency",
+                       ("boto3 loop", [boto3["boto3_write_gbps"], boto3["boto3_read_gbps"]]),
+                       boto3)
     root = args.root_dir or tempfile.mkdtemp(prefix="kvhal-bench-tier-")
     os.makedirs(root, exist_ok=True)
     if args.tier == "fs":
@@ -281,18 +325,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, result: TierBenchResult, write: str, read: str,
-            what: str) -> int:
+            what: str, extra: tuple[str, list[float]] | None = None,
+            extra_json: dict | None = None) -> int:
+    """Print the result table (or JSON); `extra` = (column, [write, read] GB/s) appended."""
     note = vllm_note()
     if args.json:
         print_json(asdict(result) | {"write_ratio": result.write_ratio,
-                                     "read_ratio": result.read_ratio, "vllm": note})
+                                     "read_ratio": result.read_ratio, "vllm": note}
+                   | (extra_json or {}))
         return 0
+    columns = ["direction", "tier", "raw loop", "tier ×"] + ([extra[0]] if extra else [])
+    rows = [[write, round(result.tier_write_gbps, 3), round(result.raw_write_gbps, 3),
+             round(result.write_ratio, 2)],
+            [read, round(result.tier_read_gbps, 3), round(result.raw_read_gbps, 3),
+             round(result.read_ratio, 2)]]
+    for row, value in zip(rows, extra[1] if extra else []):
+        row.append(round(value, 3))
     print_table(f"kvhal bench tier — {result.count} × {result.chunk_bytes} B chunks, {what} "
-                "(GB/s)", ["direction", "tier", "raw loop", "tier ×"],
-                [[write, round(result.tier_write_gbps, 3), round(result.raw_write_gbps, 3),
-                  round(result.write_ratio, 2)],
-                 [read, round(result.tier_read_gbps, 3), round(result.raw_read_gbps, 3),
-                  round(result.read_ratio, 2)]])
+                "(GB/s)", columns, rows)
     print(note)
     return 0
 

@@ -49,18 +49,31 @@ class LocalS3Server:
     """
 
     def __init__(self, port: int | None = None, env: dict[str, str] | None = None):
+        self._fixed_port = port is not None
         self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._env = dict(os.environ, **(env or {}))
         self._proc: subprocess.Popen | None = None
 
     def start(self) -> "LocalS3Server":
-        """Start the server and wait until it answers.
+        """Start the server and wait until it answers. A free port taken by another program
+        between choosing and binding it is replaced by a new one (up to 5 times).
 
         Raises:
             RuntimeError: moto is not installed, or the server did not answer within
                 `START_TIMEOUT_S` (its output is in the message).
         """
+        for _ in range(4):
+            try:
+                return self._start_once()
+            except RuntimeError as exc:
+                if self._fixed_port or "Address already in use" not in str(exc):
+                    raise
+                self.port = free_port()
+                self.endpoint = f"http://127.0.0.1:{self.port}"
+        return self._start_once()
+
+    def _start_once(self) -> "LocalS3Server":
         try:
             import moto.server  # noqa: F401
         except ImportError as exc:
