@@ -118,6 +118,15 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
+def _bench_region(chunk: int, count: int) -> tuple[memoryview, np.ndarray, np.ndarray]:
+    """A page-aligned host region of `count` chunks of seeded random bytes: (view, its uint8
+    array, a copy to compare loads against)."""
+    host = memoryview(mmap.mmap(-1, chunk * count))
+    array = np.frombuffer(host, dtype=np.uint8)
+    array[:] = np.random.default_rng(0).integers(0, 256, len(array), dtype=np.uint8)
+    return host, array, array.copy()
+
+
 def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
             repeats: int, bar=None) -> TierBenchResult:
     """Run the benchmark (module docstring) with files under `root`; returns best figures.
@@ -125,11 +134,7 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
     Raises:
         RuntimeError: a tier job failed or a loaded chunk differs from the stored bytes.
     """
-    region = mmap.mmap(-1, chunk * count)
-    host = memoryview(region)
-    array = np.frombuffer(host, dtype=np.uint8)
-    array[:] = np.random.default_rng(0).integers(0, 256, len(array), dtype=np.uint8)
-    reference = array.copy()
+    host, array, reference = _bench_region(chunk, count)
     namespace = b"kvhal-bench-tier"
     tier = plugins.tiers()[tier_name].factory(config | {"type": tier_name}, host, namespace)
     direct = bool(tier.stats().get("o_direct", False)) and chunk % ALIGN == 0
@@ -222,11 +227,7 @@ def measure_obj(config: dict, chunk: int, count: int, repeats: int,
 
     from kvhal.tiers.obj.client import S3Client
     from kvhal.tiers.obj.config import parse_config
-    region = mmap.mmap(-1, chunk * count)
-    host = memoryview(region)
-    array = np.frombuffer(host, dtype=np.uint8)
-    array[:] = np.random.default_rng(0).integers(0, 256, len(array), dtype=np.uint8)
-    reference = array.copy()
+    host, array, reference = _bench_region(chunk, count)
     namespace = b"kvhal-bench-tier"
     cfg = parse_config(config)
     tier = plugins.tiers()["obj"].factory(config, host, namespace)
