@@ -5,12 +5,17 @@ worker executes, and learns the outcome through `complete_store`/`complete_load`
 secondary-tier jobs (cascades host → tier after each store, promotions tier → host on lookup);
 tiers do their I/O on their own threads and the manager collects results in `poll`.
 
-Threading: one thread (the scheduler's) calls every method. Every job (store, load, tier job)
-ends exactly once, as success or failure.
+Threading: one thread (the scheduler's) calls every method. A tier given host access
+(`SecondaryTier.attach_host`, `access.py`) pins slots from its own threads, so every method
+that touches slot state holds `lock` (an uncontended RLock: well under a microsecond per call,
+whatever the number of chunks). Every job (store, load, tier job) ends exactly once, as
+success or failure.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from collections import defaultdict
 from typing import Hashable, Iterable, Sequence
 
@@ -22,6 +27,7 @@ from kvhal.host.slots import IDLE, SlotTable
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 
+from .access import ManagerHostAccess
 from .types import EngineError, LoadPlan, StorePlan
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
@@ -29,6 +35,15 @@ _LOOKUP = {answer: metrics.LOOKUP_CHUNKS.labels(metrics.HOST, answer.value) for 
 _HOST_STORED = metrics.STORED_CHUNKS.labels(metrics.HOST)
 _HOST_LOADED = metrics.LOADED_CHUNKS.labels(metrics.HOST)
 _HOST_EVICTED = metrics.EVICTED_CHUNKS.labels(metrics.HOST)
+
+
+def _locked(method):
+    """Run `method` holding the manager's lock (see the module docstring)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class Manager:
@@ -59,8 +74,16 @@ class Manager:
         self._tier_jobs: dict[tuple[int, int], tuple[JobKind, int, ChunkKey]] = {}
         self._failed_promotions: set[ChunkKey] = set()
         self._events: list = []
+        #: Guards slot state against tiers pinning slots from their threads (`access.py`).
+        self.lock = threading.RLock()
+        #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.
+        self.host_listeners: list = []
+        access = ManagerHostAccess(self)
+        for tier in self.tiers:
+            tier.attach_host(access)
 
     # -- lookup ------------------------------------------------------------------------------
+    @_locked
     def lookup(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
                ) -> list[Lookup]:
         """Where each chunk of a prefix stands: HIT (in host memory now), RETRY (being written
@@ -141,6 +164,7 @@ class Manager:
                 return _RETRY
         return answer
 
+    @_locked
     def release(self, request_id: Hashable) -> None:
         """Drop every lookup pin of `request_id` (finished, aborted or preempted). Idempotent."""
         pins = self._pins.pop(request_id, None)
@@ -150,6 +174,7 @@ class Manager:
                 release(slot)
 
     # -- stores ------------------------------------------------------------------------------
+    @_locked
     def prepare_store(self, keys: Sequence[ChunkKey]) -> StorePlan | None:
         """Reserve host slots (state -1) for the chunks of `keys` not yet in host memory.
 
@@ -183,6 +208,7 @@ class Manager:
         return StorePlan(job_id, placed, np.array(todo[:len(slots)], dtype=np.int64),
                          np.array(slots, dtype=np.int64))
 
+    @_locked
     def complete_store(self, job_id: int, num_ok: int | None = None) -> None:
         """End a store job: its first `num_ok` chunks (None = all) become resident and cascade
         to every secondary tier; the rest are dropped (their slots freed).
@@ -217,6 +243,7 @@ class Manager:
                                           self.chunk_nbytes))
 
     # -- loads -------------------------------------------------------------------------------
+    @_locked
     def prepare_load(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
                      ) -> LoadPlan | None:
         """Hold the longest prefix of `keys` that is in host memory for reading (readers + 1
@@ -243,6 +270,7 @@ class Manager:
         self._loads[job_id] = slots
         return LoadPlan(job_id, tuple(keys[:len(slots)]), np.array(slots, dtype=np.int64))
 
+    @_locked
     def complete_load(self, job_id: int, num_ok: int | None = None) -> None:
         """End a load job: release its slots. `num_ok` (None = all) only feeds the metrics: a
         failed H2D leaves the host copy intact.
@@ -263,6 +291,7 @@ class Manager:
             metrics.FAILED_CHUNKS.labels(metrics.HOST, "load").inc(len(slots) - n_ok)
 
     # -- secondary tiers ---------------------------------------------------------------------
+    @_locked
     def poll(self) -> list[JobResult]:
         """Collect finished secondary-tier jobs: a promotion that succeeded makes its chunk a
         HIT, one that failed frees its slot; a finished cascade releases its slot.
@@ -308,13 +337,17 @@ class Manager:
         self.poll()
 
     # -- removal and events ------------------------------------------------------------------
+    @_locked
     def discard(self, keys: Iterable[ChunkKey]) -> None:
         """Drop chunks from host memory (now if idle, else when their readers finish)."""
         gone = [key for key in keys if self.slots.discard(key)]
         self._removed(gone)
 
+    @_locked
     def clear(self) -> None:
         """Drop every chunk from host memory (deferred for chunks in use)."""
+        for listener in self.host_listeners:
+            listener((), list(self.slots.index))
         for key in list(self.slots.index):
             self.slots.discard(key)
         self._event(AllBlocksCleared(HOST_MEDIUM))
@@ -329,6 +362,8 @@ class Manager:
         if tier == metrics.HOST:
             _HOST_STORED.inc(len(keys))
             medium = HOST_MEDIUM
+            for listener in self.host_listeners:
+                listener(keys, ())
         else:
             metrics.STORED_CHUNKS.labels(tier).inc(len(keys))
             medium = tier.upper()
@@ -339,6 +374,8 @@ class Manager:
         """Count and announce chunks that left the host tier."""
         if keys:
             _HOST_EVICTED.inc(len(keys))
+            for listener in self.host_listeners:
+                listener((), keys)
             for group, hashes in _by_group(keys).items():
                 self._event(BlockRemoved(hashes, group, HOST_MEDIUM))
 
@@ -348,6 +385,7 @@ class Manager:
             plugins.emit_kv_event(event)
 
     # -- introspection -----------------------------------------------------------------------
+    @_locked
     def stats(self) -> dict[str, int]:
         """Counts: resident chunks, free slots, slots with readers / being written, lookup
         pins, open store/load jobs, secondary-tier jobs in flight."""
