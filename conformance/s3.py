@@ -17,7 +17,6 @@ import atexit
 import dataclasses
 import socket
 import threading
-from typing import Iterator
 
 import pytest
 
@@ -260,7 +259,3 @@ def _error_response(status: int, code: str) -> bytes:
     return (f"HTTP/1.1 {status} Injected\r\nContent-Type: application/xml\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
-
-def iter_objects(client, prefix: str) -> Iterator[str]:
-    """Names of the objects under `prefix` through an `S3Client`."""
-    return (name for name, _, _ in client.list(prefix))
