@@ -1,4 +1,4 @@
-"""The package's scenario runner plus the tests' fault injection (`noise`, `fault_loads`).
+"""The package's scenario runner plus the tests' fault injection (see the ops below).
 
 Usage: python engine_run.py SCENARIO.json OUT.json (see `kvhal.integrations.vllm.runner`).
 Extra steps (TP=1 in-process engines):
@@ -9,6 +9,8 @@ Extra steps (TP=1 in-process engines):
         sha256 block hashes seeded "0") faults on the device (`FaultyReadBackend`) → the slot.
     {"op": "drop_chunk", "tokens": [ids], "group": int, "chunk": int}: discard that chunk from
         the host tier (that group can no longer serve it) → true if it was resident.
+    {"op": "unlink", "paths": [...]}: delete files (an fs chunk vanishing after the tier
+        indexed it) → number deleted.
 """
 from __future__ import annotations
 
@@ -101,9 +103,17 @@ def fault_loads(llm, step: dict) -> int:
     return slot
 
 
+def unlink_files(llm, step: dict) -> int:
+    """Delete `step["paths"]`."""
+    for path in step["paths"]:
+        os.unlink(path)
+    return len(step["paths"])
+
+
 if __name__ == "__main__":
     runner.OPS["noise"] = noise_host_region
     runner.OPS["fault_loads"] = fault_loads
     runner.OPS["drop_chunk"] = drop_chunk
+    runner.OPS["unlink"] = unlink_files
     worker.plugins.select_backend = _select_backend
     runner.main(sys.argv[1:])
