@@ -71,6 +71,10 @@ class ReplayOptions:
         time_scale: Request i starts `timestamp_ms × time_scale / 1000` s after the replay
             starts (1 = the trace's pace, 0 = as fast as possible).
         layout: Device layout of the per-layer KV tensors (a `kvhal.layout` name).
+        waiting: The trace's last `waiting` requests form a queue that never runs: before
+            every replayed request each of them is looked up and released unscheduled, as
+            vLLM asks its waiting requests every step (their tier hits start promotions:
+            `Manager.max_promotions` bounds them, so they must not push out the hot chunks).
     """
 
     geometry: Geometry
@@ -80,6 +84,7 @@ class ReplayOptions:
     prefill_us_per_token: float = DEFAULT_PREFILL_US_PER_TOKEN
     time_scale: float = 0.0
     layout: str = "packed-hnd"
+    waiting: int = 0
 
     @property
     def chunk_bytes(self) -> int:
@@ -334,8 +339,9 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
     """Replay `requests` through a fresh engine (see module docstring) and report.
 
     Args:
-        requests: From `read_trace`, in order.
-        reference: `reference_hits(requests, options.chunk_tokens)` (reported alongside).
+        requests: From `read_trace`, in order (the last `options.waiting` are the waiting
+            queue, not replayed).
+        reference: `reference_hits` of the replayed requests (reported alongside).
         config: Engine config (DESIGN §7 JSON object); its chunk must be the trace's block.
         options: Geometry, device pool, backend, prefill model, pacing.
         trace: Trace path, for the report.
@@ -355,6 +361,9 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
     rep = _Replayer(cfg, options, backend, max_chunks)
     levels = ["device", "host", *rep.tier_names]
     counters = _Counters(levels)
+    queue = [[ChunkKey(rep.namespace, 0, h) for h in req.chunk_hashes]
+             for req in requests[len(requests) - options.waiting:]] if options.waiting else []
+    requests = requests[:len(requests) - len(queue)]
     n = len(requests)
     times = np.zeros(n)
     inputs = np.zeros(n, dtype=np.int64)
@@ -364,6 +373,9 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
     try:
         tier_stats_before = [dict(t.stats()) for t in rep.manager.tiers]
         for r, req in enumerate(requests):
+            for q, keys in enumerate(queue):       # asked about, not scheduled
+                rep.manager.lookup(keys, request_id=("waiting", q))
+                rep.manager.release(("waiting", q))
             if options.time_scale > 0:
                 delay = t_start + req.timestamp_ms * options.time_scale / 1000 - \
                     time.perf_counter()
