@@ -13,9 +13,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetada
 
 @dataclass(frozen=True, slots=True)
 class RegionInfo:
-    """Where the shared host region lives and how it is cut (`kvhal.host.HostGeometry`)."""
+    """Where the shared host region lives (`HostRegion.share_path`) and how it is cut
+    (`kvhal.host.HostGeometry`)."""
 
-    shm_path: str
+    share_path: str
     slot_bytes: int
     chunk_nbytes: int
     capacity: int

@@ -11,10 +11,7 @@ forward pass that needs them, before it. A load that fails is reported by the wo
 """
 from __future__ import annotations
 
-import atexit
-import glob
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +29,9 @@ from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo, TransferJo
 
 logger = logging.getLogger(__name__)
 
-#: Shared host regions are `/dev/shm/kvhal-<pid of the scheduler process>-<engine id>`.
-SHM_PREFIX = "/dev/shm/kvhal-"
+#: Shared host regions are anonymous memory files named `kvhal-<engine id>` (`/memfd:kvhal-...`
+#: in `/proc/<pid>/fd`); nothing is created in `/dev/shm`, so no signal can leak one.
+REGION_NAME_PREFIX = "kvhal-"
 
 #: Key of the per-request cap in `SamplingParams.extra_args["kv_transfer_params"]`.
 MAX_OFFLOAD_TOKENS = "max_offload_tokens"
@@ -83,12 +81,9 @@ class SchedulerSide:
         self.deployment = deployment
         self.config = config
         geometry = host_geometry(deployment.chunk_nbytes, config.cpu_bytes_to_use)
-        remove_stale_regions()
-        shm_path = f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
-        self.region = HostRegion.create_shared(CpuBackend(), geometry, shm_path)
-        # A process that exits without vLLM's shutdown must not leave the region in /dev/shm.
-        atexit.register(_unlink, shm_path)
-        self.region_info = RegionInfo(shm_path, geometry.slot_bytes, geometry.chunk_nbytes,
+        self.region = HostRegion.create_shared(CpuBackend(), geometry,
+                                               f"{REGION_NAME_PREFIX}{engine_id}")
+        self.region_info = RegionInfo(self.region.share_path, geometry.slot_bytes, geometry.chunk_nbytes,
                                       geometry.capacity)
         self.manager = build_manager(config, geometry, self.region.view, deployment.namespace)
         self.kv_cache_manager: Any = None
@@ -275,24 +270,3 @@ class SchedulerSide:
         self.manager.close()
         self.region.close()
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def remove_stale_regions() -> list[str]:
-    """Delete host regions whose creating process is gone (killed before its shutdown).
-
-    Returns:
-        The paths removed.
-    """
-    removed = []
-    for path in glob.glob(SHM_PREFIX + "*"):
-        pid = path[len(SHM_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            _unlink(path)
-            removed.append(path)
-    return removed

@@ -4,7 +4,7 @@ Runs in each vLLM worker process. `register_kv_caches` describes the rank's per-
 tensors through `kvhal.layout` (vLLM-CPU's layout, the rank's heads of the canonical page) and
 registers their memory with the HAL backend of their device. Jobs arrive in `KVHalMetadata`;
 the kvhal engine's `Worker` executes them on its own load and store streams. The host region is
-the scheduler's shared `/dev/shm` region, attached on first use.
+the scheduler's shared region (`HostRegion.attach_shared`), attached on first use.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class WorkerSide:
     def _attach(self, info: RegionInfo) -> Worker:
         if self.worker is None:
             geometry = HostGeometry(info.slot_bytes, info.chunk_nbytes, info.capacity)
-            self.region = HostRegion.attach_shared(self.backend, info.shm_path, geometry)
+            self.region = HostRegion.attach_shared(self.backend, info.share_path, geometry)
             self.worker = Worker(self.backend, self._planner, host_ptr=self.region.ptr,
                                  slot_bytes=info.slot_bytes)
         return self.worker

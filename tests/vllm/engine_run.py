@@ -6,20 +6,32 @@ in-process engines) with seeded random bytes → number of bytes overwritten.
 """
 from __future__ import annotations
 
-import glob
 import os
 import sys
 
 import numpy as np
 
 from kvhal.integrations.vllm import runner
-from kvhal.integrations.vllm.scheduler import SHM_PREFIX
+from kvhal.integrations.vllm.scheduler import REGION_NAME_PREFIX
+
+
+def own_host_regions() -> list[str]:
+    """`/proc/self/fd/N` paths of the kvhal host regions this process created."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{REGION_NAME_PREFIX}"):
+            out.append(f"/proc/self/fd/{fd}")
+    return out
 
 
 def noise_host_region(llm, step: dict) -> int:
     """Fill every kvhal host region this process created with seeded random bytes."""
     total = 0
-    for path in glob.glob(f"{SHM_PREFIX}{os.getpid()}-*"):
+    for path in own_host_regions():
         region = np.memmap(path, dtype=np.uint8, mode="r+")
         region[:] = np.random.default_rng(step["seed"]).integers(0, 256, region.size,
                                                                  dtype=np.uint8)
