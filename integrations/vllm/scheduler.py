@@ -24,7 +24,8 @@ from kvhal.host import HostRegion, host_geometry
 from kvhal.keys import chunk_keys
 from kvhal.tiers.base import Lookup
 
-from .geometry import Deployment
+from .geometry import Deployment, check_shareable, check_vllm_hash_seed
+from .lifetime import exit_with_parent
 from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo, TransferJob
 
 logger = logging.getLogger(__name__)
@@ -73,18 +74,22 @@ class SchedulerSide:
             when vLLM binds it.
 
     Raises:
-        kvhal.config.ConfigError: a secondary tier cannot be built.
+        kvhal.config.ConfigError: a secondary tier cannot be built, or secondary tiers are
+            configured while vLLM's block hashes are per-process (`check_shareable`).
         kvhal.host.HostRegionError: the shared host region cannot be created.
     """
 
     def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str):
         self.deployment = deployment
         self.config = config
+        check_shareable(deployment, len(config.secondary_tiers))
+        self._seed_checked = False
         geometry = host_geometry(deployment.chunk_nbytes, config.cpu_bytes_to_use)
+        exit_with_parent()  # a killed API server must not leave this engine holding the region
         self.region = HostRegion.create_shared(CpuBackend(), geometry,
                                                f"{REGION_NAME_PREFIX}{engine_id}")
-        self.region_info = RegionInfo(self.region.share_path, geometry.slot_bytes, geometry.chunk_nbytes,
-                                      geometry.capacity)
+        self.region_info = RegionInfo(self.region.share_path, geometry.slot_bytes,
+                                      geometry.chunk_nbytes, geometry.capacity)
         self.manager = build_manager(config, geometry, self.region.view, deployment.namespace)
         self.kv_cache_manager: Any = None
         self._tier_name = (config.secondary_tiers[0].type if len(config.secondary_tiers) == 1
@@ -125,6 +130,9 @@ class SchedulerSide:
         With blocks_per_chunk > 1, a local prefix hit that ends inside a chunk gets no external
         hit (loads start at chunk boundaries); vLLM-CPU's 128-token blocks make 1 the default.
         """
+        if not self._seed_checked:  # vLLM seeds its hashes after building the connector
+            check_vllm_hash_seed(self.deployment)
+            self._seed_checked = True
         state = self._state(request)
         tpc = self.deployment.tokens_per_chunk
         start = -(-num_computed_tokens // tpc)
