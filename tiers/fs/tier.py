@@ -10,7 +10,8 @@ namespace's `quarantine/` folder; nothing is raised into the caller.
 from the directory at start (restart keeps every complete chunk; files are not rewritten) and
 refreshed by a background thread, so chunks written by other processes sharing `root_dir`
 become visible within `refresh_interval_s`. Stores and loads run on separate thread pools.
-Capacity: `max_bytes` with LRU eviction; ENOSPC fails the store and evicts about a tenth of
+Capacity: `max_bytes` covers every namespace under `root_dir` (`budget.py`: namespaces nobody
+uses are deleted first, then this namespace's least recently used chunks); ENOSPC fails the store and evicts about a tenth of
 the namespace.
 """
 from __future__ import annotations
@@ -34,11 +35,14 @@ from ..jobs import JobBoard
 from .config import parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      write_chunk)
+from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, TEMP_DIR, chunk_path, namespace_dir
 from .scan import orphaned_temp_files, scan_namespace
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
+#: At most this often (seconds) the other namespaces under root_dir are measured again.
+ROOT_SCAN_INTERVAL_S = 10.0
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
 _BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
 
@@ -87,6 +91,8 @@ class FsTier(SecondaryTier):
         self._remove_orphaned_temps()
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
+        self._budget = RootBudget(cfg.root_dir, os.path.basename(self.ns_dir))
+        self._next_root_scan = 0.0
         try:
             self.refresh()
         except OSError as exc:
@@ -130,7 +136,8 @@ class FsTier(SecondaryTier):
 
     def _default_max_bytes(self) -> int:
         free = shutil.disk_usage(self.ns_dir).free
-        return max(ALIGN, int(DEFAULT_SPACE_SHARE * free) + self._index.used_bytes)
+        return max(ALIGN, int(DEFAULT_SPACE_SHARE * free) + self._index.used_bytes
+                   + self._budget.others_bytes)
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.config.refresh_interval_s):
@@ -149,9 +156,15 @@ class FsTier(SecondaryTier):
                 thread counts `refresh_errors` and tries again).
         """
         with self._scan_lock:
+            mark_in_use(self.ns_dir, self.config.refresh_interval_s)
             known, epoch = self._index.snapshot()
             self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known).found,
                                   epoch)
+            now = time.monotonic()
+            if now >= self._next_root_scan:
+                self._budget.rescan()
+                self._next_root_scan = now + max(ROOT_SCAN_INTERVAL_S,
+                                                 self.config.refresh_interval_s)
 
     # -- SecondaryTier ------------------------------------------------------------------------
     def lookup(self, key: ChunkKey) -> Lookup:
@@ -194,11 +207,15 @@ class FsTier(SecondaryTier):
 
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
-        io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors
-        (absent while 0); plus used_bytes, max_bytes, chunks and o_direct (bool, detected at
-        start)."""
-        return self._jobs.counters() | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
-                      "chunks": len(self._index), "o_direct": self.o_direct}
+        io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors,
+        namespaces_deleted (absent while 0); plus used_bytes, max_bytes (root-wide),
+        other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
+        chunks and o_direct (bool, detected at start)."""
+        deleted = self._budget.namespaces_deleted
+        return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
+                | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
+                   "other_namespaces_bytes": self._budget.others_bytes,
+                   "chunks": len(self._index), "o_direct": self.o_direct})
 
     # -- jobs ---------------------------------------------------------------------------------
     def _check_job(self, job: TierJob) -> str | None:
@@ -221,9 +238,12 @@ class FsTier(SecondaryTier):
             self._index.add(job.key, record_nbytes(job.nbytes))
             return None
         nbytes = record_nbytes(job.nbytes)
-        victims = self._index.reserve(nbytes, self.max_bytes)
+        budget = self._budget.room_for(self._index.used_bytes + nbytes, self.max_bytes)
+        victims = self._index.reserve(nbytes, budget)
         if victims is None:
-            return f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
+            held = self.max_bytes - budget
+            return (f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
+                    + (f" less {held} bytes held by other namespaces in use" if held else ""))
         self._delete(victims, "evictions")
         try:
             write_chunk(self._os, self.ns_dir, job.key,
