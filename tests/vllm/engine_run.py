@@ -1,8 +1,15 @@
 """The package's scenario runner plus the tests' fault injection (`noise`).
 
 Usage: python engine_run.py SCENARIO.json OUT.json (see `kvhal.integrations.vllm.runner`).
-Extra step: {"op": "noise", "seed": int}: overwrite this process's kvhal host region (TP=1
-in-process engines) with seeded random bytes → number of bytes overwritten.
+Extra steps (TP=1 in-process engines):
+    {"op": "noise", "seed": int}: overwrite this process's kvhal host region with seeded random
+        bytes → number of bytes overwritten.
+    {"op": "track_preemptions"}: record every request vLLM's scheduler preempts from now on
+        → null.
+    {"op": "preempted", "prompts": {name: [token ids]}}: names of the prompts preempted since
+        `track_preemptions` → sorted list.
+    {"op": "poison_report"}: `poison.KVHalConnector`'s counters → {handed_out, reused,
+        checked_chunks, poisoned_chunks}.
 """
 from __future__ import annotations
 
@@ -40,6 +47,39 @@ def noise_host_region(llm, step: dict) -> int:
     return total
 
 
+def _scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+_PREEMPTED: list[tuple[int, ...]] = []
+
+
+def track_preemptions(llm, step: dict) -> None:
+    """Wrap the scheduler's `_preempt_request` to record the prompts it preempts."""
+    scheduler = _scheduler(llm)
+    original = scheduler._preempt_request
+
+    def preempt(request, *args, **kwargs):
+        _PREEMPTED.append(tuple(request.prompt_token_ids))
+        return original(request, *args, **kwargs)
+
+    scheduler._preempt_request = preempt
+
+
+def preempted(llm, step: dict) -> list[str]:
+    """Names of the prompts preempted since `track_preemptions`."""
+    seen = set(_PREEMPTED)
+    return sorted(name for name, ids in step["prompts"].items() if tuple(ids) in seen)
+
+
+def poison_report(llm, step: dict) -> dict:
+    """The poisoning connector's counters."""
+    c = _scheduler(llm).get_kv_connector()
+    return {"handed_out": c.handed_out, "reused": c.reused, "checked_chunks": c.checked_chunks,
+            "poisoned_chunks": c.poisoned_chunks}
+
+
 if __name__ == "__main__":
-    runner.OPS["noise"] = noise_host_region
+    runner.OPS.update(noise=noise_host_region, track_preemptions=track_preemptions,
+                      preempted=preempted, poison_report=poison_report)
     runner.main(sys.argv[1:])
