@@ -5,9 +5,11 @@ Test-only (loaded by `kv_connector_module_path: "poison"` from `engine_run.py`'s
 looks the connector up by its `kv_connector` name in that module, so the class here carries
 the production connector's name).
 Every block vLLM's block pool hands out (`BlockPool.get_new_blocks`) is overwritten with the
-byte `POISON` in every layer on the worker, at the start of the step that first uses it —
-after `handle_preemptions` (vLLM's promise: preempted blocks are not overwritten before it
-returns) and before this step's loads and forward write real KV into it. A store that read a
+byte `POISON` in every layer on the worker, at the start of the step that first uses it: right
+after kvhal's `handle_preemptions` returns (vLLM's promise: blocks are not overwritten before
+it; vLLM calls it first in `execute_model`), before this step's loads and forward write real KV
+into it. (`start_load_kv` would be too late: without sync loads vLLM calls it after the
+forward.) A store that read a
 block after vLLM handed it out again would copy poison into its host slot; every finished
 store's slots are scanned for poison rows the moment the scheduler learns it finished.
 """
@@ -83,9 +85,9 @@ class KVHalConnector(connector.KVHalConnector):
         super().register_kv_caches(kv_caches)
         self._kv = list(kv_caches.values())
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        ids = torch.from_numpy(self._get_connector_metadata().poison)
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        super().handle_preemptions(kv_connector_metadata)
+        ids = torch.from_numpy(kv_connector_metadata.poison)
         if len(ids):
             for tensor in self._kv:
                 tensor.view(torch.uint8)[ids] = POISON
-        super().start_load_kv(forward_context, **kwargs)

