@@ -5,12 +5,17 @@ worker executes, and learns the outcome through `complete_store`/`complete_load`
 secondary-tier jobs (cascades host → tier after each store, promotions tier → host on lookup);
 tiers do their I/O on their own threads and the manager collects results in `poll`.
 
-Threading: one thread (the scheduler's) calls every method. Every job (store, load, tier job)
-ends exactly once, as success or failure.
+Threading: one thread (the scheduler's) calls every method. A tier given host access
+(`SecondaryTier.attach_host`, `access.py`) pins slots from its own threads, so every method
+that touches slot state holds `lock` (an uncontended RLock: well under a microsecond per call,
+whatever the number of chunks). Every job (store, load, tier job) ends exactly once, as
+success or failure.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from collections import defaultdict
 from typing import Hashable, Iterable, Sequence
 
@@ -18,10 +23,12 @@ import numpy as np
 
 from kvhal import metrics, plugins
 from kvhal.events import HOST_MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored
+from kvhal.host.region import HostLayout
 from kvhal.host.slots import IDLE, SlotTable
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 
+from .access import ManagerHostAccess
 from .types import EngineError, LoadPlan, StorePlan
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
@@ -29,6 +36,15 @@ _LOOKUP = {answer: metrics.LOOKUP_CHUNKS.labels(metrics.HOST, answer.value) for 
 _HOST_STORED = metrics.STORED_CHUNKS.labels(metrics.HOST)
 _HOST_LOADED = metrics.LOADED_CHUNKS.labels(metrics.HOST)
 _HOST_EVICTED = metrics.EVICTED_CHUNKS.labels(metrics.HOST)
+
+
+def _locked(method):
+    """Run `method` holding the manager's lock (see the module docstring)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class Manager:
@@ -40,15 +56,22 @@ class Manager:
         chunk_nbytes: Payload bytes per chunk (≤ slot_bytes).
         tiers: Secondary tiers, fastest first; every stored chunk cascades to all of them and
             a lookup miss in the host asks them in order.
+        layout: The host region's pools (hybrid models: one slot size per KV cache group,
+            `slots` cut with the same capacities); None: one pool of `slot_bytes` slots.
         emit_events: Deliver KV events to `kvhal_kv_event` hooks (they also queue for
             `take_events`).
     """
 
     def __init__(self, slots: SlotTable, *, slot_bytes: int, chunk_nbytes: int,
-                 tiers: Sequence[SecondaryTier] = (), emit_events: bool = True):
+                 tiers: Sequence[SecondaryTier] = (), emit_events: bool = True,
+                 layout: HostLayout | None = None):
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.chunk_nbytes = chunk_nbytes
+        # (byte offset in the host view, payload bytes) of a slot: pools of a layout have
+        # their own slot sizes.
+        self._span = layout.slot_span if layout is not None else (
+            lambda slot: (slot * slot_bytes, chunk_nbytes))
         self.tiers = tuple(tiers)
         self._emit = emit_events
         self._ids = itertools.count(1)
@@ -59,8 +82,17 @@ class Manager:
         self._tier_jobs: dict[tuple[int, int], tuple[JobKind, int, ChunkKey]] = {}
         self._failed_promotions: set[ChunkKey] = set()
         self._events: list = []
+        #: Guards slot state against tiers pinning slots from their threads (`access.py`).
+        self.lock = threading.RLock()
+        #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.
+        self.host_listeners: list = []
+        if len(slots.capacities) == 1:  # pools of different slot sizes: no shared host access
+            access = ManagerHostAccess(self)
+            for tier in self.tiers:
+                tier.attach_host(access)
 
     # -- lookup ------------------------------------------------------------------------------
+    @_locked
     def lookup(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
                ) -> list[Lookup]:
         """Where each chunk of a prefix stands: HIT (in host memory now), RETRY (being written
@@ -136,11 +168,11 @@ class Manager:
                     return _MISS
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.LOAD, placed[0], key)
-                tier.submit_load(TierJob(job_id, JobKind.LOAD, key, placed[0] * self.slot_bytes,
-                                         self.chunk_nbytes))
+                tier.submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(placed[0])))
                 return _RETRY
         return answer
 
+    @_locked
     def release(self, request_id: Hashable) -> None:
         """Drop every lookup pin of `request_id` (finished, aborted or preempted). Idempotent."""
         pins = self._pins.pop(request_id, None)
@@ -150,6 +182,7 @@ class Manager:
                 release(slot)
 
     # -- stores ------------------------------------------------------------------------------
+    @_locked
     def prepare_store(self, keys: Sequence[ChunkKey]) -> StorePlan | None:
         """Reserve host slots (state -1) for the chunks of `keys` not yet in host memory.
 
@@ -172,7 +205,10 @@ class Manager:
                 todo.append(i)
         if not todo:
             return None
-        protect = frozenset(keys) if len(todo) > self.slots.num_free else frozenset()
+        pools = {self.slots.pool_of(keys[i]) for i in todo}
+        protect = (frozenset(keys) if any(sum(self.slots.pool_of(keys[i]) == p for i in todo)
+                                          > self.slots.num_free_in(p) for p in pools)
+                   else frozenset())
         slots, evicted = self.slots.reserve([keys[i] for i in todo], protect)
         self._removed(evicted)
         if not slots:
@@ -183,6 +219,7 @@ class Manager:
         return StorePlan(job_id, placed, np.array(todo[:len(slots)], dtype=np.int64),
                          np.array(slots, dtype=np.int64))
 
+    @_locked
     def complete_store(self, job_id: int, num_ok: int | None = None) -> None:
         """End a store job: its first `num_ok` chunks (None = all) become resident and cascade
         to every secondary tier; the rest are dropped (their slots freed).
@@ -213,10 +250,10 @@ class Manager:
                 self.slots.acquire(slot)
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key)
-                tier.submit_store(TierJob(job_id, JobKind.STORE, key, slot * self.slot_bytes,
-                                          self.chunk_nbytes))
+                tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot)))
 
     # -- loads -------------------------------------------------------------------------------
+    @_locked
     def prepare_load(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
                      ) -> LoadPlan | None:
         """Hold the longest prefix of `keys` that is in host memory for reading (readers + 1
@@ -226,7 +263,7 @@ class Manager:
             The plan (its keys may be fewer than asked if a chunk is not resident), or None if
             the first chunk is not resident (no job is created).
         """
-        index, state, touch = self.slots.index, self.slots.state, self.slots.policy.touch
+        index, state, touch = self.slots.index, self.slots.state, self.slots.touch
         slots: list[int] = []
         for key in keys:
             slot = index.get(key)
@@ -243,6 +280,7 @@ class Manager:
         self._loads[job_id] = slots
         return LoadPlan(job_id, tuple(keys[:len(slots)]), np.array(slots, dtype=np.int64))
 
+    @_locked
     def complete_load(self, job_id: int, num_ok: int | None = None) -> None:
         """End a load job: release its slots. `num_ok` (None = all) only feeds the metrics: a
         failed H2D leaves the host copy intact.
@@ -263,6 +301,7 @@ class Manager:
             metrics.FAILED_CHUNKS.labels(metrics.HOST, "load").inc(len(slots) - n_ok)
 
     # -- secondary tiers ---------------------------------------------------------------------
+    @_locked
     def poll(self) -> list[JobResult]:
         """Collect finished secondary-tier jobs: a promotion that succeeded makes its chunk a
         HIT, one that failed frees its slot; a finished cascade releases its slot.
@@ -308,13 +347,17 @@ class Manager:
         self.poll()
 
     # -- removal and events ------------------------------------------------------------------
+    @_locked
     def discard(self, keys: Iterable[ChunkKey]) -> None:
         """Drop chunks from host memory (now if idle, else when their readers finish)."""
         gone = [key for key in keys if self.slots.discard(key)]
         self._removed(gone)
 
+    @_locked
     def clear(self) -> None:
         """Drop every chunk from host memory (deferred for chunks in use)."""
+        for listener in self.host_listeners:
+            listener((), list(self.slots.index))
         for key in list(self.slots.index):
             self.slots.discard(key)
         self._event(AllBlocksCleared(HOST_MEDIUM))
@@ -329,6 +372,8 @@ class Manager:
         if tier == metrics.HOST:
             _HOST_STORED.inc(len(keys))
             medium = HOST_MEDIUM
+            for listener in self.host_listeners:
+                listener(keys, ())
         else:
             metrics.STORED_CHUNKS.labels(tier).inc(len(keys))
             medium = tier.upper()
@@ -339,6 +384,8 @@ class Manager:
         """Count and announce chunks that left the host tier."""
         if keys:
             _HOST_EVICTED.inc(len(keys))
+            for listener in self.host_listeners:
+                listener((), keys)
             for group, hashes in _by_group(keys).items():
                 self._event(BlockRemoved(hashes, group, HOST_MEDIUM))
 
@@ -348,6 +395,7 @@ class Manager:
             plugins.emit_kv_event(event)
 
     # -- introspection -----------------------------------------------------------------------
+    @_locked
     def stats(self) -> dict[str, int]:
         """Counts: resident chunks, free slots, slots with readers / being written, lookup
         pins, open store/load jobs, secondary-tier jobs in flight."""

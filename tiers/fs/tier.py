@@ -1,8 +1,9 @@
 """`fs`: the filesystem secondary tier — crash-safe, self-verifying, shared by processes.
 
-One file per chunk (`format.py`), written to a unique temp name, fdatasynced, renamed
-atomically and the folder fsynced (`fileio.write_chunk`); every load verifies header, size and
-the xxh3-128 payload checksum (`fileio.read_chunk`). A failed check, a missing file or an I/O
+One file per chunk (`format.py`), written to a unique temp name and renamed atomically
+(`fileio.write_chunk`; with `durability: "power-loss"` also fdatasynced before the rename and
+the folder fsynced after it); every load verifies header, size and the xxh3-128 payload
+checksum (`fileio.read_chunk`), so a file torn or zeroed by a power loss is a miss. A failed check, a missing file or an I/O
 error fails the job (a MISS for the engine), bumps a counter, and moves a bad file into the
 namespace's `quarantine/` folder; nothing is raised into the caller.
 
@@ -43,6 +44,8 @@ from .scan import orphaned_temp_files, scan_namespace
 DEFAULT_SPACE_SHARE = 0.9
 #: At most this often (seconds) the other namespaces under root_dir are measured again.
 ROOT_SCAN_INTERVAL_S = 10.0
+#: The refresh thread waits at least this many times as long as its last scan took.
+REFRESH_DUTY_FACTOR = 20
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
 _BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
 
@@ -87,12 +90,14 @@ class FsTier(SecondaryTier):
                             "support O_DIRECT; use \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
         self.o_direct = supported and cfg.o_direct is not False
+        self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_orphaned_temps()
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
         self._budget = RootBudget(cfg.root_dir, os.path.basename(self.ns_dir))
         self._next_root_scan = 0.0
+        self._refresh_wait_s = cfg.refresh_interval_s
         try:
             self.refresh()
         except OSError as exc:
@@ -140,15 +145,23 @@ class FsTier(SecondaryTier):
                    + self._budget.others_bytes)
 
     def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.config.refresh_interval_s):
+        wait_s = self.config.refresh_interval_s
+        while not self._stop.wait(wait_s):
+            t0 = time.perf_counter()
             try:
                 self.refresh()
             except Exception:  # keep refreshing; the counter shows it in metrics
                 self._count("refresh_errors")
+            # a scan lists every file: a big folder is scanned less often, so scanning takes
+            # at most 1 / REFRESH_DUTY_FACTOR of one core's time
+            wait_s = self._refresh_wait_s = max(self.config.refresh_interval_s,
+                                                REFRESH_DUTY_FACTOR * (time.perf_counter() - t0))
 
     def refresh(self) -> None:
         """Re-scan the namespace folder now (the background thread does this every
-        `refresh_interval_s`): index files other processes wrote, forget deleted ones.
+        `refresh_interval_s` or longer for big folders): mark the namespace in use (with the
+        current wait, `budget.py`), index files other processes wrote, forget deleted ones;
+        every `ROOT_SCAN_INTERVAL_S` also measure the other namespaces under root_dir.
         Thread-safe; scans run one at a time.
 
         Raises:
@@ -156,7 +169,7 @@ class FsTier(SecondaryTier):
                 thread counts `refresh_errors` and tries again).
         """
         with self._scan_lock:
-            mark_in_use(self.ns_dir, self.config.refresh_interval_s)
+            mark_in_use(self.ns_dir, self._refresh_wait_s)
             known, epoch = self._index.snapshot()
             self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known).found,
                                   epoch)
@@ -210,12 +223,13 @@ class FsTier(SecondaryTier):
         io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors,
         namespaces_deleted (absent while 0); plus used_bytes, max_bytes (root-wide),
         other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
-        chunks and o_direct (bool, detected at start)."""
+        chunks, o_direct (bool, detected at start) and durability (the config value)."""
         deleted = self._budget.namespaces_deleted
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
-                   "chunks": len(self._index), "o_direct": self.o_direct})
+                   "chunks": len(self._index), "o_direct": self.o_direct,
+                   "durability": self.config.durability})
 
     # -- jobs ---------------------------------------------------------------------------------
     def _check_job(self, job: TierJob) -> str | None:
@@ -234,9 +248,10 @@ class FsTier(SecondaryTier):
         error = self._check_job(job)
         if error:
             return error
-        if self._index.touch(job.key) or os.path.exists(chunk_path(self.ns_dir, job.key)):
-            self._index.add(job.key, record_nbytes(job.nbytes))
+        if self._index.touch(job.key):
             return None
+        # an unindexed file under this name is rewritten, not trusted: it may be torn by a
+        # power loss (the scan left it out), or be another process's copy of the same chunk
         nbytes = record_nbytes(job.nbytes)
         budget = self._budget.room_for(self._index.used_bytes + nbytes, self.max_bytes)
         victims = self._index.reserve(nbytes, budget)
@@ -248,7 +263,7 @@ class FsTier(SecondaryTier):
         try:
             write_chunk(self._os, self.ns_dir, job.key,
                         self._host[job.offset:job.offset + job.nbytes], self._direct(job),
-                        self._scratch_buffers())
+                        self._scratch_buffers(), self._sync)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 self._count("enospc")
