@@ -7,13 +7,11 @@ pytest.importorskip("vllm", reason="vllm is not installed in this environment")
 
 from kvhal.config import ConfigError  # noqa: E402
 from kvhal.integrations.vllm.geometry import Deployment, check_shareable  # noqa: E402
-from kvhal.layout import attention_spec  # noqa: E402
 
 
 def _deployment(hash_name: str, seed: str | None) -> Deployment:
-    spec = attention_spec(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
-                          block_size=16)
-    return Deployment(spec, 16, 1, 512, 1, ("l0",), bytes(16), hash_name, seed)
+    return Deployment(groups=(), block_size=16, blocks_per_chunk=1, tp_size=1,
+                      namespace=bytes(16), hash_name=hash_name, hash_seed=seed)
 
 
 def test_per_process_hashes_refuse_secondary_tiers():
