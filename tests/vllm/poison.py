@@ -74,12 +74,13 @@ class KVHalConnector(connector.KVHalConnector):
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         worker_meta = connector_output.kv_connector_worker_meta
-        region = self.scheduler_side.region
+        side = self.scheduler_side
         for job_id, num_ok in (worker_meta.num_ok.items() if worker_meta else ()):
             slots = self._store_slots.pop(job_id, None)
             for slot in (slots[:num_ok] if slots is not None else ()):
+                offset, nbytes = side.layout.slot_span(int(slot))
                 self.checked_chunks += 1
-                self.poisoned_chunks += poisoned_rows(region.slot_array(int(slot))) > 0
+                self.poisoned_chunks += poisoned_rows(side.region.array[offset:offset + nbytes]) > 0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
