@@ -79,8 +79,9 @@ class KVHalConnector(connector.KVHalConnector):
             slots = self._store_slots.pop(job_id, None)
             for slot in (slots[:num_ok] if slots is not None else ()):
                 offset, nbytes = side.layout.slot_span(int(slot))
+                payload = side.region.array[offset:offset + nbytes]
                 self.checked_chunks += 1
-                self.poisoned_chunks += poisoned_rows(side.region.array[offset:offset + nbytes]) > 0
+                self.poisoned_chunks += poisoned_rows(payload) > 0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
