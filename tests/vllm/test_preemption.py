@@ -1,8 +1,8 @@
 """Preemption under load on real vLLM-CPU: more concurrent requests than the KV cache holds.
 
 Three engines get the same 12 prompts in one batch: vLLM with a KV cache that holds them all
-(the reference), vLLM alone with a 9-block cache (it preempts; the spread its own re-prefill
-of generated tokens causes is measured), and kvhal (host tier) with the same 9 blocks through
+(the reference), vLLM alone with a 10-block cache (it preempts; the spread its own re-prefill
+of generated tokens causes is measured), and kvhal (host tier) with the same 10 blocks through
 `poison.KVHalConnector` (a poisoning subclass), which poisons every block vLLM hands out and scans every finished
 store for poison. Every request must complete; no store may have read a reused block;
 requests never preempted must equal the reference token for token and logprob for logprob;
@@ -29,8 +29,9 @@ MAX_TOKENS = 100
 GEN = {"op": "generate", "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
 PREEMPTED = {"op": "preempted", "prompts": PROMPTS}
 TRACK = {"op": "track_preemptions"}
-#: 9 blocks × 128 tokens: three 300-token prompts fit, their growth to 400 tokens does not.
-SMALL = {"num_blocks": 9, "max_model_len": 1024}
+#: 10 blocks of 128 tokens, one of them vLLM's null block: three 300-token prompts (3 blocks
+#: each) are admitted, their growth past 384 tokens does not fit.
+SMALL = {"num_blocks": 10, "max_model_len": 1024}
 
 
 @pytest.fixture(scope="module")
