@@ -100,6 +100,14 @@ class SecondaryTier(abc.ABC):
 
     #: Registered type name ("fs", "obj", "p2p", "memory", ...).
     name: str = "base"
+    #: Where the tier keeps chunks, as vLLM's KV events name it (`vllm.distributed.kv_events`
+    #: `MEDIUM_CPU` "CPU" for memory, `MEDIUM_STORAGE` "STORAGE" for disks and object stores).
+    medium: str = "STORAGE"
+    #: "LOCAL" (on this instance) or "REMOTE" (vLLM `Locality`; an object store, a peer).
+    locality: str = "LOCAL"
+    #: Source of the prompt tokens this tier serves, as vLLM's `CacheHitSource` names it
+    #: ("host", "disk", "p2p"; `vllm/v1/metrics/cache_hit_source.py`).
+    hit_source: str = "disk"
 
     @abc.abstractmethod
     def lookup(self, key: ChunkKey) -> Lookup:
@@ -142,6 +150,15 @@ class SecondaryTier(abc.ABC):
     def close(self) -> None:
         """Drain, then release threads, files and connections. Idempotent."""
 
+    def take_removed(self) -> list[ChunkKey]:
+        """Keys that left the tier since the last call (evicted, garbage-collected, found
+        corrupt or missing), each once per departure. Must not block on I/O. The engine turns
+        them into `BlockRemoved` events and eviction counts. Default: none."""
+        return []
+
     def stats(self) -> Mapping[str, Any]:
-        """Counters for metrics and reports (bytes stored/loaded, hits, corrupt, evictions)."""
+        """Counters for metrics and reports (bytes stored/loaded, hits, corrupt, evictions).
+
+        The engine's metrics read `used_bytes` (bytes held now) and `max_bytes` (capacity),
+        where given."""
         return {}
