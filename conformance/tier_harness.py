@@ -128,7 +128,8 @@ def _fs_config(tmp: str, max_bytes: int) -> Config:
 
 
 def _fs_damage(tier, config, key, kind, seed):
-    from kvhal.tiers.fs.format import HEADER_BYTES, chunk_path
+    from kvhal.tiers.chunk_format import HEADER_BYTES, decode_header
+    from kvhal.tiers.fs.format import chunk_path
     path = chunk_path(tier.ns_dir, key)
     if kind == "delete":
         os.unlink(path)
@@ -140,7 +141,6 @@ def _fs_damage(tier, config, key, kind, seed):
         return
     lo, hi = (0, 64) if kind == "bitflip-header" else (HEADER_BYTES, size)
     if kind == "bitflip-payload":  # within the payload proper, not the zero padding
-        from kvhal.tiers.fs.format import decode_header
         with open(path, "rb") as f:
             hi = HEADER_BYTES + decode_header(f.read(HEADER_BYTES)).payload_nbytes
     pos = rng.randrange(lo, hi)

@@ -146,6 +146,13 @@ class SecondaryTier(abc.ABC):
             TimeoutError: jobs remain after `timeout_s` seconds.
         """
 
+    def take_removed(self) -> list[ChunkKey]:
+        """Keys that left this tier since the last call (evicted, garbage-collected, found
+        corrupt or missing, deleted by another instance), each once. The engine turns them
+        into `BlockRemoved` events. Never blocks on I/O. Default: none (a tier that never
+        drops chunks on its own)."""
+        return []
+
     @abc.abstractmethod
     def close(self) -> None:
         """Drain, then release threads, files and connections. Idempotent."""

@@ -60,7 +60,7 @@ def test_fsck_reports_damage_and_exits_nonzero(tmp_path):
         "corrupt_bytes": 16384 + 6000, "orphaned_temps": 1, "orphaned_temp_bytes": 777,
         "quarantined": 0}
     assert sorted(report["problems"]) == sorted([[paths[1], "checksum mismatch"],
-                                                 [paths[3], "file size 6000 != expected 16384"]])
+                                                 [paths[3], "record size 6000 != expected 16384"]])
 
 
 def test_fsck_repair_quarantines_and_cleans_then_the_directory_is_clean(tmp_path):
@@ -131,7 +131,7 @@ def test_fsck_never_reads_a_huge_file_with_a_chunk_name_into_memory(tmp_path):
     report = json.loads(out.stdout)
     assert (report["good"], report["corrupt"], report["corrupt_bytes"]) == (
         2, 3, 16384 + 6000 + (3 << 30))
-    assert [paths[2], f"file size {3 << 30} != expected 16384"] in report["problems"]
+    assert [paths[2], f"record size {3 << 30} != expected 16384"] in report["problems"]
 
 
 def test_bench_tier_json_reports_both_directions_with_ratios(tmp_path):

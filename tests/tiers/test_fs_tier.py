@@ -102,7 +102,7 @@ def test_a_chunk_file_replaced_by_another_keys_valid_file_is_a_miss(tmp_path, re
 
     result = load(tier, victim, 8192, 5000)
 
-    assert (result.ok, result.error) == (False, "corrupt: file holds another key than its "
+    assert (result.ok, result.error) == (False, "corrupt: record holds another key than its "
                                                 "name says")
     assert tier.lookup(victim) is Lookup.MISS and not os.path.exists(victim_path)
     assert load(tier, other, 16384, 5000).ok

@@ -2,7 +2,7 @@
 
 Reads every chunk file of every namespace under a root folder in full and checks its header,
 key, size and xxh3-128 payload checksum (`fileio.verify_file`); counts temp files left by
-writers that died (`index.orphaned_temp_files`). Repair moves corrupt files into the
+writers that died (`scan.orphaned_temp_files`). Repair moves corrupt files into the
 namespace's `quarantine/` folder and deletes orphaned temp files; good files are never touched.
 """
 from __future__ import annotations
@@ -12,9 +12,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .fileio import CorruptChunk, quarantine_file, verify_file
+from ..chunk_format import CorruptChunk
+from .fileio import quarantine_file, verify_file
 from .format import CHUNKS_DIR, QUARANTINE_DIR, is_namespace_dir_name, key_from_name
-from .index import orphaned_temp_files
+from .scan import orphaned_temp_files
 
 
 @dataclass(slots=True)

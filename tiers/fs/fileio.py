@@ -16,21 +16,15 @@ import time
 
 from kvhal.keys import ChunkKey
 
-from .format import (ALIGN, HEADER_BYTES, QUARANTINE_DIR, FormatError, Header, chunk_path,
-                     decode_header, encode_header, file_nbytes, payload_checksum, temp_path)
+from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, FormatError, Header,
+                            SizeMismatch, check_record_size, checked_header, decode_header,
+                            encode_header, payload_checksum, record_nbytes, verify_payload)
+from .format import QUARANTINE_DIR, chunk_path, temp_path
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: Opening a chunk file never blocks: O_NONBLOCK makes a FIFO (or device) planted under a
 #: chunk name open at once, and `_regular_file_size` then refuses it.
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
-
-
-class CorruptChunk(Exception):
-    """A chunk file failed a check (header, size, key or checksum); args[0] says which."""
-
-
-class SizeMismatch(Exception):
-    """A valid chunk file holds a payload of another size than the one requested."""
 
 
 class Scratch:
@@ -164,7 +158,7 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
     fd = osm.open(path, _READ_FLAGS | (O_DIRECT if direct else 0))
     try:
         size = _regular_file_size(fd)
-        expected = file_nbytes(len(dest))
+        expected = record_nbytes(len(dest))
         if size != expected:
             _raise_size_problem(osm, fd, size, expected, scratch)
         bulk, rem = _split(dest)
@@ -174,7 +168,7 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
         os.close(fd)
     if n != expected:
         raise CorruptChunk(f"short read: {n} of {expected} bytes")
-    header = _checked_header(scratch.header, key, namespace)
+    header = checked_header(scratch.header, key, namespace)
     if header.payload_nbytes != len(dest):
         raise SizeMismatch(f"payload {header.payload_nbytes} bytes != requested {len(dest)}")
     if rem:
@@ -189,22 +183,10 @@ def _raise_size_problem(osm, fd: int, size: int, expected: int, scratch: Scratch
             header = decode_header(scratch.header)
         except FormatError:
             header = None
-        if header is not None and file_nbytes(header.payload_nbytes) == size:
+        if header is not None and record_nbytes(header.payload_nbytes) == size:
             raise SizeMismatch(f"payload {header.payload_nbytes} bytes != requested "
                                f"{expected - HEADER_BYTES} (padded)")
     raise CorruptChunk(f"file size {size} != expected {expected}")
-
-
-def _checked_header(block: memoryview | bytes, key: ChunkKey | None, namespace: bytes) -> Header:
-    try:
-        header = decode_header(block)
-    except FormatError as exc:
-        raise CorruptChunk(str(exc)) from None
-    if header.key.namespace != namespace:
-        raise CorruptChunk("namespace digest differs from the folder's")
-    if key is not None and header.key != key:
-        raise CorruptChunk("file holds another key than its name says")
-    return header
 
 
 def read_header(path: str, namespace: bytes) -> tuple[Header, int]:
@@ -222,9 +204,8 @@ def read_header(path: str, namespace: bytes) -> tuple[Header, int]:
         block = os.pread(fd, HEADER_BYTES, 0)
     finally:
         os.close(fd)
-    header = _checked_header(block, None, namespace)
-    if size != file_nbytes(header.payload_nbytes):
-        raise CorruptChunk(f"file size {size} != expected {file_nbytes(header.payload_nbytes)}")
+    header = checked_header(block, None, namespace)
+    check_record_size(header, size, None)
     return header, size
 
 
@@ -239,15 +220,10 @@ def verify_file(path: str, namespace: bytes, key: ChunkKey | None) -> Header:
     """
     with open(os.open(path, _READ_FLAGS), "rb", buffering=0) as f:
         size = _regular_file_size(f.fileno())
-        header = _checked_header(f.read(HEADER_BYTES), key, namespace)
-        if size != file_nbytes(header.payload_nbytes):  # checked before reading the payload
-            raise CorruptChunk(f"file size {size} != expected "
-                               f"{file_nbytes(header.payload_nbytes)}")
+        header = checked_header(f.read(HEADER_BYTES), key, namespace)
+        check_record_size(header, size, None)  # before reading the payload
         payload = f.read(header.payload_nbytes)
-    if len(payload) != header.payload_nbytes:
-        raise CorruptChunk(f"short read: {len(payload)} of {header.payload_nbytes} payload bytes")
-    if payload_checksum(payload) != header.checksum:
-        raise CorruptChunk("checksum mismatch")
+    verify_payload(header, payload)
     return header
 
 

@@ -15,26 +15,27 @@ the namespace.
 """
 from __future__ import annotations
 
-import collections
 import errno
 import os
 import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 from kvhal.keys import ChunkKey
 
 from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
+from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
+from ..index import ChunkIndex
+from ..jobs import JobBoard
 from .config import parse_config
-from .fileio import (CorruptChunk, Scratch, SizeMismatch, fsync_dir, probe_o_direct,
-                     quarantine_file, read_chunk, write_chunk)
-from .format import (ALIGN, CHUNKS_DIR, QUARANTINE_DIR, TEMP_DIR, chunk_path, file_nbytes,
-                     namespace_dir)
-from .index import ChunkIndex, orphaned_temp_files, scan_namespace
+from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
+                     write_chunk)
+from .format import CHUNKS_DIR, QUARANTINE_DIR, TEMP_DIR, chunk_path, namespace_dir
+from .scan import orphaned_temp_files, scan_namespace
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
@@ -82,7 +83,7 @@ class FsTier(SecondaryTier):
                             "support O_DIRECT; use \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
         self.o_direct = supported and cfg.o_direct is not False
-        self._stats: collections.Counter[str] = collections.Counter()
+        self._jobs = JobBoard("fs")
         self._remove_orphaned_temps()
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
@@ -93,10 +94,6 @@ class FsTier(SecondaryTier):
                             f"({_errno_text(exc)})") from None
         self.max_bytes = cfg.max_bytes or self._default_max_bytes()
         self._scratch = threading.local()
-        self._lock = threading.Condition()
-        self._finished: list[JobResult] = []
-        self._pending = 0
-        self._closed = False
         self._readers = ThreadPoolExecutor(cfg.n_read_threads, "kvhal-fs-read")
         self._writers = ThreadPoolExecutor(cfg.n_write_threads, "kvhal-fs-write")
         self._stop = threading.Event()
@@ -127,7 +124,7 @@ class FsTier(SecondaryTier):
         for path, _ in orphaned_temp_files(self.ns_dir, time.time()):
             try:
                 os.unlink(path)
-                self._stats["orphaned_temps_removed"] += 1
+                self._jobs.count("orphaned_temps_removed")
             except OSError:
                 pass
 
@@ -153,26 +150,25 @@ class FsTier(SecondaryTier):
         """
         with self._scan_lock:
             known, epoch = self._index.snapshot()
-            self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known), epoch)
+            self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known).found,
+                                  epoch)
 
     # -- SecondaryTier ------------------------------------------------------------------------
     def lookup(self, key: ChunkKey) -> Lookup:
         """HIT if the index holds `key` (no disk I/O; a HIT's load may still fail)."""
-        return Lookup.HIT if not self._closed and key in self._index else Lookup.MISS
+        return Lookup.HIT if not self._jobs.closed and key in self._index else Lookup.MISS
 
     def submit_store(self, job: TierJob) -> None:
         """Queue a store on the write pool (see `SecondaryTier.submit_store`)."""
-        self._submit(self._writers, self._store, job)
+        self._jobs.submit(self._writers, self._store, job)
 
     def submit_load(self, job: TierJob) -> None:
         """Queue a load on the read pool (see `SecondaryTier.submit_load`)."""
-        self._submit(self._readers, self._load, job)
+        self._jobs.submit(self._readers, self._load, job)
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Results of jobs finished since the last call, each exactly once."""
-        with self._lock:
-            out, self._finished = self._finished, []
-            return out
+        return self._jobs.take_finished()
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait until no job is pending.
@@ -180,17 +176,17 @@ class FsTier(SecondaryTier):
         Raises:
             TimeoutError: jobs remain after `timeout_s` seconds.
         """
-        with self._lock:
-            if not self._lock.wait_for(lambda: self._pending == 0, timeout_s):
-                raise TimeoutError(f"fs tier: {self._pending} jobs still pending after "
-                                   f"{timeout_s} s")
+        self._jobs.drain(timeout_s)
+
+    def take_removed(self) -> list[ChunkKey]:
+        """Keys whose chunk files left the tier since the last call: evicted, found corrupt
+        or missing, or deleted by another process (seen by a refresh)."""
+        return self._index.take_removed()
 
     def close(self) -> None:
         """Finish pending jobs, stop the pools and the refresh thread. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._jobs.close():
+            return
         self._stop.set()
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
@@ -201,38 +197,10 @@ class FsTier(SecondaryTier):
         io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors
         (absent while 0); plus used_bytes, max_bytes, chunks and o_direct (bool, detected at
         start)."""
-        with self._lock:
-            out = dict(self._stats)
-        return out | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
+        return self._jobs.counters() | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                       "chunks": len(self._index), "o_direct": self.o_direct}
 
     # -- jobs ---------------------------------------------------------------------------------
-    def _submit(self, pool: ThreadPoolExecutor, fn: Callable[[TierJob], str | None],
-                job: TierJob) -> None:
-        with self._lock:
-            if self._closed:
-                self._finish(job, 0.0, "tier closed")
-                return
-            self._pending += 1
-        pool.submit(self._run, fn, job)
-
-    def _run(self, fn: Callable[[TierJob], str | None], job: TierJob) -> None:
-        t0 = time.perf_counter()
-        try:
-            error = fn(job)
-        except Exception as exc:  # a bug must still end the job exactly once
-            error = f"internal error: {exc!r}"
-        with self._lock:
-            self._finish(job, time.perf_counter() - t0, error)
-            self._pending -= 1
-            self._lock.notify_all()
-
-    def _finish(self, job: TierJob, seconds: float, error: str | None) -> None:
-        self._finished.append(JobResult(job.job_id, job.kind, job.key, error is None, error,
-                                        seconds))
-        if error is not None:
-            self._stats[f"{job.kind.value}_failed"] += 1
-
     def _check_job(self, job: TierJob) -> str | None:
         return job_problem(job, len(self._host), self.namespace)
 
@@ -250,9 +218,9 @@ class FsTier(SecondaryTier):
         if error:
             return error
         if self._index.touch(job.key) or os.path.exists(chunk_path(self.ns_dir, job.key)):
-            self._index.add(job.key, file_nbytes(job.nbytes))
+            self._index.add(job.key, record_nbytes(job.nbytes))
             return None
-        nbytes = file_nbytes(job.nbytes)
+        nbytes = record_nbytes(job.nbytes)
         victims = self._index.reserve(nbytes, self.max_bytes)
         if victims is None:
             return f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
@@ -307,8 +275,7 @@ class FsTier(SecondaryTier):
 
     # -- housekeeping -------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._stats[name] += n
+        self._jobs.count(name, n)
 
     def _quarantine(self, path: str) -> None:
         if quarantine_file(self.ns_dir, path):

@@ -1,0 +1,50 @@
+"""The shared LRU index of storage tiers: byte accounting, reconcile, and removal tracking."""
+from __future__ import annotations
+
+from kvhal.keys import ChunkKey
+from kvhal.tiers.index import ChunkIndex
+
+from .helpers import NAMESPACE
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(NAMESPACE, 0, i.to_bytes(32, "big"))
+
+
+def test_reserve_evicts_least_recently_used_and_reports_them_removed():
+    index = ChunkIndex()
+    for i in range(4):
+        index.add(_key(i), 100)
+    index.touch(_key(0))
+
+    victims = index.reserve(150, max_bytes=400)
+
+    assert victims == [(_key(1), 100), (_key(2), 100)]
+    assert index.used_bytes == 350
+    assert index.take_removed() == [_key(1), _key(2)]
+    assert index.take_removed() == []
+
+
+def test_discard_reports_only_keys_that_were_indexed():
+    index = ChunkIndex()
+    index.add(_key(1), 10)
+
+    index.discard(_key(1))
+    index.discard(_key(2))
+
+    assert index.take_removed() == [_key(1)]
+
+
+def test_reconcile_drops_what_a_listing_missed_and_keeps_later_adds():
+    index = ChunkIndex()
+    index.add(_key(1), 10)
+    index.add(_key(2), 10)
+    index.reconcile({_key(1): 10, _key(2): 10}, index.snapshot()[1])  # a first listing
+    _, epoch = index.snapshot()
+    index.add(_key(3), 10)  # stored while the listing ran
+
+    index.reconcile({_key(2): 10, _key(4): 20}, epoch)
+
+    assert [k in index for k in map(_key, range(1, 5))] == [False, True, True, True]
+    assert index.used_bytes == 40
+    assert index.take_removed() == [_key(1)]

@@ -1,0 +1,114 @@
+"""Scanning an fs tier's namespace folder: which chunk files exist (for `ChunkIndex`) and which
+temp files writers that died left behind.
+
+The tier's index (`kvhal.tiers.index.ChunkIndex`) is filled from `scan_namespace` at start and
+kept in step with files other processes write or delete by a scan on a background thread.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from kvhal.keys import ChunkKey
+
+from ..chunk_format import CorruptChunk
+from .fileio import read_header
+from .format import CHUNKS_DIR, TEMP_DIR, key_from_name, temp_owner_pid
+
+#: A temp file whose writer pid is not running here is orphaned after this many seconds; any
+#: temp file is orphaned after `TEMP_MAX_AGE_S` (covers writers in another pid namespace).
+TEMP_DEAD_OWNER_AGE_S = 10.0
+TEMP_MAX_AGE_S = 3600.0
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """What one pass over a namespace folder found.
+
+    Attributes:
+        found: Every valid chunk file, key → file bytes.
+        bad: Paths whose header failed a check (left in place; `kvhal fsck` reports them).
+    """
+
+    found: dict[ChunkKey, int] = field(default_factory=dict)
+    bad: list[str] = field(default_factory=list)
+
+
+def scan_namespace(ns_dir: str, namespace: bytes, known: dict[ChunkKey, int]) -> ScanResult:
+    """List the chunk files of one namespace folder.
+
+    Files whose key is in `known` are taken at the known size without any I/O beyond the
+    directory listing; new files get their header read and checked (`read_header`). Files
+    that vanish during the scan are skipped. Never raises for I/O errors on single files.
+
+    Raises:
+        OSError: a folder exists but cannot be listed (EMFILE, EIO, EACCES, ...): the caller
+            must keep its index rather than take the folder for empty. A folder that is gone
+            (ENOENT) counts as empty.
+    """
+    out = ScanResult()
+    chunks = os.path.join(ns_dir, CHUNKS_DIR)
+    try:
+        subdirs = [e.path for e in os.scandir(chunks) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return out
+    for sub in subdirs:
+        try:
+            entries = list(os.scandir(sub))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            key = key_from_name(namespace, entry.name)
+            if key is None:
+                continue
+            if key in known:
+                out.found[key] = known[key]
+                continue
+            try:
+                header, size = read_header(entry.path, namespace)
+            except CorruptChunk:
+                out.bad.append(entry.path)
+                continue
+            except OSError:
+                continue
+            if header.key == key:
+                out.found[key] = size
+            else:
+                out.bad.append(entry.path)
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def orphaned_temp_files(ns_dir: str, now: float) -> list[tuple[str, int]]:
+    """Temp files in `ns_dir` left by writers that died: (path, bytes) pairs.
+
+    A temp file is orphaned when the pid in its name is not running on this host and it is at
+    least `TEMP_DEAD_OWNER_AGE_S` old, or when it is at least `TEMP_MAX_AGE_S` old. `now` is
+    `time.time()`. Never raises for I/O errors.
+    """
+    out = []
+    try:
+        entries = list(os.scandir(os.path.join(ns_dir, TEMP_DIR)))
+    except OSError:
+        return out
+    for entry in entries:
+        pid = temp_owner_pid(entry.name)
+        if pid is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        age = now - st.st_mtime
+        if age >= TEMP_MAX_AGE_S or (age >= TEMP_DEAD_OWNER_AGE_S and not _pid_alive(pid)):
+            out.append((entry.path, st.st_size))
+    return out

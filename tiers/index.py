@@ -1,0 +1,148 @@
+"""The in-memory index of a storage tier: which chunks it holds, their bytes, and LRU order.
+
+Shared by the tiers that keep chunks outside this process (fs files, obj objects). Lookups
+consult only this index (no I/O). A tier fills it from a listing of its store at start and
+keeps it in step with what other processes write or delete by listing again on a background
+thread: `snapshot` before the listing, `reconcile` after it, which merges without dropping
+entries added (or resurrecting entries removed) while the listing ran.
+
+Every key that leaves the index (evicted, discarded, gone from a listing) is remembered until
+`take_removed` hands it out, so the tier can report it as a removal (a `BlockRemoved` event);
+at most `MAX_REMEMBERED_REMOVALS` are kept between calls (the oldest are dropped: a consumer
+then holds a stale entry, which costs it one failed load).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Mapping
+
+from kvhal.keys import ChunkKey
+
+MAX_REMEMBERED_REMOVALS = 1 << 16
+
+
+class ChunkIndex:
+    """Thread-safe LRU map of chunk key → stored bytes, with byte accounting.
+
+    `used_bytes` counts indexed bytes plus bytes reserved by stores in flight. The caller
+    deletes the stored objects of the victims `reserve` and `evict_lru` return.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lru: collections.OrderedDict[ChunkKey, int] = collections.OrderedDict()
+        self._added_epoch: dict[ChunkKey, int] = {}
+        self._removed_epoch: dict[ChunkKey, int] = {}
+        self._epoch = 0
+        self._indexed = 0
+        self._reserved = 0
+        self._gone: collections.deque[ChunkKey] = collections.deque(
+            maxlen=MAX_REMEMBERED_REMOVALS)
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key in self._lru
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of indexed chunks plus reservations."""
+        with self._lock:
+            return self._indexed + self._reserved
+
+    def snapshot(self) -> tuple[dict[ChunkKey, int], int]:
+        """A copy of the map and a new epoch; pass both to `reconcile` after scanning."""
+        with self._lock:
+            self._epoch += 1
+            return dict(self._lru), self._epoch
+
+    def reconcile(self, found: Mapping[ChunkKey, int], epoch: int) -> None:
+        """Merge a listing (key → stored bytes) started at `epoch`: add new keys (as most
+        recently used) unless they were removed after the listing began, and drop entries the
+        listing did not find unless they were added after it began."""
+        with self._lock:
+            removed, self._removed_epoch = self._removed_epoch, {}
+            for key in [k for k in self._lru if k not in found
+                        and self._added_epoch.get(k, 0) < epoch]:
+                self._indexed -= self._lru.pop(key)
+                self._added_epoch.pop(key, None)
+                self._gone.append(key)
+            for key, nbytes in found.items():
+                if key not in self._lru and removed.get(key, -1) < epoch:
+                    self._lru[key] = nbytes
+                    self._indexed += nbytes
+                    self._added_epoch[key] = epoch
+
+    def touch(self, key: ChunkKey) -> bool:
+        """Mark `key` most recently used; False if it is not indexed."""
+        with self._lock:
+            if key not in self._lru:
+                return False
+            self._lru.move_to_end(key)
+            return True
+
+    def add(self, key: ChunkKey, nbytes: int) -> None:
+        """Index a stored chunk of `nbytes` stored bytes (most recently used)."""
+        with self._lock:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                return
+            self._lru[key] = nbytes
+            self._indexed += nbytes
+            self._added_epoch[key] = self._epoch + 1
+
+    def discard(self, key: ChunkKey) -> None:
+        """Forget `key` after its stored object was deleted or found unusable (a listing that
+        saw it before that does not bring it back)."""
+        with self._lock:
+            self._removed_epoch[key] = self._epoch
+            if key in self._lru:
+                self._indexed -= self._lru.pop(key)
+                self._added_epoch.pop(key, None)
+                self._gone.append(key)
+
+    def reserve(self, nbytes: int, max_bytes: int) -> list[tuple[ChunkKey, int]] | None:
+        """Reserve `nbytes` for a store, taking least recently used entries out of the index
+        until everything fits in `max_bytes`. Returns the victims (key, bytes), whose stored
+        objects the caller deletes, or None if `nbytes` alone exceeds `max_bytes`."""
+        with self._lock:
+            if nbytes > max_bytes:
+                return None
+            victims = []
+            while self._lru and self._indexed + self._reserved + nbytes > max_bytes:
+                victims.append(self._pop_lru())
+            self._reserved += nbytes
+            return victims
+
+    def release(self, nbytes: int) -> None:
+        """Return a reservation (the store finished or failed)."""
+        with self._lock:
+            self._reserved -= nbytes
+
+    def evict_lru(self, nbytes: int) -> list[tuple[ChunkKey, int]]:
+        """Take least recently used entries totalling at least `nbytes` out of the index; the
+        caller deletes their stored objects."""
+        with self._lock:
+            victims, freed = [], 0
+            while self._lru and freed < nbytes:
+                victims.append(self._pop_lru())
+                freed += victims[-1][1]
+            return victims
+
+    def take_removed(self) -> list[ChunkKey]:
+        """Keys that left the index since the last call (each once), oldest first."""
+        with self._lock:
+            out = list(self._gone)
+            self._gone.clear()
+            return out
+
+    def _pop_lru(self) -> tuple[ChunkKey, int]:
+        key, size = self._lru.popitem(last=False)
+        self._added_epoch.pop(key, None)
+        self._indexed -= size
+        self._gone.append(key)
+        return key, size

@@ -1,0 +1,115 @@
+"""Job bookkeeping shared by the tiers that run their I/O on thread pools (fs, obj, p2p).
+
+`JobBoard` runs a tier's job functions on the tier's executors and keeps the contract of
+`SecondaryTier` (DESIGN §6): every submitted job yields exactly one `JobResult`, even when the
+job function raises or the tier is closed; `drain` waits for pending jobs with a deadline; the
+named counters feed `stats()`. A job function takes the `TierJob` and returns None on success
+or a short error string; it runs on a pool thread and never on the caller's.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import Executor
+from typing import Callable
+
+from .base import JobResult, TierJob
+
+JobFn = Callable[[TierJob], "str | None"]
+
+
+class JobBoard:
+    """Pending and finished jobs of one tier instance, plus its counters. Thread-safe.
+
+    Args:
+        tier_name: Used in error messages ("fs tier: 3 jobs still pending ...").
+    """
+
+    def __init__(self, tier_name: str):
+        self._name = tier_name
+        self._cond = threading.Condition()
+        self._finished: list[JobResult] = []
+        self._pending = 0
+        self._closed = False
+        self._counters: collections.Counter[str] = collections.Counter()
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` was called: new jobs fail at once with "tier closed"."""
+        return self._closed
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet finished."""
+        with self._cond:
+            return self._pending
+
+    def submit(self, pool: Executor, fn: JobFn, job: TierJob) -> None:
+        """Run `fn(job)` on `pool`; its outcome becomes the job's result. A closed board fails
+        the job at once (the result is still reported exactly once)."""
+        with self._cond:
+            if self._closed:
+                self._finish(job, 0.0, "tier closed")
+                return
+            self._pending += 1
+        try:
+            pool.submit(self._run, fn, job)
+        except RuntimeError:  # the pool shut down between the check and the submit
+            with self._cond:
+                self._pending -= 1
+                self._finish(job, 0.0, "tier closed")
+                self._cond.notify_all()
+
+    def _run(self, fn: JobFn, job: TierJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            error = fn(job)
+        except Exception as exc:  # a bug must still end the job exactly once
+            error = f"internal error: {type(exc).__name__}: {exc}"
+        with self._cond:
+            self._finish(job, time.perf_counter() - t0, error)
+            self._pending -= 1
+            self._cond.notify_all()
+
+    def _finish(self, job: TierJob, seconds: float, error: str | None) -> None:
+        self._finished.append(JobResult(job.job_id, job.kind, job.key, error is None, error,
+                                        seconds))
+        if error is not None:
+            self._counters[f"{job.kind.value}_failed"] += 1
+
+    def take_finished(self) -> list[JobResult]:
+        """Results of jobs finished since the last call, each exactly once."""
+        with self._cond:
+            out, self._finished = self._finished, []
+            return out
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until no job is pending.
+
+        Raises:
+            TimeoutError: jobs remain after `timeout_s` seconds.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending == 0, timeout_s):
+                raise TimeoutError(f"{self._name} tier: {self._pending} jobs still pending "
+                                   f"after {timeout_s} s")
+
+    def close(self) -> bool:
+        """Refuse new jobs from now on. Returns True on the first call only (the caller then
+        shuts its pools down), False if already closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to counter `name`."""
+        with self._cond:
+            self._counters[name] += n
+
+    def counters(self) -> dict[str, int]:
+        """A copy of the counters (those still 0 are absent)."""
+        with self._cond:
+            return dict(self._counters)
