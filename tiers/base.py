@@ -157,12 +157,6 @@ class SecondaryTier(abc.ABC):
     def close(self) -> None:
         """Drain, then release threads, files and connections. Idempotent."""
 
-    def take_removed(self) -> list[ChunkKey]:
-        """Keys that left the tier since the last call (evicted, garbage-collected, found
-        corrupt or missing), each once per departure. Must not block on I/O. The engine turns
-        them into `BlockRemoved` events and eviction counts. Default: none."""
-        return []
-
     def stats(self) -> Mapping[str, Any]:
         """Counters for metrics and reports (bytes stored/loaded, hits, corrupt, evictions).
 
