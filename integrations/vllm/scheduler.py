@@ -27,6 +27,7 @@ from kvhal.host import HostRegion, host_geometry
 from kvhal.keys import chunk_keys
 from kvhal.tiers.base import Lookup
 
+from .events import ChunkEvents
 from .geometry import Deployment
 from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo, TransferJob
 
@@ -49,8 +50,9 @@ class _Request:
     store_jobs: set[int] = field(default_factory=set)
     # First chunk of the hit found by the last get_num_new_matched_tokens.
     load_start: int = 0
-    promoted: set = field(default_factory=set)
-    hit_tokens: dict[str, int] = field(default_factory=dict)
+    hit_tokens: dict[str, int] = field(default_factory=dict)    # tier label → tokens
+    # The last update_state_after_alloc's hit tokens by vLLM cache-hit source.
+    hit_sources: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -69,6 +71,8 @@ class SchedulerSide:
         deployment: Geometry and namespace (`geometry.deployment`).
         config: The validated `kv_connector_extra_config`.
         engine_id: vLLM's `kv_transfer_config.engine_id` (names the shared host region).
+        kv_events: Whether vLLM publishes KV events (`kv_events_config.enable_kv_cache_events`);
+            chunks are described for them only then.
 
     Attributes:
         kv_cache_manager: vLLM's `KVCacheManager` (a request's block ids), set by the connector
@@ -79,7 +83,8 @@ class SchedulerSide:
         kvhal.host.HostRegionError: the shared host region cannot be created.
     """
 
-    def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str):
+    def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str,
+                 kv_events: bool = False):
         self.deployment = deployment
         self.config = config
         geometry = host_geometry(deployment.chunk_nbytes, config.cpu_bytes_to_use)
@@ -91,9 +96,14 @@ class SchedulerSide:
         self.region_info = RegionInfo(shm_path, geometry.slot_bytes, geometry.chunk_nbytes,
                                       geometry.capacity)
         self.manager = build_manager(config, geometry, self.region.view, deployment.namespace)
+        self.manager.metrics.keep_samples = True       # shipped each step (`stats.py`)
         self.kv_cache_manager: Any = None
-        self._tier_name = (config.secondary_tiers[0].type if len(config.secondary_tiers) == 1
-                           else "secondary")
+        # tier label → vLLM CacheHitSource value of the tokens it serves
+        self._hit_source = {"host": "host", **{label: tier.hit_source for label, tier in
+                                               zip(self.manager.tier_labels,
+                                                   self.manager.tiers)}}
+        self.chunk_events = (ChunkEvents(deployment.block_size, deployment.blocks_per_chunk,
+                                         geometry.capacity) if kv_events else None)
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._loads: list[TransferJob] = []
@@ -138,7 +148,10 @@ class SchedulerSide:
             return 0, False
         keys = self._keys(request)[start:end]
         answers = self.manager.lookup(keys, request_id=request.request_id)
-        state.promoted.update(k for k, a in zip(keys, answers) if a is Lookup.RETRY)
+        if self.chunk_events is not None:        # a promotion: describe it while we can
+            for i, (key, answer) in enumerate(zip(keys, answers)):
+                if answer is Lookup.RETRY:
+                    self.chunk_events.record(key, request, start + i)
         hits = leading_hits(answers)
         if hits is None:
             return None, False
@@ -150,6 +163,7 @@ class SchedulerSide:
         """Reserve the hit chunks for reading and queue their load into the request's new
         blocks (vLLM has allocated them)."""
         state = self._state(request)
+        state.hit_sources = {}
         if num_external_tokens == 0:
             self.manager.release(request.request_id)
             return
@@ -167,10 +181,12 @@ class SchedulerSide:
         chunk_blocks = block_ids[first:first + n * bpc].reshape(n, bpc)
         job_id = plan.job_id if plan is not None else -1
         self._loads.append(TransferJob(job_id, request.request_id, slots, chunk_blocks))
-        from_tier = sum(1 for k in keys[:placed] if k in state.promoted)
-        for name, count in (("host", placed - from_tier), (self._tier_name, from_tier)):
-            if count:
-                state.hit_tokens[name] = state.hit_tokens.get(name, 0) + count * tpc
+        # chunks gone since the lookup fail to load; vLLM still counts them as hits, from host
+        sources = (*(plan.sources if plan is not None else ()), *("host",) * (n - placed))
+        for label in sources:
+            state.hit_tokens[label] = state.hit_tokens.get(label, 0) + tpc
+            source = self._hit_source[label]
+            state.hit_sources[source] = state.hit_sources.get(source, 0) + tpc
         state.num_stored_chunks = max(state.num_stored_chunks, state.load_start + placed)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVHalMetadata:
@@ -190,6 +206,7 @@ class SchedulerSide:
         preempted = scheduler_output.preempted_req_ids or ()
         for req_id in preempted:
             self.manager.release(req_id)
+        self.manager.poll()        # finished cascades, and chunks that left a tier
         meta = KVHalMetadata(self.region_info, self._loads, stores, flush=bool(preempted),
                              report_sending=tuple(self._report_sending))
         self._loads, self._report_sending = [], []
@@ -213,6 +230,9 @@ class SchedulerSide:
         block_ids = np.asarray(self.kv_cache_manager.get_block_ids(request.request_id)[0],
                                dtype=np.int64)
         chunks = plan.indices + due.start
+        if self.chunk_events is not None:
+            for key, chunk in zip(plan.keys, chunks.tolist()):
+                self.chunk_events.record(key, request, chunk)
         blocks = block_ids[(chunks[:, None] * bpc + np.arange(bpc)).ravel()].reshape(-1, bpc)
         self._jobs[plan.job_id] = _Job(request.request_id, True, len(plan.keys))
         state.store_jobs.add(plan.job_id)
@@ -262,8 +282,20 @@ class SchedulerSide:
         return False, params
 
     def take_events(self) -> list:
-        """kvhal KV events since the last call (`kvhal.events`)."""
-        return self.manager.take_events()
+        """vLLM KV events for the engine's events since the last call (none unless vLLM
+        publishes KV events; the engine's are drained either way)."""
+        engine_events = self.manager.take_events()
+        return [] if self.chunk_events is None else self.chunk_events.translate(engine_events)
+
+    def hit_sources(self, request: Any) -> dict[str, int]:
+        """The last `update_state_after_alloc`'s external hit tokens of `request` by vLLM
+        `CacheHitSource` value ("host", "disk", "p2p"); they sum to its `num_external_tokens`."""
+        state = self._requests.get(request.request_id)
+        return {} if state is None else dict(state.hit_sources)
+
+    def take_stats(self) -> dict[str, Any]:
+        """The engine's metrics since the last call (`EngineMetrics.take_delta`)."""
+        return self.manager.metrics.take_delta()
 
     def stats(self) -> dict[str, Any]:
         """Counters of this connector plus the manager's and every tier's."""
