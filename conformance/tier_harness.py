@@ -204,3 +204,38 @@ register_harness(TierHarness(
     "fs", config=_fs_config, persistent=True, shared_by_processes=True,
     damage=_fs_damage, damage_kinds=DAMAGE_KINDS, faulty=_fs_faulty,
     stored_objects=_fs_stored_objects))
+
+
+# -- p2p ------------------------------------------------------------------------------------
+#: The shared secret of the suite's p2p instances (a test value, not a real secret).
+P2P_TEST_KEY = "kvhal-conformance-p2p-key"
+
+
+def _p2p_config(tmp: str, max_bytes: int) -> Config:
+    return {"type": "p2p", "auth_key": P2P_TEST_KEY, "max_bytes": max_bytes or 1 << 30,
+            "timeout_s": 10.0}
+
+
+def _p2p_damage(tier, config, key, kind, seed):
+    # An unattached p2p tier serves its own store (tiers/p2p/source.py OwnStore); the damage
+    # is done behind the feed's back, so the directory keeps a now-stale entry.
+    store = tier._source
+    data, checksum = store._data[key]
+    if kind == "delete":
+        del store._data[key]
+        return
+    rng = __import__("random").Random(seed)
+    if kind == "truncate":
+        store._data[key] = (data[:rng.randrange(len(data))], checksum)
+        return
+    pos = rng.randrange(len(data))
+    flipped = bytearray(data)
+    flipped[pos] ^= 1 << rng.randrange(8)
+    store._data[key] = (bytes(flipped), checksum)
+
+
+register_harness(TierHarness(
+    "p2p", config=_p2p_config, damage=_p2p_damage,
+    damage_kinds=("bitflip-payload", "truncate", "delete"),
+    why_not="p2p chunks live in the memory of the instance serving them (no files, no restart "
+            "survival, no errno-level I/O to inject)"))

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvhal import plugins
 
+#: A tier error's leading key path: `root_dir`, `peers[1]`, `auth.key`.
+_KEY_PATH = re.compile(r"[A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*")
 SPEC_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")
 _KEYS = ("spec_name", "cpu_bytes_to_use", "blocks_per_chunk", "block_size", "eviction_policy",
          "offload_prompt_only", "max_offload_tokens", "secondary_tiers")
@@ -230,7 +233,7 @@ def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes) -
                 built.append(factory(tier.options, host_view, namespace))
             except ValueError as exc:
                 key, sep, message = str(exc).partition(": ")
-                if sep and key.isidentifier():
+                if sep and _KEY_PATH.fullmatch(key):
                     raise ConfigError(f"{path}.{key}", message) from None
                 raise ConfigError(path, str(exc)) from None
             except Exception as exc:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 HOST_MEDIUM = "CPU"
 #: `locality` of a tier on this instance (vLLM `Locality.LOCAL`).
 LOCAL = "LOCAL"
+#: `tier` of the host tier (its metrics label, `kvhal.metrics.HOST`).
+HOST_TIER = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +27,7 @@ class _BlockEvent:
     group: int
     medium: str
     locality: str = LOCAL
-    tier: str = "host"
+    tier: str = HOST_TIER
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,4 +54,4 @@ class AllBlocksCleared:
 
     medium: str
     locality: str = LOCAL
-    tier: str = "host"
+    tier: str = HOST_TIER

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily, \
     HistogramMetricFamily
 
-HOST = "host"
+from kvhal.events import HOST_TIER as HOST
 
 #: Upper bounds (seconds) of the latency histograms: a host job (D2H/H2D of a few chunks,
 #: sub-millisecond to tens of ms) up to a slow object-store GET.

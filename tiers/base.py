@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from kvhal.keys import ChunkKey
 
@@ -89,6 +89,32 @@ def job_problem(job: TierJob, host_nbytes: int, namespace: bytes) -> str | None:
     return None
 
 
+class HostAccess(Protocol):
+    """What the engine lets a tier do with the host tier's slots from the tier's own threads
+    (offered through `SecondaryTier.attach_host`). Thread-safe; every call is O(1) or O(keys)
+    and holds the manager's slot lock only briefly.
+
+    Attributes:
+        chunk_nbytes: Payload bytes of every chunk (the slot at a pinned offset holds this many).
+    """
+
+    chunk_nbytes: int
+
+    def pin(self, key: ChunkKey) -> int | None:
+        """Add a reader to `key`'s slot if it is resident and not being written; returns the
+        slot's byte offset in the host region (its bytes stay as they are until `unpin`), or
+        None."""
+
+    def unpin(self, offset: int) -> None:
+        """Remove the reader `pin` added (a chunk discarded meanwhile is freed now)."""
+
+    def subscribe(self, listener: Callable[[Sequence[ChunkKey], Sequence[ChunkKey]], None]
+                  ) -> list[ChunkKey]:
+        """Call `listener(gained, lost)` on the manager's thread whenever chunks become
+        readable in, or leave, the host tier (it must only queue work: it runs inside the
+        manager's calls); returns the chunks readable now, atomically with the subscription."""
+
+
 class SecondaryTier(abc.ABC):
     """Base class of secondary tiers; subclasses register a factory with `TierSpec`.
 
@@ -152,6 +178,11 @@ class SecondaryTier(abc.ABC):
         into `BlockRemoved` events. Never blocks on I/O. Default: none (a tier that never
         drops chunks on its own)."""
         return []
+
+    def attach_host(self, access: HostAccess) -> None:
+        """Called once by the engine, before any job, with thread-safe access to the host
+        tier's slots. A tier that serves chunks straight from host memory (p2p) keeps it;
+        the default ignores it."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -61,6 +61,12 @@ class JobBoard:
                 self._finish(job, 0.0, "tier closed")
                 self._cond.notify_all()
 
+    def finish(self, job: TierJob, error: str | None = None) -> None:
+        """Report `job` as finished now, on the caller's thread, for a job that needs no I/O
+        (e.g. a store whose chunk is already where it must be). Exactly-once as `submit`."""
+        with self._cond:
+            self._finish(job, 0.0, "tier closed" if self._closed else error)
+
     def _run(self, fn: JobFn, job: TierJob) -> None:
         t0 = time.perf_counter()
         try:

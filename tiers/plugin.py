@@ -8,4 +8,19 @@ def kvhal_register_tiers():
     """Register the built-in tier types."""
     from .fs import FsTier
     from .memory import MemoryTier
-    return [TierSpec("memory", MemoryTier), TierSpec("fs", FsTier)]
+    return [TierSpec("memory", MemoryTier), TierSpec("fs", FsTier), TierSpec("p2p", p2p_tier)]
+
+
+def p2p_tier(config, host, namespace, **kwargs):
+    """Build a `P2PTier`, imported on first use: it needs the `p2p` extra (msgpack).
+
+    Raises:
+        TierError: msgpack is not installed (`type: ...`), or the tier's own config errors.
+    """
+    from .base import TierError
+    try:
+        from .p2p import P2PTier
+    except ImportError as exc:
+        raise TierError(f"type: the p2p tier needs the p2p extra ({exc.name} missing): "
+                        "pip install 'kvhal[p2p]'") from None
+    return P2PTier(config, host, namespace, **kwargs)

@@ -15,6 +15,7 @@ BENCH_MODULES = (
     "kvhal.bench.copy_kernel",
     "kvhal.bench.copy2d",
     "kvhal.bench.engine",
+    "kvhal.bench.p2p",
     "kvhal.integrations.harness.bench",
     "kvhal.integrations.vllm.bench",
 )

@@ -5,12 +5,17 @@ worker executes, and learns the outcome through `complete_store`/`complete_load`
 secondary-tier jobs (cascades host → tier after each store, promotions tier → host on lookup);
 tiers do their I/O on their own threads and the manager collects results in `poll`.
 
-Threading: one thread (the scheduler's) calls every method. Every job (store, load, tier job)
-ends exactly once, as success or failure.
+Threading: one thread (the scheduler's) calls every method. A tier given host access
+(`SecondaryTier.attach_host`, `access.py`) pins slots from its own threads, so every method
+that touches slot state holds `lock` (an uncontended RLock: well under a microsecond per call,
+whatever the number of chunks). Every job (store, load, tier job) ends exactly once, as
+success or failure.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 import time
 from collections import defaultdict
 from typing import Hashable, Iterable, Sequence
@@ -23,10 +28,20 @@ from kvhal.host.slots import IDLE, SlotTable
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 
+from .access import ManagerHostAccess
 from .types import EngineError, LoadPlan, StorePlan
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
 _HOST = metrics.HOST
+
+
+def _locked(method):
+    """Run `method` holding the manager's lock (see the module docstring)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class Manager:
@@ -66,8 +81,16 @@ class Manager:
         self._events: list = []
         self.tier_labels = metrics.tier_labels([t.name for t in self.tiers])
         self.metrics = metrics.EngineMetrics(self.sizes)
+        #: Guards slot state against tiers pinning slots from their threads (`access.py`).
+        self.lock = threading.RLock()
+        #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.
+        self.host_listeners: list = []
+        access = ManagerHostAccess(self)
+        for tier in self.tiers:
+            tier.attach_host(access)
 
     # -- lookup ------------------------------------------------------------------------------
+    @_locked
     def lookup(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
                ) -> list[Lookup]:
         """Where each chunk of a prefix stands: HIT (in host memory now), RETRY (being written
@@ -149,6 +172,7 @@ class Manager:
                 return _RETRY
         return answer
 
+    @_locked
     def release(self, request_id: Hashable) -> None:
         """Drop every lookup pin of `request_id` (finished, aborted or preempted). Idempotent."""
         pins = self._pins.pop(request_id, None)
@@ -158,6 +182,7 @@ class Manager:
                 release(slot)
 
     # -- stores ------------------------------------------------------------------------------
+    @_locked
     def prepare_store(self, keys: Sequence[ChunkKey]) -> StorePlan | None:
         """Reserve host slots (state -1) for the chunks of `keys` not yet in host memory.
 
@@ -192,6 +217,7 @@ class Manager:
         return StorePlan(job_id, placed, np.array(todo[:len(slots)], dtype=np.int64),
                          np.array(slots, dtype=np.int64))
 
+    @_locked
     def complete_store(self, job_id: int, num_ok: int | None = None) -> None:
         """End a store job: its first `num_ok` chunks (None = all) become resident and cascade
         to every secondary tier; the rest are dropped (their slots freed).
@@ -225,6 +251,7 @@ class Manager:
                                           self.chunk_nbytes))
 
     # -- loads -------------------------------------------------------------------------------
+    @_locked
     def prepare_load(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
                      ) -> LoadPlan | None:
         """Hold the longest prefix of `keys` that is in host memory for reading (readers + 1
@@ -256,6 +283,7 @@ class Manager:
                         for k in placed) if self._promoted else (_HOST,) * len(placed)
         return LoadPlan(job_id, placed, np.array(slots, dtype=np.int64), sources)
 
+    @_locked
     def complete_load(self, job_id: int, num_ok: int | None = None) -> None:
         """End a load job: release its slots. `num_ok` (None = all) only feeds the metrics: a
         failed H2D leaves the host copy intact.
@@ -284,6 +312,7 @@ class Manager:
                              time.monotonic() - self._started.pop(job_id))
 
     # -- secondary tiers ---------------------------------------------------------------------
+    @_locked
     def poll(self) -> list[JobResult]:
         """Collect finished secondary-tier jobs: a promotion that succeeded makes its chunk a
         HIT, one that failed frees its slot; a finished cascade releases its slot. Then collect
@@ -342,15 +371,19 @@ class Manager:
         self.poll()
 
     # -- removal and events ------------------------------------------------------------------
+    @_locked
     def discard(self, keys: Iterable[ChunkKey]) -> None:
         """Drop chunks from host memory (now if idle, else when their readers finish)."""
         gone = [key for key in keys if self.slots.discard(key)]
         self._removed(gone)
 
+    @_locked
     def clear(self) -> None:
         """Drop every chunk from host memory (deferred for chunks in use): counted as
         evictions, announced as one `AllBlocksCleared` of the host medium."""
         keys = list(self.slots.index)
+        for listener in self.host_listeners:
+            listener((), keys)
         for key in keys:
             self.slots.discard(key)
             self._promoted.pop(key, None)
@@ -373,6 +406,9 @@ class Manager:
         """Count and announce chunks that became readable in tier `t` (-1: host)."""
         label, medium, locality = self._where(t)
         self.metrics.count("stored_chunks", label, len(keys))
+        if t < 0:
+            for listener in self.host_listeners:
+                listener(keys, ())
         for group, hashes in _by_group(keys).items():
             self._event(BlockStored(hashes, group, medium, locality, label))
 
@@ -384,6 +420,9 @@ class Manager:
             if t < 0 and self._promoted:
                 for key in keys:
                     self._promoted.pop(key, None)
+            if t < 0:
+                for listener in self.host_listeners:
+                    listener((), keys)
             for group, hashes in _by_group(keys).items():
                 self._event(BlockRemoved(hashes, group, medium, locality, label))
 
@@ -404,6 +443,7 @@ class Manager:
             out[label] = (int(stats.get("used_bytes", 0)), int(stats.get("max_bytes", 0)))
         return out
 
+    @_locked
     def stats(self) -> dict[str, int]:
         """Counts: resident chunks, free slots, slots with readers / being written, lookup
         pins, open store/load jobs, secondary-tier jobs in flight."""

@@ -1,0 +1,91 @@
+"""Helpers of the p2p tests: peer processes (`p2p_peer.py`), configs, polling with deadlines."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+#: The shared secret of the tests' peers (a test value).
+KEY = "kvhal-test-p2p-shared-key"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(**extra) -> dict:
+    """A p2p config on 127.0.0.1 with the tests' key and a short timeout."""
+    return {"type": "p2p", "auth_key": KEY, "timeout_s": 2.0} | extra
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:
+    """Poll `condition` every 10 ms until true. Raises AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or condition}")
+        time.sleep(0.01)
+
+
+class PeerProcess:
+    """A p2p peer in a separate process serving chunks 0..count-1 (see `p2p_peer.py`)."""
+
+    def __init__(self, cfg: dict, count: int = 0, nbytes: int = 4096,
+                 send_delay_s: float = 0.0):
+        spec = dict(cfg, count=count, nbytes=nbytes, send_delay_s=send_delay_s)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.tiers.p2p_peer",
+                                      json.dumps(spec)], cwd=REPO, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(30)
+            raise RuntimeError(f"peer process exited with {self.proc.returncode}")
+        self.identity: str = json.loads(line)["identity"]
+        self.address = (self.identity.rsplit(":", 1)[0], int(self.identity.rsplit(":", 1)[1]))
+
+    def command(self, text: str) -> str:
+        """Send one command line; return its one-line answer."""
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def stats(self) -> dict:
+        """The peer tier's stats."""
+        return json.loads(self.command("stats"))
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the process."""
+        os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGKILL)
+        self.proc.wait(30)
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
+
+    def close(self) -> int:
+        """Close stdin (the peer closes its tier) and return the exit code."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(30)
+        self.proc.stdout.close()
+        return self.proc.returncode

@@ -1,0 +1,83 @@
+"""A p2p peer in its own process, for the p2p tests: `python -m tests.tiers.p2p_peer CONFIG`.
+
+CONFIG is a JSON object: the p2p tier config plus `"count"` and `"nbytes"` (chunks
+`chunk_key(NAMESPACE, i)` with bytes `payload(i, nbytes)` for i < count, stored at start) and
+optionally `"send_delay_s"` (seconds slept before each payload piece it sends: a slow peer,
+injected by `FaultySlowTransport`). Prints one JSON line `{"identity": "host:port"}` once it
+serves, then reads commands from stdin: `store FIRST COUNT` (store more chunks, answers
+`stored`), `stats` (answers the tier's stats as JSON); EOF closes the tier and exits 0.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import sys
+import time
+
+import numpy as np
+
+from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tiers.p2p import P2PTier
+from kvhal.tiers.p2p.transport import TcpListener, TcpTransport
+
+from .helpers import NAMESPACE, chunk_key, payload
+
+
+class FaultySlowTransport(TcpTransport):
+    """TCP, except that served payloads pause `delay_s` before every piece (a slow peer)."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def listen(self, host, port):
+        listener, delay = TcpListener(host, port), self.delay_s
+        accept = listener.accept
+
+        def slow_accept():
+            conn = accept()
+            if conn is not None:
+                send = conn.send_payload
+
+                def slow_send(view, deadline, hasher):
+                    for start in range(0, len(view), 1 << 20):
+                        time.sleep(delay)
+                        send(view[start:start + (1 << 20)], deadline, hasher)
+                conn.send_payload = slow_send
+            return conn
+        listener.accept = slow_accept
+        return listener
+
+
+def _store(tier, host, first: int, count: int, nbytes: int) -> None:
+    array = np.frombuffer(host, dtype=np.uint8)
+    for i in range(first, first + count):
+        array[:nbytes] = payload(i, nbytes)
+        tier.submit_store(TierJob(i, JobKind.STORE, chunk_key(NAMESPACE, i), 0, nbytes))
+        tier.drain(30)
+    failed = [r.error for r in tier.get_finished_jobs() if not r.ok]
+    if failed:
+        raise SystemExit(f"p2p_peer: stores failed: {failed[:3]}")
+
+
+def main(argv: list[str]) -> int:
+    config = json.loads(argv[0])
+    count, nbytes = config.pop("count", 0), config.pop("nbytes", 4096)
+    delay = config.pop("send_delay_s", 0.0)
+    host = memoryview(mmap.mmap(-1, max(nbytes, 4096)))
+    tier = P2PTier(config, host, NAMESPACE,
+                   transport=FaultySlowTransport(delay) if delay else None)
+    _store(tier, host, 0, count, nbytes)
+    print(json.dumps({"identity": tier.identity}), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if words[:1] == ["store"]:
+            _store(tier, host, int(words[1]), int(words[2]), nbytes)
+            print("stored", flush=True)
+        elif words[:1] == ["stats"]:
+            print(json.dumps(dict(tier.stats())), flush=True)
+    tier.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,155 @@
+"""Config of the p2p tier: one entry of `secondary_tiers` with `"type": "p2p"`.
+
+Keys:
+    host (str): address the listener binds; default "127.0.0.1" (loopback only unless told
+        otherwise). Also this instance's identity for peers unless `advertise_host` is set.
+    advertise_host (str): the address peers reach this instance at, when `host` is a wildcard
+        ("0.0.0.0", "::") or a private interface. A wildcard identity is refused: peers could
+        not tell instances apart nor reach them.
+    port (int in 0..65535): listener port; default 0 (an ephemeral port, reported by
+        `P2PTier.identity`; fixed ports are what peers' configs name).
+    peers (list of "host:port"): instances to pull from. This instance's own identity may be
+        listed (one config for every instance); it is skipped.
+    num_threads (int > 0): pull threads (loads in flight at once); default 4.
+    timeout_s (number in (0, 600]): deadline of every job and of every peer call; default 5.
+    auth_key (str of >= 16 characters) | auth_key_file (path of a file holding it; surrounding
+        whitespace stripped): the shared secret of the HMAC challenge. Exactly one is required.
+        The key never appears in a repr, log or error message.
+    max_inflight (int > 0): chunks this instance serves to peers at once (slot pins held);
+        requests over it are answered "busy" at once; default 16.
+    max_bytes (int > 0): only for a tier not attached to a host tier (see `P2PTier`): bytes of
+        chunks it keeps to serve, LRU; default 1 GiB.
+Errors name the key (`peers[1]: ...`); the config loader prefixes the list position.
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..base import TierError
+
+DEFAULT_THREADS = 4
+DEFAULT_TIMEOUT_S = 5.0
+MAX_TIMEOUT_S = 600.0
+DEFAULT_MAX_INFLIGHT = 16
+DEFAULT_MAX_BYTES = 1 << 30
+MIN_AUTH_KEY_CHARS = 16
+_WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+_PASSTHROUGH = frozenset({"type", "module_path"})
+_KEYS = frozenset({"host", "advertise_host", "port", "peers", "num_threads", "timeout_s",
+                   "auth_key", "auth_key_file", "max_inflight", "max_bytes"})
+
+
+@dataclass(frozen=True, slots=True)
+class P2PConfig:
+    """A validated p2p tier config (see module docstring). `auth_key` is left out of repr."""
+
+    host: str
+    advertise_host: str
+    port: int
+    peers: tuple[tuple[str, int], ...]
+    num_threads: int
+    timeout_s: float
+    max_inflight: int
+    max_bytes: int
+    auth_key: bytes = field(repr=False)
+
+
+def _positive_int(config: Mapping[str, Any], name: str, default: int) -> int:
+    value = config.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise TierError(f"{name}: must be a positive integer, got {value!r}")
+    return value
+
+
+def _host(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() or c == "\0" for c in value):
+        raise TierError(f"{name}: must be a host name or IP address, got {value!r}")
+    return value
+
+
+def parse_address(text: Any, name: str) -> tuple[str, int]:
+    """Parse "host:port" (IPv6 as "[::1]:port").
+
+    Raises:
+        TierError: not a string of that form, or a port outside 1..65535; names `name`.
+    """
+    if not isinstance(text, str) or ":" not in text:
+        raise TierError(f"{name}: must be \"host:port\", got {text!r}")
+    host, _, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise TierError(f"{name}: port must be in 1..65535, got {text!r}")
+    if host in _WILDCARDS:
+        raise TierError(f"{name}: {host or 'an empty host'} is not a routable peer address")
+    return _host(host, name), int(port)
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return host in _WILDCARDS
+
+
+def _auth_key(config: Mapping[str, Any]) -> bytes:
+    if ("auth_key" in config) == ("auth_key_file" in config):
+        raise TierError("auth_key: exactly one of auth_key and auth_key_file is required "
+                        "(the peers' shared secret)")
+    if "auth_key_file" in config:
+        path = config["auth_key_file"]
+        if not isinstance(path, str) or not path:
+            raise TierError(f"auth_key_file: must be a path string, got {path!r}")
+        try:
+            with open(path, "rb") as f:
+                key = f.read(1 << 16).strip()
+        except OSError as exc:
+            raise TierError(f"auth_key_file: cannot read {path!r} ({exc.strerror})") from None
+        where = "auth_key_file"
+    else:
+        value = config["auth_key"]
+        if not isinstance(value, str):
+            raise TierError(f"auth_key: must be a string (value not shown), got a "
+                            f"{type(value).__name__}")
+        key, where = value.strip().encode(), "auth_key"
+    if len(key) < MIN_AUTH_KEY_CHARS:
+        raise TierError(f"{where}: the key must be at least {MIN_AUTH_KEY_CHARS} characters "
+                        f"(value not shown)")
+    return key
+
+
+def parse_config(config: Mapping[str, Any]) -> P2PConfig:
+    """Validate a p2p tier config.
+
+    Raises:
+        TierError: a key is missing, unknown or has a bad value; the message starts with the
+            key name (`peers[2]`, `auth_key`, ...) and states the accepted values.
+    """
+    unknown = sorted(str(k) for k in set(config) - _KEYS - _PASSTHROUGH)
+    if unknown:
+        raise TierError(f"{unknown[0]}: unknown key for the p2p tier; accepted: "
+                        f"{', '.join(sorted(_KEYS))}")
+    host = _host(config.get("host", "127.0.0.1"), "host")
+    advertise = _host(config.get("advertise_host", host), "advertise_host")
+    if _is_wildcard(advertise):
+        key = "advertise_host" if "advertise_host" in config else "host"
+        raise TierError(f"{key}: {advertise!r} is not a routable identity for peers; bind "
+                        f"a specific address or set advertise_host")
+    port = config.get("port", 0)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise TierError(f"port: must be an integer in 0..65535 (0 = ephemeral), got {port!r}")
+    peers = config.get("peers", [])
+    if not isinstance(peers, (list, tuple)):
+        raise TierError(f"peers: must be a list of \"host:port\" strings, got "
+                        f"{type(peers).__name__}")
+    parsed = tuple(parse_address(p, f"peers[{i}]") for i, p in enumerate(peers))
+    timeout = config.get("timeout_s", DEFAULT_TIMEOUT_S)
+    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+            or not 0 < timeout <= MAX_TIMEOUT_S):
+        raise TierError(f"timeout_s: must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
+                        f"got {timeout!r}")
+    return P2PConfig(host, advertise, port, tuple(dict.fromkeys(parsed)),
+                     _positive_int(config, "num_threads", DEFAULT_THREADS), float(timeout),
+                     _positive_int(config, "max_inflight", DEFAULT_MAX_INFLIGHT),
+                     _positive_int(config, "max_bytes", DEFAULT_MAX_BYTES), _auth_key(config))

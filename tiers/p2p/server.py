@@ -1,0 +1,180 @@
+"""The serving side of a p2p instance: one listener, one thread per authenticated connection.
+
+A connection first passes the HMAC challenge (`auth.py`) within `timeout_s`; until then it is
+served nothing. Then by its role:
+- "feed": the feed's snapshot in pages (`snap`, the last with `last=True`), then every event
+  (`ev`) as it happens, and a heartbeat (`hb`, with the last event number) whenever
+  `heartbeat_s` passes without one, so the subscriber notices a silent or lost peer and any
+  gap at the tail.
+- "data": a loop of `get(key, n)` → `chunk(key, n)` + n raw payload bytes + `end(sum)`, or
+  `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). The chunk is held
+  (`Source.acquire`: host slot pinned) for the whole transfer and released after it; `sum` is
+  the xxh3-128 digest the bytes had when stored (own store: bytes damaged since then fail the
+  puller's check), or the digest of the bytes sent, taken while sending (pinned host slot).
+Anything unexpected (malformed frame, wrong key, deadline, reset) drops that connection only
+and bumps a counter; the listener and every other connection carry on. `close` stops the
+listener, closes every connection and joins every thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Protocol
+
+import xxhash
+
+from kvhal.keys import ChunkKey
+
+from .auth import AuthError, server_handshake
+from .source import Feed, Served
+from .transport import Connection, Transport
+from .wire import MAX_KEYS_PER_FRAME, WireError, encode
+
+#: Seconds an idle data connection is kept open waiting for its next request.
+IDLE_S = 60.0
+#: Connections served at once; further ones are closed at accept.
+MAX_CONNECTIONS = 256
+
+
+class Source(Protocol):
+    """Where served chunks come from (`source.HostSource` or `source.OwnStore`)."""
+
+    def acquire(self, key: ChunkKey) -> Served | None: ...
+
+
+class Server:
+    """Serves `feed` and `source` to authenticated peers (see module docstring).
+
+    Args:
+        transport: Makes the listener.
+        host, port: Where to listen (port 0: ephemeral; see `address`).
+        key: The shared auth key.
+        feed, source: What to serve (`source` may be replaced later: the `source` attribute).
+        timeout_s: Deadline of a handshake and of each transfer.
+        heartbeat_s: Longest silence on a feed connection.
+        max_inflight: Transfers served at once.
+        count: `count(name)` bumps a tier counter (e.g. "auth_failed").
+
+    Raises:
+        OSError: the listener cannot bind.
+    """
+
+    def __init__(self, transport: Transport, host: str, port: int, key: bytes, feed: Feed,
+                 source: Source, *, timeout_s: float, heartbeat_s: float, max_inflight: int,
+                 count: Callable[[str], None]):
+        self._listener = transport.listen(host, port)
+        self.address = self._listener.address
+        self._key = key
+        self._feed = feed
+        self.source = source
+        self._timeout_s = timeout_s
+        self._heartbeat_s = heartbeat_s
+        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._count = count
+        self._lock = threading.Lock()
+        self._conns: dict[Connection, threading.Thread] = {}
+        self._closed = False
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kvhal-p2p-accept",
+                                          daemon=True)
+        self._acceptor.start()
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        with self._lock:
+            return len(self._conns)
+
+    def _accept_loop(self) -> None:
+        while (conn := self._listener.accept()) is not None:
+            with self._lock:
+                if self._closed or len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()
+                    self._count("connections_refused")
+                    continue
+                thread = threading.Thread(target=self._serve, args=(conn,),
+                                          name="kvhal-p2p-serve", daemon=True)
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            hello = server_handshake(conn, self._key, time.monotonic() + self._timeout_s)
+            if hello["role"] == "feed":
+                self._serve_feed(conn)
+            else:
+                self._serve_data(conn)
+        except AuthError:
+            self._count("auth_failed")
+        except WireError:
+            self._count("malformed")
+        except (ConnectionError, TimeoutError, OSError):
+            pass  # the peer went away or stalled; its side counts and reconnects
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.pop(conn, None)
+
+    def _serve_feed(self, conn: Connection) -> None:
+        feed, epoch = self._feed, self._feed.epoch
+        seq, keys = feed.snapshot()
+        deadline = lambda: time.monotonic() + self._timeout_s  # noqa: E731
+        for i in range(0, max(len(keys), 1), MAX_KEYS_PER_FRAME):
+            conn.send(encode("snap", epoch=epoch, seq=seq, keys=keys[i:i + MAX_KEYS_PER_FRAME],
+                             last=i + MAX_KEYS_PER_FRAME >= len(keys)), deadline())
+        while not self._closed:
+            events = feed.events_after(seq, self._heartbeat_s)
+            if events is None:
+                return
+            if not events:
+                conn.send(encode("hb", epoch=epoch, seq=seq), deadline())
+                continue
+            conn.send(b"".join(encode("ev", epoch=epoch, seq=s, gain=g, lose=lo)
+                               for s, g, lo in events), deadline())
+            seq = events[-1][0]
+
+    def _serve_data(self, conn: Connection) -> None:
+        while not self._closed:
+            request = conn.recv(time.monotonic() + IDLE_S, "get")
+            deadline = time.monotonic() + self._timeout_s
+            if not self._slots.acquire(blocking=False):
+                self._count("serve_busy")
+                conn.send(encode("busy"), deadline)
+                continue
+            try:
+                self._serve_chunk(conn, request["key"], request["n"], deadline)
+            finally:
+                self._slots.release()
+
+    def _serve_chunk(self, conn: Connection, key: ChunkKey, nbytes: int,
+                     deadline: float) -> None:
+        served = self.source.acquire(key)
+        if served is None:
+            self._count("serve_missing")
+            conn.send(encode("miss", why="not held"), deadline)
+            return
+        try:
+            if len(served.payload) != nbytes:
+                conn.send(encode("miss", why=f"holds {len(served.payload)} bytes"), deadline)
+                return
+            conn.send(encode("chunk", key=key, n=nbytes), deadline)
+            hasher = xxhash.xxh3_128() if served.checksum is None else None
+            conn.send_payload(served.payload, deadline, hasher)
+            conn.send(encode("end", sum=served.checksum or hasher.digest()), deadline)
+            self._count("chunks_served")
+        finally:
+            served.release()
+
+    def close(self) -> None:
+        """Stop listening, drop every connection, join every thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._listener.close()
+        self._acceptor.join()
+        with self._lock:
+            conns = dict(self._conns)
+        for conn in conns:
+            conn.close()
+        for thread in conns.values():
+            thread.join()

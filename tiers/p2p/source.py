@@ -1,0 +1,217 @@
+"""What an instance serves to its peers: the feed of its gains and losses, and the chunk bytes.
+
+`Feed` holds the set of keys this instance serves and numbers every change (epoch, seq) for
+subscribers (`server.py` sends it; `directory.py` applies it). Two sources fill it:
+
+- `HostSource` (a tier attached to the engine's host tier): serves straight from host slots.
+  `acquire` pins the slot through `HostAccess.pin`, so the manager neither evicts nor rewrites
+  it until the transfer ends; the feed follows the host tier's gains and losses as the engine
+  reports them. No copy.
+- `OwnStore` (a tier without a host tier, e.g. under the conformance suite or a bench): a
+  store job copies the slot into an immutable `bytes` of the tier's own (LRU, `max_bytes`),
+  with its xxh3-128 digest taken at store time; a serve in flight keeps its `bytes` alive
+  even if the chunk is evicted meanwhile.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvhal.keys import ChunkKey
+
+from ..base import HostAccess
+from ..chunk_format import payload_checksum
+from ..index import ChunkIndex
+from .wire import EPOCH_BYTES, MAX_KEYS_PER_FRAME
+
+#: Events a feed keeps for subscribers that fell behind; one further back must resync.
+FEED_BACKLOG = 4096
+#: Keys a source remembers for `take_removed` between calls.
+MAX_REMEMBERED_REMOVALS = 1 << 16
+
+Event = tuple[int, tuple[ChunkKey, ...], tuple[ChunkKey, ...]]  # (seq, gained, lost)
+Listener = Callable[[bytes, int, Sequence[ChunkKey], Sequence[ChunkKey]], None]
+
+
+class Feed:
+    """The served key set and its numbered changes. Thread-safe.
+
+    Attributes:
+        epoch: 16 random bytes drawn at construction; a restarted instance is a new epoch.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = os.urandom(EPOCH_BYTES)
+        self._cond = threading.Condition()
+        self._seq = 0
+        self._keys: set[ChunkKey] = set()
+        self._log: collections.deque[Event] = collections.deque(maxlen=FEED_BACKLOG)
+        self._listeners: list[Listener] = []
+        self._closed = False
+
+    def publish(self, gained: Sequence[ChunkKey], lost: Sequence[ChunkKey]) -> None:
+        """Record a change (one event per `MAX_KEYS_PER_FRAME` keys) and wake subscribers."""
+        with self._cond:
+            step = MAX_KEYS_PER_FRAME // 2
+            for i in range(0, max(len(gained), len(lost)), step):
+                g, lo = tuple(gained[i:i + step]), tuple(lost[i:i + step])
+                self._keys.difference_update(lo)
+                self._keys.update(g)
+                self._seq += 1
+                self._log.append((self._seq, g, lo))
+                for listener in self._listeners:
+                    listener(self.epoch, self._seq, g, lo)
+            self._cond.notify_all()
+
+    def snapshot(self) -> tuple[int, list[ChunkKey]]:
+        """(seq of the last event included, served keys)."""
+        with self._cond:
+            return self._seq, list(self._keys)
+
+    def listen(self, listener: Listener) -> tuple[int, list[ChunkKey]]:
+        """Call `listener(epoch, seq, gained, lost)` for every later event (under the feed's
+        lock: it must be quick); returns the snapshot it starts after."""
+        with self._cond:
+            self._listeners.append(listener)
+            return self._seq, list(self._keys)
+
+    def events_after(self, seq: int, timeout_s: float) -> list[Event] | None:
+        """Events after `seq`, waiting up to `timeout_s` for one; [] if none came, None once
+        closed. If the backlog no longer reaches back to seq + 1 the first event returned
+        has a larger number (the subscriber sees the gap and resyncs)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._seq > seq or self._closed, timeout_s)
+            if self._closed:
+                return None
+            return [e for e in self._log if e[0] > seq] if self._seq > seq else []
+
+    @property
+    def seq(self) -> int:
+        """Number of the last event."""
+        with self._cond:
+            return self._seq
+
+    def close(self) -> None:
+        """Wake every waiting subscriber for good."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A chunk held for one transfer. Call `release` exactly once when done.
+
+    Attributes:
+        payload: The chunk's bytes (a view of the pinned host slot or of the own copy).
+        checksum: xxh3-128 digest taken when the bytes were stored, or None (host slots: the
+            digest is taken while sending, over the pinned, unchanging bytes).
+    """
+
+    payload: memoryview
+    checksum: bytes | None
+    release: Callable[[], None]
+
+
+def _noop() -> None:
+    return None
+
+
+class _Removals:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._gone: collections.deque[ChunkKey] = collections.deque(
+            maxlen=MAX_REMEMBERED_REMOVALS)
+
+    def add(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            self._gone.extend(keys)
+
+    def take(self) -> list[ChunkKey]:
+        with self._lock:
+            out = list(self._gone)
+            self._gone.clear()
+            return out
+
+
+class HostSource:
+    """Serves the host tier's resident chunks from their slots (see module docstring)."""
+
+    def __init__(self, access: HostAccess, host: memoryview, feed: Feed):
+        self._access = access
+        self._host = host
+        self._feed = feed
+        self._removals = _Removals()
+        feed.publish(access.subscribe(self._changed), ())
+
+    def _changed(self, gained: Sequence[ChunkKey], lost: Sequence[ChunkKey]) -> None:
+        self._feed.publish(gained, lost)
+        if lost:
+            self._removals.add(lost)
+
+    def acquire(self, key: ChunkKey) -> Served | None:
+        """Pin `key`'s slot for one transfer, or None if it is not resident and idle."""
+        offset = self._access.pin(key)
+        if offset is None:
+            return None
+        payload = self._host[offset:offset + self._access.chunk_nbytes]
+        return Served(payload, None, lambda: self._access.unpin(offset))
+
+    def take_removed(self) -> list[ChunkKey]:
+        """Keys the host tier lost since the last call."""
+        return self._removals.take()
+
+
+class OwnStore:
+    """The tier's own LRU copy of stored chunks (see module docstring). Thread-safe."""
+
+    def __init__(self, max_bytes: int, feed: Feed):
+        self.max_bytes = max_bytes
+        self._feed = feed
+        self._lock = threading.Lock()
+        self._data: dict[ChunkKey, tuple[bytes, bytes]] = {}
+        self._index = ChunkIndex()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held (plus stores in flight)."""
+        return self._index.used_bytes
+
+    def put(self, key: ChunkKey, payload: memoryview) -> str | None:
+        """Copy `payload` in as `key` (evicting least recently used chunks); an existing key
+        keeps its first bytes. Returns None, or why not (larger than `max_bytes`)."""
+        if self._index.touch(key):
+            return None
+        nbytes = len(payload)
+        victims = self._index.reserve(nbytes, self.max_bytes)
+        if victims is None:
+            return f"chunk of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
+        data = bytes(payload)
+        checksum = payload_checksum(data)
+        with self._lock:
+            for victim, _ in victims:
+                self._data.pop(victim, None)
+            self._data[key] = (data, checksum)
+        self._index.release(nbytes)
+        self._index.add(key, nbytes)
+        self._feed.publish([key], [v for v, _ in victims])
+        return None
+
+    def acquire(self, key: ChunkKey) -> Served | None:
+        """The stored bytes of `key` (most recently used now), or None."""
+        with self._lock:
+            held = self._data.get(key)
+        if held is None:
+            return None
+        self._index.touch(key)
+        return Served(memoryview(held[0]), held[1], _noop)
+
+    def take_removed(self) -> list[ChunkKey]:
+        """Keys evicted since the last call."""
+        return self._index.take_removed()
