@@ -269,7 +269,7 @@ class SchedulerSide:
         Returns:
             (delay_free, kv_transfer_params): the params carry `{"kvhal": {"hit_tokens":
             {tier: tokens}, "counters": stats()}}` for the request's output (tier "host" or a
-            secondary tier's type; counters are this connector's totals so far).
+            secondary tier's metrics label, e.g. "fs", "fs-2"; counters are this connector's totals so far).
         """
         self.manager.release(request.request_id)
         state = self._requests.pop(request.request_id, None)
