@@ -24,6 +24,7 @@ import numpy as np
 
 from kvhal import metrics, plugins
 from kvhal.events import HOST_MEDIUM, LOCAL, AllBlocksCleared, BlockRemoved, BlockStored
+from kvhal.host.region import HostLayout
 from kvhal.host.slots import IDLE, SlotTable
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
@@ -53,6 +54,8 @@ class Manager:
         chunk_nbytes: Payload bytes per chunk (≤ slot_bytes).
         tiers: Secondary tiers, fastest first; every stored chunk cascades to all of them and
             a lookup miss in the host asks them in order.
+        layout: The host region's pools (hybrid models: one slot size per KV cache group,
+            `slots` cut with the same capacities); None: one pool of `slot_bytes` slots.
         emit_events: Deliver KV events to `kvhal_kv_event` hooks (they also queue for
             `take_events`).
 
@@ -62,10 +65,16 @@ class Manager:
     """
 
     def __init__(self, slots: SlotTable, *, slot_bytes: int, chunk_nbytes: int,
-                 tiers: Sequence[SecondaryTier] = (), emit_events: bool = True):
+                 tiers: Sequence[SecondaryTier] = (), emit_events: bool = True,
+                 layout: HostLayout | None = None):
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.chunk_nbytes = chunk_nbytes
+        # (byte offset in the host view, payload bytes) of a slot: pools of a layout have
+        # their own slot sizes.
+        self._span = layout.slot_span if layout is not None else (
+            lambda slot: (slot * slot_bytes, chunk_nbytes))
+        self._layout = layout
         self.tiers = tuple(tiers)
         self._emit = emit_events
         self._ids = itertools.count(1)
@@ -85,9 +94,10 @@ class Manager:
         self.lock = threading.RLock()
         #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.
         self.host_listeners: list = []
-        access = ManagerHostAccess(self)
-        for tier in self.tiers:
-            tier.attach_host(access)
+        if len(slots.capacities) == 1:  # pools of different slot sizes: no shared host access
+            access = ManagerHostAccess(self)
+            for tier in self.tiers:
+                tier.attach_host(access)
 
     # -- lookup ------------------------------------------------------------------------------
     @_locked
@@ -167,8 +177,7 @@ class Manager:
                     return _MISS
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.LOAD, placed[0], key)
-                tier.submit_load(TierJob(job_id, JobKind.LOAD, key, placed[0] * self.slot_bytes,
-                                         self.chunk_nbytes))
+                tier.submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(placed[0])))
                 return _RETRY
         return answer
 
@@ -205,7 +214,10 @@ class Manager:
                 todo.append(i)
         if not todo:
             return None
-        protect = frozenset(keys) if len(todo) > self.slots.num_free else frozenset()
+        pools = {self.slots.pool_of(keys[i]) for i in todo}
+        protect = (frozenset(keys) if any(sum(self.slots.pool_of(keys[i]) == p for i in todo)
+                                          > self.slots.num_free_in(p) for p in pools)
+                   else frozenset())
         slots, evicted = self.slots.reserve([keys[i] for i in todo], protect)
         self._removed(evicted)
         if not slots:
@@ -236,7 +248,7 @@ class Manager:
                 stored.append((key, slot))
         for slot in slots[n_ok:]:
             self.slots.abort(slot)
-        self._job_ended("store", job_id, n_ok, len(slots))
+        self._job_ended("store", job_id, slots, n_ok)
         if stored:
             self._stored([k for k, _ in stored])
             self._cascade(stored)
@@ -247,8 +259,7 @@ class Manager:
                 self.slots.acquire(slot)
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key)
-                tier.submit_store(TierJob(job_id, JobKind.STORE, key, slot * self.slot_bytes,
-                                          self.chunk_nbytes))
+                tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot)))
 
     # -- loads -------------------------------------------------------------------------------
     @_locked
@@ -261,7 +272,7 @@ class Manager:
             The plan (its keys may be fewer than asked if a chunk is not resident), or None if
             the first chunk is not resident (no job is created).
         """
-        index, state, touch = self.slots.index, self.slots.state, self.slots.policy.touch
+        index, state, touch = self.slots.index, self.slots.state, self.slots.touch
         slots: list[int] = []
         for key in keys:
             slot = index.get(key)
@@ -299,15 +310,15 @@ class Manager:
         for slot in slots:
             release(slot)
         n_ok = len(slots) if num_ok is None else max(0, min(num_ok, len(slots)))
-        self._job_ended("load", job_id, n_ok, len(slots))
+        self._job_ended("load", job_id, slots, n_ok)
 
-    def _job_ended(self, kind: str, job_id: int, n_ok: int, n: int) -> None:
+    def _job_ended(self, kind: str, job_id: int, slots: list[int], n_ok: int) -> None:
         """Count a finished host job of `kind` ("store"/"load") and its latency."""
         count = self.metrics.count
         if kind == "load":                  # a store's chunks count in `_stored`
             count("loaded_chunks", _HOST, n_ok)
-        count(f"{kind}_bytes", _HOST, n_ok * self.chunk_nbytes)
-        count("failed_chunks", _HOST, n - n_ok, kind)
+        count(f"{kind}_bytes", _HOST, sum(self._span(s)[1] for s in slots[:n_ok]))
+        count("failed_chunks", _HOST, len(slots) - n_ok, kind)
         self.metrics.observe(f"{kind}_latency_seconds", _HOST,
                              time.monotonic() - self._started.pop(job_id))
 
@@ -342,14 +353,14 @@ class Manager:
                         self._failed_promotions.add(key)
                     else:
                         count("loaded_chunks", label)
-                        count("load_bytes", label, self.chunk_nbytes)
+                        count("load_bytes", label, self._span(slot)[1])
                         if self.slots.commit(slot):
                             self._promoted[key] = t
                             landed[-1].append(key)
                 else:
                     self.slots.release(slot)
                     if result.ok:
-                        count("store_bytes", label, self.chunk_nbytes)
+                        count("store_bytes", label, self._span(slot)[1])
                         landed[t].append(key)
         for t, keys in landed.items():
             self._stored(keys, t)
@@ -436,8 +447,12 @@ class Manager:
         """(used, capacity) bytes per tier label: the host tier's from its slots, a secondary
         tier's from its `stats()` `used_bytes` and `max_bytes` (0 where not given). Thread-safe
         as far as the tiers' `stats()` are (they are: DESIGN §6)."""
-        out = {_HOST: (len(self.slots.index) * self.slot_bytes,
-                       self.slots.capacity * self.slot_bytes)}
+        if self._layout is None:
+            out = {_HOST: (len(self.slots.index) * self.slot_bytes,
+                           self.slots.capacity * self.slot_bytes)}
+        else:                   # pools of their own slot sizes (hybrid models)
+            used = sum(self._span(s)[1] for s in list(self.slots.index.values()))
+            out = {_HOST: (used, self._layout.nbytes)}
         for label, tier in zip(self.tier_labels, self.tiers):
             stats = tier.stats()
             out[label] = (int(stats.get("used_bytes", 0)), int(stats.get("max_bytes", 0)))
