@@ -278,7 +278,9 @@ class FsTier(SecondaryTier):
             self._count("io_errors")
             if exc.errno in _BAD_FILE_ERRNOS:
                 self._quarantine(path)
-            self._index.discard(job.key)
+            # a file left in place (a transient error) stays a miss for a while instead of
+            # coming back with the next refresh and failing at every step
+            self._index.hold([job.key], time.monotonic() + max(1.0, self.config.refresh_interval_s))
             return _errno_text(exc)
         # touch only: a chunk evicted while this load read its open file stays evicted (its
         # file is gone); an unindexed file another process wrote arrives with the next refresh

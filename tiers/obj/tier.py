@@ -81,10 +81,6 @@ class ObjTier(SecondaryTier):
         self._jobs = JobBoard("obj")
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
-        #: Keys a listing must not bring back before a monotonic deadline: inf while their
-        #: DELETE is queued or running, `hold_s` after a failed load.
-        self._held: dict[ChunkKey, float] = {}
-        self._held_lock = threading.Lock()
         #: Seconds a chunk whose load failed stays a miss (a bad object is not asked for
         #: again at every step; a listing brings it back after that).
         self.hold_s = max(1.0, cfg.refresh_interval_s)
@@ -127,11 +123,7 @@ class ObjTier(SecondaryTier):
                 if key is not None and size >= HEADER_BYTES + ALIGN and size % ALIGN == 0:
                     listed.append((mtime, name, key, size))
             listed.sort()
-            now = time.monotonic()
-            with self._held_lock:
-                self._held = {k: t for k, t in self._held.items() if t > now}
-                found = {key: size for _, _, key, size in listed if key not in self._held}
-            self._index.reconcile(found, epoch)
+            self._index.reconcile({key: size for _, _, key, size in listed}, epoch)
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.config.refresh_interval_s):
@@ -243,7 +235,7 @@ class ObjTier(SecondaryTier):
                 self._jobs.count("missing")
                 return f"not found: {failure}"
             self._jobs.count("request_errors")
-            self._hold([job.key], time.monotonic() + self.hold_s)
+            self._index.hold([job.key], time.monotonic() + self.hold_s)
             return str(failure)
         dest = self._host[job.offset:job.offset + job.nbytes]
         try:
@@ -257,7 +249,7 @@ class ObjTier(SecondaryTier):
             self._delete_later([job.key])
             return f"corrupt: {exc}"
         except SizeMismatch as exc:
-            self._hold([job.key], time.monotonic() + self.hold_s)
+            self._index.hold([job.key], time.monotonic() + self.hold_s)
             return str(exc)
         self._index.touch(job.key)
         self._jobs.count("bytes_loaded", job.nbytes)
@@ -268,7 +260,7 @@ class ObjTier(SecondaryTier):
         """Forget `keys` now and DELETE their objects on the delete thread. Until a DELETE is
         done its key is filtered out of listings, and after it the key is discarded again, so a
         listing that saw the object before it went cannot bring the key back."""
-        self._hold(keys, math.inf)
+        self._index.hold(keys, math.inf)
         try:
             self._deleter.submit(self._delete, keys)
         except RuntimeError:  # closing: the objects stay; a later instance evicts them
@@ -284,17 +276,4 @@ class ObjTier(SecondaryTier):
         self._done_deleting(keys)
 
     def _done_deleting(self, keys: list[ChunkKey]) -> None:
-        for key in keys:
-            self._index.discard(key)
-        with self._held_lock:
-            for key in keys:
-                self._held.pop(key, None)
-
-    def _hold(self, keys: list[ChunkKey], until: float) -> None:
-        """Take `keys` out of the index and keep listings from bringing them back before the
-        monotonic time `until`."""
-        with self._held_lock:
-            for key in keys:
-                self._held[key] = max(until, self._held.get(key, 0.0))
-        for key in keys:
-            self._index.discard(key)
+        self._index.unhold(keys)
