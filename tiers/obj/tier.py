@@ -29,12 +29,12 @@ from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
 
-from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
+from ..base import Lookup, TierError, TierJob, job_problem
 from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)
 from ..index import ChunkIndex
-from ..jobs import JobBoard
+from ..jobs import BoardedTier, JobBoard
 from .client import S3Client, StoreFailure
 from .config import parse_config
 from .names import key_from_object, namespace_prefix, object_name
@@ -53,7 +53,7 @@ def start_error(failure: StoreFailure, describe: str) -> TierError:
     return TierError(f"store_config.endpoint_override: cannot list {describe} ({failure})")
 
 
-class ObjTier(SecondaryTier):
+class ObjTier(BoardedTier):
     """The obj tier (see module docstring; config keys in `config.py`).
 
     Args:
@@ -146,17 +146,6 @@ class ObjTier(SecondaryTier):
         """Queue a load on the load pool (see `SecondaryTier.submit_load`)."""
         self._jobs.submit(self._loaders, self._load, job)
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        """Results of jobs finished since the last call, each exactly once."""
-        return self._jobs.take_finished()
-
-    def drain(self, timeout_s: float | None = None) -> None:
-        """Wait until no job is pending (each ends within the tier's `timeout_s`).
-
-        Raises:
-            TimeoutError: jobs remain after `timeout_s` seconds.
-        """
-        self._jobs.drain(timeout_s)
 
     def take_removed(self) -> list[ChunkKey]:
         """Keys whose objects left the tier since the last call, each once: evicted by
