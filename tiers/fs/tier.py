@@ -1,8 +1,9 @@
 """`fs`: the filesystem secondary tier — crash-safe, self-verifying, shared by processes.
 
-One file per chunk (`format.py`), written to a unique temp name, fdatasynced, renamed
-atomically and the folder fsynced (`fileio.write_chunk`); every load verifies header, size and
-the xxh3-128 payload checksum (`fileio.read_chunk`). A failed check, a missing file or an I/O
+One file per chunk (`format.py`), written to a unique temp name and renamed atomically
+(`fileio.write_chunk`; with `durability: "power-loss"` also fdatasynced before the rename and
+the folder fsynced after it); every load verifies header, size and the xxh3-128 payload
+checksum (`fileio.read_chunk`), so a file torn or zeroed by a power loss is a miss. A failed check, a missing file or an I/O
 error fails the job (a MISS for the engine), bumps a counter, and moves a bad file into the
 namespace's `quarantine/` folder; nothing is raised into the caller.
 
@@ -27,10 +28,10 @@ import numpy as np
 
 from kvhal.keys import ChunkKey
 
-from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
+from ..base import Lookup, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex
-from ..jobs import JobBoard
+from ..jobs import BoardedTier, JobBoard
 from .config import parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      write_chunk)
@@ -39,6 +40,8 @@ from .scan import orphaned_temp_files, scan_namespace
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
+#: The refresh thread waits at least this many times as long as its last scan took.
+REFRESH_DUTY_FACTOR = 20
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
 _BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
 
@@ -48,7 +51,7 @@ def _errno_text(exc: OSError) -> str:
     return f"{name}: {exc.strerror or exc}"
 
 
-class FsTier(SecondaryTier):
+class FsTier(BoardedTier):
     """The fs tier (see module docstring; config keys in `config.py`).
 
     Args:
@@ -83,6 +86,7 @@ class FsTier(SecondaryTier):
                             "support O_DIRECT; use \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
         self.o_direct = supported and cfg.o_direct is not False
+        self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_orphaned_temps()
         self._index = ChunkIndex()
@@ -133,11 +137,17 @@ class FsTier(SecondaryTier):
         return max(ALIGN, int(DEFAULT_SPACE_SHARE * free) + self._index.used_bytes)
 
     def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.config.refresh_interval_s):
+        wait_s = self.config.refresh_interval_s
+        while not self._stop.wait(wait_s):
+            t0 = time.perf_counter()
             try:
                 self.refresh()
             except Exception:  # keep refreshing; the counter shows it in metrics
                 self._count("refresh_errors")
+            # a scan lists every file: a big folder is scanned less often, so scanning takes
+            # at most 1 / REFRESH_DUTY_FACTOR of one core's time
+            wait_s = max(self.config.refresh_interval_s,
+                         REFRESH_DUTY_FACTOR * (time.perf_counter() - t0))
 
     def refresh(self) -> None:
         """Re-scan the namespace folder now (the background thread does this every
@@ -166,17 +176,6 @@ class FsTier(SecondaryTier):
         """Queue a load on the read pool (see `SecondaryTier.submit_load`)."""
         self._jobs.submit(self._readers, self._load, job)
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        """Results of jobs finished since the last call, each exactly once."""
-        return self._jobs.take_finished()
-
-    def drain(self, timeout_s: float | None = None) -> None:
-        """Wait until no job is pending.
-
-        Raises:
-            TimeoutError: jobs remain after `timeout_s` seconds.
-        """
-        self._jobs.drain(timeout_s)
 
     def take_removed(self) -> list[ChunkKey]:
         """Keys whose chunk files left the tier since the last call: evicted, found corrupt
@@ -195,10 +194,12 @@ class FsTier(SecondaryTier):
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
         io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors
-        (absent while 0); plus used_bytes, max_bytes, chunks and o_direct (bool, detected at
-        start)."""
-        return self._jobs.counters() | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
-                      "chunks": len(self._index), "o_direct": self.o_direct}
+        (absent while 0); plus used_bytes, max_bytes, chunks, o_direct (bool, detected at
+        start) and durability (the config value)."""
+        return self._jobs.counters() | {
+            "used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
+            "chunks": len(self._index), "o_direct": self.o_direct,
+            "durability": self.config.durability}
 
     # -- jobs ---------------------------------------------------------------------------------
     def _check_job(self, job: TierJob) -> str | None:
@@ -217,9 +218,10 @@ class FsTier(SecondaryTier):
         error = self._check_job(job)
         if error:
             return error
-        if self._index.touch(job.key) or os.path.exists(chunk_path(self.ns_dir, job.key)):
-            self._index.add(job.key, record_nbytes(job.nbytes))
+        if self._index.touch(job.key):
             return None
+        # an unindexed file under this name is rewritten, not trusted: it may be torn by a
+        # power loss (the scan left it out), or be another process's copy of the same chunk
         nbytes = record_nbytes(job.nbytes)
         victims = self._index.reserve(nbytes, self.max_bytes)
         if victims is None:
@@ -228,7 +230,7 @@ class FsTier(SecondaryTier):
         try:
             write_chunk(self._os, self.ns_dir, job.key,
                         self._host[job.offset:job.offset + job.nbytes], self._direct(job),
-                        self._scratch_buffers())
+                        self._scratch_buffers(), self._sync)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 self._count("enospc")
@@ -265,7 +267,9 @@ class FsTier(SecondaryTier):
             self._count("io_errors")
             if exc.errno in _BAD_FILE_ERRNOS:
                 self._quarantine(path)
-            self._index.discard(job.key)
+            # a file left in place (a transient error) stays a miss for a while instead of
+            # coming back with the next refresh and failing at every step
+            self._index.hold([job.key], time.monotonic() + max(1.0, self.config.refresh_interval_s))
             return _errno_text(exc)
         # touch only: a chunk evicted while this load read its open file stays evicted (its
         # file is gone); an unindexed file another process wrote arrives with the next refresh
