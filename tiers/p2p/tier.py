@@ -43,6 +43,9 @@ class P2PTier(BoardedTier):
     """
 
     name = "p2p"
+    medium = "CPU"          # a peer's host memory (vLLM's p2p tier: CacheHitSource.P2P)
+    locality = "REMOTE"
+    hit_source = "p2p"
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes, *,
                  transport: Transport | None = None):
