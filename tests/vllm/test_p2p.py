@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-
 from kvhal.integrations.vllm.runner import EngineProcess  # noqa: E402
 from kvhal.tiers.p2p import P2PTier  # noqa: E402
 
-from ..tiers.p2p_helpers import KEY, free_port, wait_for  # noqa: E402
+from ..tiers.p2p_helpers import KEY, fixed_port, wait_for  # noqa: E402
 from .conftest import FULL_HIT, RUNNER, prompt  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def engine(tmp_path, name: str, tp: int, kvhal: dict) -> EngineProcess:
 
 @pytest.fixture(scope="module")
 def runs(module_tmp):
-    port = free_port()
+    port = fixed_port()
     peer = f"127.0.0.1:{port}"
     a = engine(module_tmp, "a", 1, p2p_config(port=port))
     b = engine(module_tmp, "b", 1, p2p_config(peers=[peer]))
