@@ -1,11 +1,14 @@
 """`kvhal layout`: per TP rank, the device bytes per block, the canonical chunk bytes and the
-copy runs of one model geometry and device layout (DESIGN §3)."""
+copy runs of one model geometry and device layout (DESIGN §3); for a hybrid geometry (extra
+sliding-window or Mamba layers: one KV cache group each) also each group's chunk and host slot
+bytes, and with --cpu-bytes the host pool of each group (`kvhal.host.host_layout`)."""
 from __future__ import annotations
 
 import argparse
 
-from .layout import (D2H, FORMAT_ID, H2D, attention_spec, chunk_mapper, default_layouts,
-                     mla_spec)
+from .host import host_geometry, host_layout
+from .layout import (D2H, FORMAT_ID, H2D, Kind, KVCacheSpec, LayerGroup, attention_spec,
+                     canonical_page_bytes, chunk_mapper, default_layouts, mla_spec)
 from .report import print_json, print_table
 
 MIB = 1 << 20
@@ -32,6 +35,7 @@ def collect(args: argparse.Namespace) -> dict:
         spec = attention_spec(num_layers=args.layers, num_kv_heads=args.kv_heads,
                               head_size=args.head_size, dtype=args.dtype,
                               block_size=args.block_size, extra_bytes_per_token=args.extra_bytes)
+    spec = _with_hybrid_groups(spec, args)
     layouts = default_layouts(spec.groups, args.attention)
     ranks = []
     for rank in range(args.tp):
@@ -47,8 +51,39 @@ def collect(args: argparse.Namespace) -> dict:
             "load_runs_per_chunk": m.runs_per_chunk(H2D),
             "copies_2d_per_chunk": m.copies_2d_per_chunk(H2D),
         })
+    chunks = [g.num_layers * canonical_page_bytes(g, args.blocks_per_chunk) for g in spec.groups]
+    pools = host_layout(tuple(chunks), args.cpu_bytes).pools if args.cpu_bytes else None
+    groups = [{"group": i, "kind": g.kind.value, "layers": g.num_layers, "chunk_bytes": n,
+               "slot_bytes": host_geometry(n, 1 << 62).slot_bytes,
+               **({"slots": pools[i].capacity, "host_bytes": pools[i].nbytes} if pools else {})}
+              for i, (g, n) in enumerate(zip(spec.groups, chunks))]
     return {"format_id": FORMAT_ID, "layouts": list(layouts), "tp": args.tp,
-            "blocks_per_chunk": args.blocks_per_chunk, "ranks": ranks}
+            "blocks_per_chunk": args.blocks_per_chunk, "ranks": ranks, "groups": groups}
+
+
+def _with_hybrid_groups(spec: KVCacheSpec, args: argparse.Namespace) -> KVCacheSpec:
+    """`spec` plus a sliding-window group (--sliding-layers, same heads as the attention
+    layers) and a Mamba group (--mamba-layers), each a KV cache group of its own.
+
+    Raises:
+        ValueError: a hybrid option without its companion (window, state bytes), or sliding
+            layers on an MLA model.
+    """
+    groups = list(spec.groups)
+    base = groups[0]
+    if args.sliding_layers:
+        if args.sliding_window is None or base.kind is Kind.MLA:
+            raise ValueError("--sliding-layers needs --sliding-window and attention layers "
+                             "(--kv-heads/--head-size)")
+        groups.append(LayerGroup(Kind.SLIDING_WINDOW, args.sliding_layers, base.num_kv_heads,
+                                 base.head_size, base.dtype, base.block_size,
+                                 base.extra_bytes_per_token, args.sliding_window))
+    if args.mamba_layers:
+        if args.mamba_state_bytes is None:
+            raise ValueError("--mamba-layers needs --mamba-state-bytes")
+        groups.append(LayerGroup(Kind.MAMBA, args.mamba_layers, 1, 0, base.dtype,
+                                 base.block_size, state_bytes=args.mamba_state_bytes))
+    return KVCacheSpec(tuple(groups))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
              f"{r['device_block_mib']:.3f}", r["canonical_chunk_bytes"],
              "/".join(map(str, r["runs_per_page"])), r["store_runs_per_chunk"],
              r["load_runs_per_chunk"], r["copies_2d_per_chunk"]] for r in report["ranks"]]
+    if len(report["groups"]) > 1 or "slots" in report["groups"][0]:
+        cols = ["group", "kind", "layers", "chunk_bytes", "slot_bytes", "slots", "host_bytes"]
+        print_table("KV cache groups: canonical bytes per chunk, host slot bytes (rounded to "
+                    "the page), host pool (with --cpu-bytes)", cols,
+                    [[g.get(c, "") for c in cols] for g in report["groups"]])
     print_table(f"{report['format_id']} · {', '.join(report['layouts'])} · TP {report['tp']} · "
                 f"{report['blocks_per_chunk']} blocks/chunk · per rank: device bytes per block "
                 "(all layers), canonical bytes per chunk, copy runs per layer page and per "
@@ -85,5 +125,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mla-latent", type=int, help="MLA latent size in elements (MLA model)")
     p.add_argument("--extra-bytes", type=int, default=0,
                    help="extra bytes per token per KV head (e.g. fp8 scales)")
+    p.add_argument("--sliding-layers", type=int, default=0,
+                   help="hybrid: extra sliding-window attention layers (their own group)")
+    p.add_argument("--sliding-window", type=int, help="window of --sliding-layers, tokens")
+    p.add_argument("--mamba-layers", type=int, default=0,
+                   help="hybrid: extra Mamba/linear-attention state layers (their own group)")
+    p.add_argument("--mamba-state-bytes", type=int, help="state bytes per --mamba-layers layer")
+    p.add_argument("--cpu-bytes", type=int, help="host budget: print each group's host pool")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

@@ -93,7 +93,7 @@ class ChunkIndex:
                 return
             self._lru[key] = nbytes
             self._indexed += nbytes
-            self._added_epoch[key] = self._epoch + 1
+            self._added_epoch[key] = self._epoch  # protected from listings begun before
 
     def discard(self, key: ChunkKey) -> None:
         """Forget `key` after its stored object was deleted or found unusable (a listing that

@@ -76,7 +76,8 @@ class JobBoard:
         with self._cond:
             self._finish(job, time.perf_counter() - t0, error)
             self._pending -= 1
-            self._cond.notify_all()
+            if not self._pending:  # only `drain` waits, for zero: no wake-up per job
+                self._cond.notify_all()
 
     def _finish(self, job: TierJob, seconds: float, error: str | None) -> None:
         self._finished.append(JobResult(job.job_id, job.kind, job.key, error is None, error,

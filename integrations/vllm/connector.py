@@ -7,7 +7,9 @@ entry point registers the name) or add `"kv_connector_module_path":
 {"kv_transfer_params": {"max_offload_tokens": N}})` caps what is stored.
 
 vLLM builds one instance per role: SCHEDULER in the engine core (`SchedulerSide`) and WORKER in
-each worker process (`WorkerSide`); this class only routes vLLM's hooks to them.
+each worker process (`WorkerSide`); this class only routes vLLM's hooks to them. It implements
+vLLM's `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on: models with several KV cache
+groups (interleaved sliding-window + full attention, ...) run with per-group block ids.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from typing import Any
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorRole,
+                                                               KVConnectorTransferResults,
+                                                               SupportsHMA)
 
 from kvhal import events
 from kvhal.config import parse_config
@@ -27,18 +31,19 @@ from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
 
-class KVHalConnector(KVConnectorBase_V1):
+class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
     """kvhal's vLLM connector (see the module docstring).
 
     Args (from vLLM):
         vllm_config: The engine's `VllmConfig`; `kv_transfer_config.kv_connector_extra_config`
             is the kvhal config.
         role: SCHEDULER or WORKER.
-        kv_cache_config: vLLM's `KVCacheConfig` (one full-attention group).
+        kv_cache_config: vLLM's `KVCacheConfig` (its KV cache groups).
 
     Raises:
         kvhal.config.ConfigError: the extra config is invalid (message names the key path).
-        UnsupportedModelError: hybrid or non-attention KV cache.
+        UnsupportedModelError: a KV cache group kvhal does not map (the message names the
+            group, its first layer and its spec type; `geometry.group_spec`).
     """
 
     @property
@@ -50,9 +55,10 @@ class KVHalConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         config = parse_config(dict(transfer.kv_connector_extra_config or {}))
+        groups = kv_cache_config.kv_cache_groups
         dep = deployment(vllm_config, kv_cache_config,
-                         config.blocks_per_chunk_for(kv_cache_config.kv_cache_groups[0]
-                                                     .kv_cache_spec.block_size))
+                         config.blocks_per_chunk_for(groups[0].kv_cache_spec.block_size
+                                                     if groups else 1))
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -87,9 +93,18 @@ class KVHalConnector(KVConnectorBase_V1):
         """Issue this step's stores (D2H); they complete asynchronously."""
         self.worker_side.wait_for_save(self._get_connector_metadata())
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        """Delayed-free requests whose stores have all finished on this rank."""
-        return self.worker_side.get_finished() or None, None
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Delayed-free requests whose stores have all finished on this rank, and requests
+        whose asynchronous loads have ended on it."""
+        sending, recving, _ = self.worker_side.get_finished()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished` plus the requests whose asynchronous load failed on this rank
+        (vLLM frees their blocks and schedules them again)."""
+        sending, recving, failed = self.worker_side.get_finished()
+        return KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device blocks whose load failed this step: vLLM recomputes them."""
@@ -104,6 +119,7 @@ class KVHalConnector(KVConnectorBase_V1):
         """Keep vLLM's KV cache manager (a request's block ids for stores)."""
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler_side.kv_cache_manager = kv_cache_manager
+        self.scheduler_side.null_block_id = kv_cache_manager.block_pool.null_block.block_id
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -126,6 +142,11 @@ class KVHalConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Release the request; delay the free while a store reads its blocks."""
+        return self.scheduler_side.request_finished(request)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` for vLLM's hybrid KV cache manager (every group at once)."""
         return self.scheduler_side.request_finished(request)
 
     def take_events(self) -> list:

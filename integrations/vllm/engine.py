@@ -33,8 +33,11 @@ def engine_env(tp: int, in_process: bool = True) -> dict[str, str]:
 def kv_transfer_config(kvhal_config: Mapping[str, Any], module_path: str | None = None
                        ) -> dict[str, Any]:
     """vLLM's `kv_transfer_config` selecting kvhal with `kvhal_config` (DESIGN §7 keys), by
-    its registered name or, when `module_path` is given, by module path."""
+    its registered name or, when `module_path` is given, by module path. A failed load is a
+    miss for kvhal, so vLLM recomputes (`kv_load_failure_policy` "recompute"; vLLM 0.32's
+    default "fail" would end the request)."""
     config = {"kv_connector": CONNECTOR, "kv_role": "kv_both",
+              "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": dict(kvhal_config)}
     if module_path is not None:
         config["kv_connector_module_path"] = module_path

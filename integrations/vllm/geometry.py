@@ -1,10 +1,16 @@
-"""What kvhal needs to know about a vLLM deployment: KV geometry, device layout, namespace.
+"""What kvhal needs to know about a vLLM deployment: KV cache groups, geometry, namespace.
 
 Read from vLLM's `VllmConfig` and `KVCacheConfig` (vLLM 0.32: `ModelConfig.get_head_size`,
-`get_total_num_kv_heads`; `KVCacheConfig.kv_cache_groups[i].kv_cache_spec` is a
-`FullAttentionSpec` with `block_size`, `dtype`). Both connector roles compute the same values
-from the same configs, so the scheduler (which sizes the host region) and every worker (which
-maps its KV tensors into it) agree without talking.
+`get_total_num_kv_heads`; `KVCacheConfig.kv_cache_groups[i]` has `layer_names` and a
+`kv_cache_spec`: `FullAttentionSpec`, `SlidingWindowSpec` (`sliding_window` tokens) or
+`MLAAttentionSpec` (one latent row per token), each with `block_size`, `dtype`, `num_kv_heads`
+(per rank), `head_size`; `KVCacheConfig.hash_block_size` is the token span of one entry of
+`request.block_hashes`). Both connector roles compute the same values from the same configs, so
+the scheduler (which sizes the host region) and every worker (which maps its KV tensors into
+it) agree without talking.
+
+Group g of vLLM is kvhal's group g everywhere: `ChunkKey.group`, host pool g
+(`kvhal.host.host_layout`), the chunk layout of `GroupInfo.spec`.
 """
 from __future__ import annotations
 
@@ -13,11 +19,46 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvhal.keys import HASH_SEED_ENV, namespace_digest
-from kvhal.layout import FORMAT_ID, KVCacheSpec, attention_spec, chunk_layout
+from kvhal.layout import FORMAT_ID, Kind, KVCacheSpec, LayerGroup, LayoutError, chunk_layout
 
 
 class UnsupportedModelError(ValueError):
     """The deployment's KV cache is of a kind the connector does not map (names what)."""
+
+
+#: vLLM spec class name → the kvhal kind it maps to. Every other spec is refused by name.
+SPEC_KINDS = {"FullAttentionSpec": Kind.FULL, "SlidingWindowSpec": Kind.SLIDING_WINDOW,
+              "MLAAttentionSpec": Kind.MLA}
+
+#: torch dtype names (as `str(torch.dtype)` without "torch.") → `kvhal.layout.ELEMENT_BYTES` keys.
+_DTYPES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """One of vLLM's KV cache groups as kvhal sees it.
+
+    Attributes:
+        group_id: vLLM's group index (= `ChunkKey.group` = host pool index).
+        spec: The group's geometry at TP=1 (all KV heads), one `LayerGroup`.
+        layer_names: vLLM's layer names of the group, in layer order.
+        chunk_nbytes: Canonical bytes of one chunk of this group (all its layers).
+    """
+
+    group_id: int
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+    chunk_nbytes: int
+
+    @property
+    def kind(self) -> Kind:
+        """What the group's layers store."""
+        return self.spec.groups[0].kind
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window in tokens (sliding-window groups), else None."""
+        return self.spec.groups[0].sliding_window
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,21 +66,18 @@ class Deployment:
     """One vLLM deployment as kvhal sees it.
 
     Attributes:
-        spec: KV geometry at TP=1 (all KV heads), one full-attention group.
-        block_size: vLLM's block size in tokens (128 on vLLM-CPU).
+        groups: Every KV cache group, in vLLM's group order.
+        block_size: vLLM's block size in tokens (128 on vLLM-CPU, 16 for its MLA backend),
+            equal for every group.
         blocks_per_chunk: vLLM blocks per kvhal chunk.
-        chunk_nbytes: Canonical bytes of one chunk (all layers, all heads).
         tp_size: Tensor-parallel size.
-        layer_names: vLLM's attention layer names, in layer order.
         namespace: 16-byte namespace digest of this cache (`kvhal.keys.namespace_digest`).
     """
 
-    spec: KVCacheSpec
+    groups: tuple[GroupInfo, ...]
     block_size: int
     blocks_per_chunk: int
-    chunk_nbytes: int
     tp_size: int
-    layer_names: tuple[str, ...]
     namespace: bytes
 
     @property
@@ -47,60 +85,143 @@ class Deployment:
         """Tokens per chunk."""
         return self.block_size * self.blocks_per_chunk
 
+    @property
+    def async_loads(self) -> bool:
+        """True with several KV cache groups: vLLM 0.32 cannot map a failed block id back to
+        a request then (`Scheduler._handle_invalid_blocks` refuses block-level errors for more
+        than one group), so loads run asynchronously and a failed one is reported per request
+        (`failed_recving`), after which vLLM reschedules the request."""
+        return len(self.groups) > 1
+
+    @property
+    def chunk_nbytes(self) -> tuple[int, ...]:
+        """Canonical bytes of one chunk, per group."""
+        return tuple(g.chunk_nbytes for g in self.groups)
+
+
+def _refuse(gi: int, group: Any, reason: str) -> UnsupportedModelError:
+    spec = group.kv_cache_spec
+    first = group.layer_names[0] if group.layer_names else "?"
+    return UnsupportedModelError(f"kv_cache_groups[{gi}] (layer {first}, "
+                                 f"{type(spec).__name__}): {reason}")
+
+
+def group_spec(gi: int, group: Any, model: Any) -> LayerGroup:
+    """The kvhal `LayerGroup` (at TP=1) of vLLM KV cache group `gi`.
+
+    Raises:
+        UnsupportedModelError: a spec type kvhal does not map (Mamba/linear-attention state,
+            chunked local attention, cross attention, ...), K and V of different head sizes,
+            a quantised or padded page; the message names the group, its first layer and its
+            spec type.
+    """
+    spec = group.kv_cache_spec
+    name = type(spec).__name__
+    kind = SPEC_KINDS.get(name)
+    if kind is None:
+        raise _refuse(gi, group, f"{name} is not supported; kvhal maps "
+                                 f"{', '.join(SPEC_KINDS)}")
+    if getattr(spec, "page_size_padded", None) is not None:
+        raise _refuse(gi, group, f"padded pages (page_size_padded={spec.page_size_padded}) "
+                                 "are not supported")
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is not None and getattr(quant, "name", "NONE") != "NONE":
+        raise _refuse(gi, group, f"quantised KV ({quant.name}) is not supported")
+    if kind is not Kind.MLA and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise _refuse(gi, group, f"K head size {spec.head_size} != V head size "
+                                 f"{spec.head_size_v}")
+    if getattr(spec, "extra_retained_tokens", 0):
+        raise _refuse(gi, group, "extra_retained_tokens (multi-module speculative decoding) is "
+                                 "not supported")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    dtype = _DTYPES.get(dtype, dtype)
+    try:
+        if kind is Kind.MLA:
+            out = LayerGroup(kind, len(group.layer_names), 1, spec.head_size, dtype,
+                             spec.block_size)
+        else:
+            out = LayerGroup(kind, len(group.layer_names), model.get_total_num_kv_heads(),
+                             spec.head_size, dtype, spec.block_size,
+                             sliding_window=getattr(spec, "sliding_window", None))
+        out.validate()
+    except LayoutError as exc:
+        raise _refuse(gi, group, str(exc)) from None
+    return out
+
 
 def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) -> Deployment:
     """Describe the deployment from vLLM's configs.
 
     Raises:
-        UnsupportedModelError: more than one KV cache group (hybrid models), or a non-attention
-            group; the message names the group and its spec type.
+        UnsupportedModelError: a group `group_spec` refuses, groups of different block sizes,
+            a sliding window with blocks_per_chunk > 1, MLA on an engine without prefix
+            caching (vLLM-CPU), or block hashes that do not span exactly one block.
     """
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedModelError(f"kv_cache_groups: {len(groups)} groups; the connector maps "
-                                    "one full-attention group (hybrid models are not supported)")
-    group_spec = groups[0].kv_cache_spec
-    if type(group_spec).__name__ != "FullAttentionSpec":
-        raise UnsupportedModelError(f"kv_cache_groups[0]: {type(group_spec).__name__} is not "
-                                    "supported (FullAttentionSpec only)")
     model = vllm_config.model_config
-    dtype = str(group_spec.dtype).removeprefix("torch.")
-    spec = attention_spec(num_layers=len(groups[0].layer_names),
-                          num_kv_heads=model.get_total_num_kv_heads(),
-                          head_size=model.get_head_size(), dtype=dtype,
-                          block_size=group_spec.block_size)
-    tokens = group_spec.block_size * blocks_per_chunk
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise UnsupportedModelError("kv_cache_groups: the model has no KV cache")
+    specs = [group_spec(gi, g, model) for gi, g in enumerate(groups)]
+    block_size = specs[0].block_size
+    for gi, (group, spec) in enumerate(zip(groups, specs)):
+        if spec.block_size != block_size:
+            raise _refuse(gi, group, f"block size {spec.block_size} != group 0's {block_size} "
+                                     "(chunks of all groups must cover the same tokens)")
+        if spec.kind is Kind.SLIDING_WINDOW and blocks_per_chunk != 1:
+            raise _refuse(gi, group, f"a sliding window needs blocks_per_chunk 1, got "
+                                     f"{blocks_per_chunk} (the window's first block may sit "
+                                     "inside a chunk)")
+    if any(s.kind is Kind.MLA for s in specs) and not vllm_config.cache_config.enable_prefix_caching:
+        gi = next(i for i, s in enumerate(specs) if s.kind is Kind.MLA)
+        raise _refuse(gi, groups[gi], "this engine runs MLA without prefix caching, so it cannot "
+                                      "compute on top of a reused prefix (vLLM-CPU 0.32 without "
+                                      "AMX: 'MLA is enabled on a non-GPU platform; forcing "
+                                      "chunked prefill and prefix caching to be disabled')")
+    hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
+    if hash_block != block_size:
+        raise UnsupportedModelError(f"kv_cache_config.hash_block_size: {hash_block} tokens per "
+                                    f"block hash, but blocks hold {block_size}; kvhal keys a "
+                                    "chunk by the hash of its last block")
+    tokens = block_size * blocks_per_chunk
+    dtypes = sorted({s.dtype for s in specs})
     seed = os.environ.get(HASH_SEED_ENV)
     namespace = namespace_digest(
         model=str(model.served_model_name or model.model), revision=str(model.revision or ""),
-        kv_dtype=dtype, format_id=FORMAT_ID, tokens_per_chunk=tokens,
+        kv_dtype="+".join(dtypes), format_id=FORMAT_ID, tokens_per_chunk=tokens,
         hash_name=vllm_config.cache_config.prefix_caching_hash_algo,
         # Without PYTHONHASHSEED vLLM seeds its block hashes randomly per process, so keys can
         # never match another process's: name that in the namespace instead of pretending.
         hash_seed=seed if seed is not None else f"random:{os.getpid()}")
-    return Deployment(spec, group_spec.block_size, blocks_per_chunk,
-                      chunk_layout(spec, blocks_per_chunk).chunk_bytes,
-                      vllm_config.parallel_config.tensor_parallel_size,
-                      tuple(groups[0].layer_names), namespace)
+    infos = []
+    for gi, (group, spec) in enumerate(zip(groups, specs)):
+        cache = KVCacheSpec((spec,))
+        infos.append(GroupInfo(gi, cache, tuple(group.layer_names),
+                               chunk_layout(cache, blocks_per_chunk).chunk_bytes))
+    return Deployment(tuple(infos), block_size, blocks_per_chunk,
+                      vllm_config.parallel_config.tensor_parallel_size, namespace)
 
 
-def device_layout_name(tensor: Any) -> str:
+def device_layout_name(tensor: Any, kind: Kind) -> str:
     """The `kvhal.layout` layout name of one of vLLM's per-layer KV tensors.
 
-    vLLM-CPU registers `(num_blocks, heads, block_size, 2*head_size)` with K rows then V rows
-    per (block, head) tile ("vllm-cpu"); vLLM's GPU backends register `(num_blocks, 2,
-    block_size, heads, head_size)` ("split-nhd") or `(2, num_blocks, block_size, heads,
-    head_size)` ("separate-kv").
+    vLLM-CPU registers attention as `(num_blocks, heads, block_size, 2*head_size)` with K rows
+    then V rows per (block, head) tile ("vllm-cpu") and MLA as `(num_blocks, block_size,
+    latent)` or, on vLLM-CPU, `(num_blocks, 1, block_size, latent)` ("mla"); vLLM's GPU backends register `(num_blocks, 2, block_size, heads,
+    head_size)` ("split-nhd") or `(2, num_blocks, block_size, heads, head_size)`
+    ("separate-kv").
 
     Raises:
         UnsupportedModelError: a tensor rank this function does not know (names the shape).
     """
     shape = tuple(tensor.shape)
-    if tensor.device.type == "cpu" and len(shape) == 4:
-        return "vllm-cpu"
-    if len(shape) == 5 and shape[1] == 2:
-        return "split-nhd"
-    if len(shape) == 5 and shape[0] == 2:
-        return "separate-kv"
-    raise UnsupportedModelError(f"KV tensor of shape {shape} on {tensor.device} has no known "
-                                "kvhal layout")
+    if kind is Kind.MLA and (len(shape) == 3 or (len(shape) == 4 and shape[1] == 1)):
+        return "mla"  # vLLM-CPU's MLA backend adds a head dim of 1: (num_blocks, 1, T, D)
+    if kind is not Kind.MLA:
+        if tensor.device.type == "cpu" and len(shape) == 4:
+            return "vllm-cpu"
+        if len(shape) == 5 and shape[1] == 2:
+            return "split-nhd"
+        if len(shape) == 5 and shape[0] == 2:
+            return "separate-kv"
+    raise UnsupportedModelError(f"{kind.value} KV tensor of shape {shape} on {tensor.device} "
+                                "has no known kvhal layout")

@@ -10,30 +10,34 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
 
+from kvhal.host import HostLayout
+
 
 @dataclass(frozen=True, slots=True)
 class RegionInfo:
-    """Where the shared host region lives and how it is cut (`kvhal.host.HostGeometry`)."""
+    """Where the shared host region lives and how it is cut: one pool of slots per KV cache
+    group (`kvhal.host.HostLayout`)."""
 
     shm_path: str
-    slot_bytes: int
-    chunk_nbytes: int
-    capacity: int
+    layout: HostLayout
 
 
 @dataclass(frozen=True, slots=True)
 class TransferJob:
-    """Chunks to move between device blocks and host slots.
+    """Chunks of one KV cache group to move between device blocks and host slots.
 
     Attributes:
-        job_id: The manager's job id (`StorePlan.job_id` / `LoadPlan.job_id`).
+        job_id: The manager's job id (`StorePlan.job_id` / `LoadPlan.job_id`); -1 for a load
+            of which no chunk could be held (every chunk fails).
         req_id: vLLM request id the blocks belong to.
-        slots: int64 (n,): host slot of each chunk.
+        group: KV cache group (= host pool) of the chunks.
+        slots: int64 (n,): global host slot of each chunk (-1: not held, fails).
         block_ids: int64 (n, blocks_per_chunk): device block ids of each chunk, in order.
     """
 
     job_id: int
     req_id: str
+    group: int
     slots: np.ndarray
     block_ids: np.ndarray
 
@@ -44,7 +48,8 @@ class KVHalMetadata(KVConnectorMetadata):
 
     Attributes:
         region: The host region (workers attach on first use).
-        loads: Jobs to finish before this step's forward (H2D).
+        loads: Jobs to finish before this step's forward (H2D), or, with several KV cache
+            groups, to run asynchronously (`Deployment.async_loads`).
         stores: Jobs to start after this step's forward (D2H).
         flush: Blocks were freed by preemption this step: wait for every in-flight store
             before the forward overwrites them.

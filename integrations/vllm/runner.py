@@ -5,7 +5,8 @@ vLLM keeps process-global state, so every engine runs in its own process
 then runs steps sent as JSON lines on stdin and answers each on stdout. Two engines can be
 alive at once, so the demo alternates their requests and both see the same machine load.
 
-Scenario (`run_scenario`): {"tp": int, "model": "tiny" | "demo", "num_blocks": int | null,
+Scenario (`run_scenario`): {"tp": int, "model": "tiny" | "demo" | "tiny-swa" | "tiny-mla",
+           "num_blocks": int | null,
            "max_model_len": int, "engines": [{"kvhal": null | {kvhal config},
            "connector_module_path"?: str, "steps": [...]}]}
 Steps ("op"):
@@ -32,9 +33,9 @@ from typing import Any, Callable, Sequence
 from kvhal.bench.tier import drop_page_cache
 
 from .engine import engine_env, generate, make_llm, shutdown
-from .model import DEMO, TINY, build_model
+from .model import DEMO, TINY, TINY_MLA, TINY_SWA, build_model
 
-MODELS = {"tiny": TINY, "demo": DEMO}
+MODELS = {"tiny": TINY, "demo": DEMO, "tiny-swa": TINY_SWA, "tiny-mla": TINY_MLA}
 
 
 class ScenarioError(RuntimeError):

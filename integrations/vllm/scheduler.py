@@ -5,9 +5,17 @@ you load" from `Manager.lookup`, reserves host slots for stores and loads, and s
 to the workers in `KVHalMetadata`. Workers answer in `KVHalWorkerMetadata`; a job completes in
 the manager once every TP rank has finished it.
 
-Loads are synchronous in vLLM's sense (`is_async=False`): they run in the same step as the
-forward pass that needs them, before it. A load that fails is reported by the worker through
-`get_block_ids_with_load_errors`, and vLLM recomputes those blocks.
+Every KV cache group of vLLM (hybrid models: full attention, sliding window, MLA) has its own
+chunk keys (`ChunkKey.group`), its own host pool and its own lookup rule
+(`kvhal.engine.needed_chunks`): a hit is the longest chunk prefix every group can serve.
+
+With one group, loads are synchronous in vLLM's sense (`is_async=False`): they run in the same
+step as the forward pass that needs them, before it, and a load that fails is reported by the
+worker through `get_block_ids_with_load_errors`; vLLM recomputes from the first failed block.
+With several groups vLLM takes no block-level errors (`Deployment.async_loads`), so loads are
+asynchronous: the request waits for them, a failed one is reported per request
+(`failed_recving`), vLLM frees the request's blocks and asks again, and the next hit stops
+before the first chunk a group failed to load (`_Request.max_hit_chunks`).
 """
 from __future__ import annotations
 
@@ -22,9 +30,10 @@ import numpy as np
 
 from kvhal.backends.cpu import CpuBackend
 from kvhal.config import EngineConfig
-from kvhal.engine import build_manager, chunks_to_store, leading_hits
-from kvhal.host import HostRegion, host_geometry
+from kvhal.engine import build_manager, chunks_to_store, leading_hits, needed_chunks
+from kvhal.host import HostRegion, host_layout
 from kvhal.keys import chunk_keys
+from kvhal.layout import Kind
 from kvhal.tiers.base import Lookup
 
 from .geometry import Deployment
@@ -47,19 +56,27 @@ class _Request:
     max_offload_tokens: int | None
     num_stored_chunks: int = 0
     store_jobs: set[int] = field(default_factory=set)
-    # First chunk of the hit found by the last get_num_new_matched_tokens.
+    # Chunk range of the hit found by the last get_num_new_matched_tokens.
     load_start: int = 0
+    load_end: int = 0
     promoted: set = field(default_factory=set)
     hit_tokens: dict[str, int] = field(default_factory=dict)
+    # First chunk a group failed to load: later hits end before it (async loads).
+    max_hit_chunks: int | None = None
 
 
 @dataclass(slots=True)
 class _Job:
     req_id: str
     is_store: bool
-    num_chunks: int
+    group: int
+    chunks: np.ndarray          # int64 (n,): the request's chunk index of each job chunk
     ranks_done: int = 0
     num_ok: int | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
 
 
 class SchedulerSide:
@@ -82,16 +99,22 @@ class SchedulerSide:
     def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str):
         self.deployment = deployment
         self.config = config
-        geometry = host_geometry(deployment.chunk_nbytes, config.cpu_bytes_to_use)
+        self.layout = host_layout(deployment.chunk_nbytes, config.cpu_bytes_to_use)
         remove_stale_regions()
         shm_path = f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
-        self.region = HostRegion.create_shared(CpuBackend(), geometry, shm_path)
+        self.region = HostRegion.create_shared(CpuBackend(), self.layout, shm_path)
         # A process that exits without vLLM's shutdown must not leave the region in /dev/shm.
         atexit.register(_unlink, shm_path)
-        self.region_info = RegionInfo(shm_path, geometry.slot_bytes, geometry.chunk_nbytes,
-                                      geometry.capacity)
-        self.manager = build_manager(config, geometry, self.region.view, deployment.namespace)
+        self.region_info = RegionInfo(shm_path, self.layout)
+        self.manager = build_manager(config, self.layout, self.region.view,
+                                     deployment.namespace)
         self.kv_cache_manager: Any = None
+        # vLLM's null block (the stand-in for blocks a sliding window dropped); set on bind.
+        self.null_block_id = 0
+        self._prefix_groups = [g for g in deployment.groups
+                               if g.kind in (Kind.FULL, Kind.MLA)]
+        self._window_groups = [g for g in deployment.groups
+                               if g.kind not in (Kind.FULL, Kind.MLA)]
         self._tier_name = (config.secondary_tiers[0].type if len(config.secondary_tiers) == 1
                            else "secondary")
         self._requests: dict[str, _Request] = {}
@@ -100,11 +123,17 @@ class SchedulerSide:
         self._report_sending: list[str] = []
         self.counters = {"load_chunks": 0, "load_failed_chunks": 0, "store_chunks": 0,
                          "store_failed_chunks": 0}
+        n = len(deployment.groups)
+        self.group_counters = {k: [0] * n for k in self.counters}
 
     # -- keys --------------------------------------------------------------------------------
-    def _keys(self, request: Any) -> list:
+    def _keys(self, request: Any, group: int = 0) -> list:
         return chunk_keys(request.block_hashes, self.deployment.blocks_per_chunk,
-                          self.deployment.namespace)
+                          self.deployment.namespace, group)
+
+    def _release(self, req_id: str) -> None:
+        for g in self.deployment.groups:
+            self.manager.release((req_id, g.group_id))
 
     def _state(self, request: Any) -> _Request:
         state = self._requests.get(request.request_id)
@@ -125,7 +154,8 @@ class SchedulerSide:
                                    ) -> tuple[int | None, bool]:
         """Tokens beyond `num_computed_tokens` loadable from kvhal now (whole chunks only, and
         never the prompt's last token, which vLLM must compute); None asks vLLM to come back
-        next step because a chunk is being promoted from a secondary tier.
+        next step because a chunk is being promoted from a secondary tier. The flag is
+        `Deployment.async_loads`.
 
         With blocks_per_chunk > 1, a local prefix hit that ends inside a chunk gets no external
         hit (loads start at chunk boundaries); vLLM-CPU's 128-token blocks make 1 the default.
@@ -134,44 +164,113 @@ class SchedulerSide:
         tpc = self.deployment.tokens_per_chunk
         start = -(-num_computed_tokens // tpc)
         end = (request.num_tokens - 1) // tpc
+        if state.max_hit_chunks is not None:
+            end = min(end, state.max_hit_chunks)
         if start * tpc != num_computed_tokens or start >= end:
             return 0, False
-        keys = self._keys(request)[start:end]
-        answers = self.manager.lookup(keys, request_id=request.request_id)
-        state.promoted.update(k for k, a in zip(keys, answers) if a is Lookup.RETRY)
-        hits = leading_hits(answers)
-        if hits is None:
+        hit_end = self._hit_end(request, state, start, end)
+        if hit_end is None:
             return None, False
-        state.load_start = start
-        return hits * tpc, False
+        state.load_start, state.load_end = start, hit_end
+        if hit_end == start:
+            return 0, False
+        return (hit_end - start) * tpc, self.deployment.async_loads
+
+    def _hit_end(self, request: Any, state: _Request, start: int, end: int) -> int | None:
+        """The end chunk of the longest hit in [start, end) every group can serve (pins its
+        chunks), or None if a chunk it needs is on its way into host memory."""
+        rid, dep = request.request_id, self.deployment
+        limit = end
+        for g in self._prefix_groups:   # whole prefix: the leading hits
+            keys = self._keys(request, g.group_id)[start:end]
+            answers = self.manager.lookup(keys, request_id=(rid, g.group_id))
+            state.promoted.update(k for k, a in zip(keys, answers) if a is Lookup.RETRY)
+            hits = leading_hits(answers)
+            if hits is None:
+                return None
+            limit = min(limit, start + hits)
+        if not self._window_groups:
+            return limit
+        keys = {g.group_id: self._keys(request, g.group_id) for g in self._window_groups}
+        probed: dict[tuple[int, int], Lookup] = {}
+
+        def answer(group: int, chunk: int) -> Lookup:
+            if (group, chunk) not in probed:  # each chunk once per call (promotions start once)
+                probed[group, chunk] = self.manager.lookup([keys[group][chunk]])[0]
+                if probed[group, chunk] is Lookup.RETRY:
+                    state.promoted.add(keys[group][chunk])
+            return probed[group, chunk]
+
+        hit_end = start
+        for n in range(limit, start, -1):  # window and state groups: from the longest down
+            need = [(g.group_id, c) for g in self._window_groups for c in reversed(
+                needed_chunks(g.kind, start, n, dep.tokens_per_chunk, dep.block_size,
+                              g.sliding_window))]
+            answers = []
+            for group, chunk in need:
+                answers.append(answer(group, chunk))
+                if answers[-1] is not Lookup.HIT:
+                    break
+            if Lookup.RETRY in answers:
+                return None
+            if answers[-1] is Lookup.HIT:
+                hit_end = n
+                break
+        for g in self._window_groups:
+            rng = needed_chunks(g.kind, start, hit_end, dep.tokens_per_chunk, dep.block_size,
+                                g.sliding_window)
+            self.manager.lookup([keys[g.group_id][c] for c in rng], request_id=(rid, g.group_id))
+        return hit_end
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
         """Reserve the hit chunks for reading and queue their load into the request's new
-        blocks (vLLM has allocated them)."""
+        blocks (vLLM has allocated them; a group's null blocks — outside a sliding window —
+        are not loaded)."""
         state = self._state(request)
         if num_external_tokens == 0:
-            self.manager.release(request.request_id)
+            self._release(request.request_id)
             return
-        tpc, bpc = self.deployment.tokens_per_chunk, self.deployment.blocks_per_chunk
-        n = num_external_tokens // tpc
-        keys = self._keys(request)[state.load_start:state.load_start + n]
-        plan = self.manager.prepare_load(keys, request_id=request.request_id)
-        placed = 0 if plan is None else len(plan.keys)
-        slots = np.full(n, -1, dtype=np.int64)  # -1: gone since lookup → the worker fails it
-        if plan is not None:
-            slots[:placed] = plan.slots
-            self._jobs[plan.job_id] = _Job(request.request_id, False, placed)
-        block_ids = np.asarray(blocks.get_block_ids()[0], dtype=np.int64)
-        first = state.load_start * bpc
-        chunk_blocks = block_ids[first:first + n * bpc].reshape(n, bpc)
-        job_id = plan.job_id if plan is not None else -1
-        self._loads.append(TransferJob(job_id, request.request_id, slots, chunk_blocks))
-        from_tier = sum(1 for k in keys[:placed] if k in state.promoted)
-        for name, count in (("host", placed - from_tier), (self._tier_name, from_tier)):
+        dep = self.deployment
+        tpc, bpc = dep.tokens_per_chunk, dep.blocks_per_chunk
+        start = state.load_start
+        stop = start + num_external_tokens // tpc
+        group_blocks = blocks.get_block_ids()
+        loaded: dict[str, int] = {}
+        for g in dep.groups:
+            ids = np.asarray(group_blocks[g.group_id], dtype=np.int64)
+            chunk_blocks = ids[start * bpc:stop * bpc].reshape(-1, bpc)
+            wanted = np.flatnonzero((chunk_blocks != self.null_block_id).all(axis=1))
+            if not len(wanted):
+                self.manager.release((request.request_id, g.group_id))
+                continue
+            all_keys = self._keys(request, g.group_id)
+            keys = [all_keys[start + c] for c in wanted]
+            plan = self.manager.prepare_load(keys, request_id=(request.request_id, g.group_id))
+            placed = 0 if plan is None else len(plan.keys)
+            slots = np.full(len(keys), -1, dtype=np.int64)  # -1: gone since lookup → fails
+            job_id = -1
+            if plan is not None:
+                slots[:placed] = plan.slots
+                job_id = plan.job_id
+                self._jobs[job_id] = _Job(request.request_id, False, g.group_id,
+                                          (start + wanted[:placed]).astype(np.int64))
+            self._loads.append(TransferJob(job_id, request.request_id, g.group_id, slots,
+                                           chunk_blocks[wanted]))
+            if placed < len(keys):
+                self._cap(state, start + int(wanted[placed]))
+            from_tier = sum(1 for k in keys[:placed] if k in state.promoted)
+            if placed > sum(loaded.values()):
+                loaded = {"host": placed - from_tier, self._tier_name: from_tier}
+        for name, count in loaded.items():
             if count:
                 state.hit_tokens[name] = state.hit_tokens.get(name, 0) + count * tpc
-        state.num_stored_chunks = max(state.num_stored_chunks, state.load_start + placed)
+        state.num_stored_chunks = max(state.num_stored_chunks, stop)
+
+    @staticmethod
+    def _cap(state: _Request, chunk: int) -> None:
+        state.max_hit_chunks = (chunk if state.max_hit_chunks is None
+                                else min(state.max_hit_chunks, chunk))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVHalMetadata:
         """This step's loads (queued by `update_state_after_alloc`) and stores (full chunks
@@ -184,39 +283,44 @@ class SchedulerSide:
         for req_id, num_scheduled in scheduled.items():
             state = self._requests.get(req_id)
             if state is not None:
-                job = self._plan_store(state, computed[req_id] + num_scheduled)
-                if job is not None:
-                    stores.append(job)
+                stores.extend(self._plan_store(state, computed[req_id] + num_scheduled))
         preempted = scheduler_output.preempted_req_ids or ()
         for req_id in preempted:
-            self.manager.release(req_id)
+            self._release(req_id)
         meta = KVHalMetadata(self.region_info, self._loads, stores, flush=bool(preempted),
                              report_sending=tuple(self._report_sending))
         self._loads, self._report_sending = [], []
         return meta
 
-    def _plan_store(self, state: _Request, num_computed_tokens: int) -> TransferJob | None:
-        request, tpc = state.request, self.deployment.tokens_per_chunk
+    def _plan_store(self, state: _Request, num_computed_tokens: int) -> list[TransferJob]:
+        request, dep = state.request, self.deployment
         if self.config.offload_prompt_only:
             num_computed_tokens = min(num_computed_tokens, request.num_prompt_tokens)
-        due = chunks_to_store(num_computed_tokens, state.num_stored_chunks, tpc,
-                              state.max_offload_tokens)
+        due = chunks_to_store(num_computed_tokens, state.num_stored_chunks,
+                              dep.tokens_per_chunk, state.max_offload_tokens)
         if not due:
-            return None
-        keys = self._keys(request)
-        due = range(due.start, min(due.stop, len(keys)))
+            return []
+        bpc = dep.blocks_per_chunk
+        due = range(due.start, min(due.stop, len(request.block_hashes) // bpc))
         state.num_stored_chunks = due.stop
-        plan = self.manager.prepare_store([keys[i] for i in due])
-        if plan is None:
-            return None
-        bpc = self.deployment.blocks_per_chunk
-        block_ids = np.asarray(self.kv_cache_manager.get_block_ids(request.request_id)[0],
-                               dtype=np.int64)
-        chunks = plan.indices + due.start
-        blocks = block_ids[(chunks[:, None] * bpc + np.arange(bpc)).ravel()].reshape(-1, bpc)
-        self._jobs[plan.job_id] = _Job(request.request_id, True, len(plan.keys))
-        state.store_jobs.add(plan.job_id)
-        return TransferJob(plan.job_id, request.request_id, plan.slots, blocks)
+        group_blocks = self.kv_cache_manager.get_block_ids(request.request_id)
+        jobs = []
+        for g in dep.groups:
+            keys = self._keys(request, g.group_id)
+            ids = np.asarray(group_blocks[g.group_id], dtype=np.int64)
+            chunks = np.arange(due.start, due.stop, dtype=np.int64)
+            blocks = ids[(chunks[:, None] * bpc + np.arange(bpc)).ravel()].reshape(-1, bpc)
+            held = (blocks != self.null_block_id).all(axis=1)  # a window may have dropped some
+            chunks, blocks = chunks[held], blocks[held]
+            plan = self.manager.prepare_store([keys[c] for c in chunks])
+            if plan is None:
+                continue
+            self._jobs[plan.job_id] = _Job(request.request_id, True, g.group_id,
+                                           chunks[plan.indices])
+            state.store_jobs.add(plan.job_id)
+            jobs.append(TransferJob(plan.job_id, request.request_id, g.group_id, plan.slots,
+                                    blocks[plan.indices]))
+        return jobs
 
     def update_connector_output(self, worker_meta: KVHalWorkerMetadata | None) -> None:
         """Complete every job that all TP ranks have finished."""
@@ -240,8 +344,12 @@ class SchedulerSide:
             job_id, job.num_ok)
         self.counters[f"{kind}_chunks"] += job.num_ok
         self.counters[f"{kind}_failed_chunks"] += job.num_chunks - job.num_ok
+        self.group_counters[f"{kind}_chunks"][job.group] += job.num_ok
+        self.group_counters[f"{kind}_failed_chunks"][job.group] += job.num_chunks - job.num_ok
         if state is not None:
             state.store_jobs.discard(job_id)
+            if not job.is_store and job.num_ok < job.num_chunks:
+                self._cap(state, int(job.chunks[job.num_ok]))
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Release the request's pins; delay vLLM's free while a store still reads its blocks.
@@ -251,7 +359,7 @@ class SchedulerSide:
             {tier: tokens}, "counters": stats()}}` for the request's output (tier "host" or a
             secondary tier's type; counters are this connector's totals so far).
         """
-        self.manager.release(request.request_id)
+        self._release(request.request_id)
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
@@ -266,8 +374,19 @@ class SchedulerSide:
         return self.manager.take_events()
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this connector plus the manager's and every tier's."""
-        return {**self.counters, **self.manager.stats(),
+        """Counters of this connector plus the manager's and every tier's, and per KV cache
+        group (`groups`, in group order): kind, canonical chunk bytes, host slot bytes, slots,
+        host bytes (slots × slot bytes, exact), resident chunks, and the load/store counters."""
+        index = self.manager.slots.index
+        groups = []
+        for g, pool in zip(self.deployment.groups, self.layout.pools):
+            resident = sum(1 for k in index if k.group == g.group_id)
+            groups.append({"group": g.group_id, "kind": g.kind.value,
+                           "chunk_bytes": pool.chunk_nbytes, "slot_bytes": pool.slot_bytes,
+                           "slots": pool.capacity, "host_bytes": pool.nbytes,
+                           "resident": resident,
+                           **{k: v[g.group_id] for k, v in self.group_counters.items()}})
+        return {**self.counters, **self.manager.stats(), "groups": groups,
                 "tiers": {t.name: dict(t.stats()) for t in self.manager.tiers}}
 
     def close(self) -> None:

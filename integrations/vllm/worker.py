@@ -1,10 +1,16 @@
 """The connector's worker side: maps one TP rank's KV tensors and runs its transfer jobs.
 
 Runs in each vLLM worker process. `register_kv_caches` describes the rank's per-layer KV
-tensors through `kvhal.layout` (vLLM-CPU's layout, the rank's heads of the canonical page) and
-registers their memory with the HAL backend of their device. Jobs arrive in `KVHalMetadata`;
-the kvhal engine's `Worker` executes them on its own load and store streams. The host region is
-the scheduler's shared `/dev/shm` region, attached on first use.
+tensors of every KV cache group through `kvhal.layout` (vLLM-CPU's attention layout or the MLA
+latent layout, the rank's heads of the canonical page) and registers their memory with the HAL
+backend of their device. Jobs arrive in `KVHalMetadata`, each for one group; one kvhal engine
+`Worker` per group executes them on its own load and store streams, into that group's pool of
+the host region (the scheduler's shared `/dev/shm` region, attached on first use).
+
+Loads are synchronous with one group (the forward waits for them; failed blocks go to
+`take_load_errors`) and asynchronous with several (`Deployment.async_loads`: a request is
+reported in `finished_recving` once all its jobs have ended, and also in `failed_recving` if
+any chunk of any group failed).
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import numpy as np
 
 from kvhal import plugins
 from kvhal.engine import Direction, Worker
-from kvhal.host import HostGeometry, HostRegion
+from kvhal.host import HostRegion
 from kvhal.layout import chunk_mapper, device_cache, plan_copies
 
 from .geometry import Deployment, device_layout_name
@@ -44,70 +50,102 @@ class WorkerSide:
         self.deployment = deployment
         self.tp_rank = tp_rank
         self.backend: Any = None
-        self.worker: Worker | None = None
+        self.workers: list[Worker] = []
         self.region: HostRegion | None = None
-        self._planner: Any = None
+        self._planners: list[Any] = []
         self._registered: list = []
         self._store_reqs: dict[int, str] = {}      # in-flight store job → request id
         self._report: set[str] = set()
-        self._loads_waiting: list[int] = []
+        self._loads_waiting: list[tuple[int, int]] = []   # (group, job id) of sync loads
         self._load_errors: set[int] = set()
+        self._async_jobs: dict[int, str] = {}       # in-flight async load job → request id
+        self._recving: dict[str, int] = {}          # request → its async load jobs in flight
+        self._failed: set[str] = set()              # requests with a failed async load
+        self._recv_done: set[str] = set()
         self._meta = KVHalWorkerMetadata()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Map this rank's KV tensors (vLLM's `register_kv_caches` argument).
+        """Map this rank's KV tensors (vLLM's `register_kv_caches` argument), group by group.
 
         Raises:
             kvhal.layout.LayoutError: the tensors do not hold the layout their shape implies.
+            UnsupportedModelError: a tensor shape with no known layout.
             KeyError: a layer vLLM configured is missing from `kv_caches`.
         """
         dep = self.deployment
-        tensors = [kv_caches[name] for name in dep.layer_names]
-        layout = device_layout_name(tensors[0])
-        self.backend = plugins.select_backend(backend_name(tensors[0].device.type))
-        if tensors[0].device.type == "cpu":
+        first = kv_caches[dep.groups[0].layer_names[0]]
+        self.backend = plugins.select_backend(backend_name(first.device.type))
+        if first.device.type == "cpu":
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for t in tensors}
+                        for t in kv_caches.values()}
             self._registered = [self.backend.register_host(p, n) for p, n in storages.items()]
-        mapper = chunk_mapper(dep.spec, layout, dep.tp_size, self.tp_rank, dep.blocks_per_chunk)
+        self._planners = [self._planner(g, [kv_caches[name] for name in g.layer_names])
+                          for g in dep.groups]
+
+    def _planner(self, group, tensors: list) -> Any:
+        layout = device_layout_name(tensors[0], group.kind)
+        mapper = chunk_mapper(group.spec, layout, self.deployment.tp_size, self.tp_rank,
+                              self.deployment.blocks_per_chunk)
         device = device_cache(mapper, tensors)
 
         def planner(block_ids: np.ndarray, slot_addr: int, direction: Direction):
             return plan_copies(mapper, block_ids, device, slot_addr, _DIRECTIONS[direction])
 
-        self._planner = planner
+        return planner
 
-    def _attach(self, info: RegionInfo) -> Worker:
-        if self.worker is None:
-            geometry = HostGeometry(info.slot_bytes, info.chunk_nbytes, info.capacity)
-            self.region = HostRegion.attach_shared(self.backend, info.shm_path, geometry)
-            self.worker = Worker(self.backend, self._planner, host_ptr=self.region.ptr,
-                                 slot_bytes=info.slot_bytes)
-        return self.worker
+    def _attach(self, info: RegionInfo) -> list[Worker]:
+        if not self.workers:
+            layout = info.layout
+            self.region = HostRegion.attach_shared(self.backend, info.shm_path, layout)
+            self.workers = [Worker(self.backend, planner, host_ptr=self.region.ptr + offset,
+                                   slot_bytes=pool.slot_bytes)
+                            for planner, pool, offset in zip(self._planners, layout.pools,
+                                                             layout.offsets)]
+            self._first_slots = layout.first_slots
+        return self.workers
 
     # -- per step ----------------------------------------------------------------------------
     def handle_preemptions(self, meta: KVHalMetadata) -> None:
         """Before preempted blocks are reused: wait for every in-flight store."""
-        if meta.flush and self.worker is not None:
-            self.worker.wait()
+        if meta.flush:
+            for worker in self.workers:
+                worker.wait()
 
     def start_load_kv(self, meta: KVHalMetadata) -> None:
         """Issue this step's loads. Chunks the scheduler could not hold (slot -1) and every
-        chunk after them fail at once: their blocks are reported as load errors."""
-        worker = self._attach(meta.region)
+        chunk after them fail at once: their blocks are reported as load errors (one group)
+        or their request as failed (several groups)."""
+        workers = self._attach(meta.region)
         self._report.update(meta.report_sending)
+        is_async = self.deployment.async_loads
         for job in meta.loads:
             valid = int(np.argmin(job.slots >= 0)) if (job.slots < 0).any() else len(job.slots)
-            self._load_errors.update(job.block_ids[valid:].ravel().tolist())
-            if job.job_id >= 0:
-                worker.submit_load(job.job_id, job.block_ids[:valid], job.slots[:valid])
-                self._loads_waiting.append(job.job_id)
+            if is_async:
+                self._recving.setdefault(job.req_id, 0)
+                if valid < len(job.slots):
+                    self._failed.add(job.req_id)
+            else:
+                self._load_errors.update(job.block_ids[valid:].ravel().tolist())
+            if job.job_id < 0:
+                continue
+            local = job.slots[:valid] - self._first_slots[job.group]
+            workers[job.group].submit_load(job.job_id, job.block_ids[:valid], local)
+            if is_async:
+                self._async_jobs[job.job_id] = job.req_id
+                self._recving[job.req_id] += 1
+            else:
+                self._loads_waiting.append((job.group, job.job_id))
+        if is_async:  # requests none of whose jobs could be submitted are done (failed)
+            self._recv_done.update(r for r, n in self._recving.items() if n == 0)
+            for req in self._recv_done:
+                self._recving.pop(req, None)
 
     def wait_for_layer_load(self) -> None:
-        """Block until this step's loads have landed (the first layer's attention needs them;
-        one plan moves every layer of a chunk, so the first wait covers all layers)."""
+        """Block until this step's synchronous loads have landed (the first layer's attention
+        needs them; one plan moves every layer of a chunk, so the first wait covers all)."""
         while self._loads_waiting:
-            self.worker.wait(self._loads_waiting.pop())
+            group, job_id = self._loads_waiting.pop()
+            self.workers[group].wait(job_id)
 
     def wait_for_save(self, meta: KVHalMetadata) -> None:
         """Start this step's stores. On the cpu backend the forward pass has finished writing
@@ -115,29 +153,51 @@ class WorkerSide:
         self.wait_for_layer_load()
         if not meta.stores:
             return
-        worker = self._attach(meta.region)
+        workers = self._attach(meta.region)
         for job in meta.stores:
-            worker.submit_store(job.job_id, job.block_ids, job.slots)
+            workers[job.group].submit_store(job.job_id, job.block_ids,
+                                            job.slots - self._first_slots[job.group])
             self._store_reqs[job.job_id] = job.req_id
 
-    def get_finished(self) -> set[str]:
-        """Collect finished jobs into the worker metadata; return the delayed-free requests
-        with no store of this rank still reading their blocks (vLLM's `finished_sending`)."""
-        if self.worker is None:
-            return set()
-        for result in self.worker.get_finished():
-            self._meta.ranks_done[result.job_id] = 1
-            self._meta.num_ok[result.job_id] = result.num_ok
-            self._store_reqs.pop(result.job_id, None)
-            if result.direction is Direction.H2D and not result.ok:
-                self._load_errors.update(result.block_ids[result.num_ok:].ravel().tolist())
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """Collect finished jobs into the worker metadata.
+
+        Returns:
+            (sending, recving, failed): delayed-free requests with no store of this rank still
+            reading their blocks (vLLM's `finished_sending`); requests whose async loads have
+            all ended on this rank (`finished_recving`); those of them with a failed chunk
+            (`failed_recving`).
+        """
+        for worker in self.workers:
+            for result in worker.get_finished():
+                self._meta.ranks_done[result.job_id] = 1
+                self._meta.num_ok[result.job_id] = result.num_ok
+                self._store_reqs.pop(result.job_id, None)
+                if result.direction is not Direction.H2D:
+                    continue
+                req = self._async_jobs.pop(result.job_id, None)
+                if req is None:
+                    if not result.ok:
+                        self._load_errors.update(result.block_ids[result.num_ok:].ravel()
+                                                 .tolist())
+                    continue
+                if not result.ok:
+                    self._failed.add(req)
+                self._recving[req] -= 1
+                if self._recving[req] == 0:
+                    del self._recving[req]
+                    self._recv_done.add(req)
         busy = set(self._store_reqs.values())
-        done = {r for r in self._report if r not in busy}
-        self._report -= done
-        return done
+        sending = {r for r in self._report if r not in busy}
+        self._report -= sending
+        recving, self._recv_done = self._recv_done, set()
+        failed = recving & self._failed
+        self._failed -= failed
+        return sending, recving, failed
 
     def take_load_errors(self) -> set[int]:
-        """Device block ids whose load failed since the last call (vLLM recomputes them)."""
+        """Device block ids whose synchronous load failed since the last call (vLLM
+        recomputes them)."""
         out, self._load_errors = self._load_errors, set()
         return out
 
@@ -150,8 +210,8 @@ class WorkerSide:
 
     def close(self) -> None:
         """Wait for every job, then release streams, the region and the registrations."""
-        if self.worker is not None:
-            self.worker.close()
+        for worker in self.workers:
+            worker.close()
         if self.region is not None:
             self.region.close()
         for allocation in self._registered:

@@ -1,23 +1,37 @@
-"""`kvhal bench tier`: write and cold-read throughput of a secondary tier vs a raw file loop.
+"""`kvhal bench tier`: write and cold-read throughput of a secondary tier, side by side with a
+raw loop of the same durability and, for `--tier fs` where vLLM is importable, vLLM's own
+fs tier (`vllm_fs.py`), all on the same host bytes in the same run. For `--tier obj` the raw
+loops are S3 clients against the same bucket (`tier_obj.py`).
 
-`--count` chunks of `--chunk-bytes` from one page-aligned host region are stored through the
-tier (all jobs submitted, then drained), then loaded back after the page cache is emptied with
-`posix_fadvise(DONTNEED)` on every file. The baseline in the same run is a single-threaded
-loop over the same bytes with the same durability: one file per chunk, opened with O_DIRECT
-when the tier uses it, `fdatasync` before close, then an fsync of the folder (a new file's
-name is durable only once its directory is synced: fsync(2), NOTES); reads after the same
-DONTNEED. Each figure is
-the best of `--repeats` passes (fresh keys and files per pass); raw and tier passes alternate.
+`--count` chunks of `--chunk-bytes` from one page-aligned host region are stored by each
+contender (one job per chunk, all submitted, then drained), then loaded back into the zeroed
+region after the page cache is emptied with `posix_fadvise(DONTNEED)` on every file, and the
+loaded bytes are compared with the stored ones. Contenders:
+
+- the kvhal tier, with `--config` merged into its defaults (checksums verified on every read);
+- a raw loop on as many threads as the tier has (fs: `n_write_threads` / `n_read_threads`;
+  otherwise 1) with the tier's durability: one file per chunk written to a temp name (O_DIRECT
+  when the tier uses it) and renamed; with durability "power-loss" also `fdatasync` before the
+  rename and an fsync of the folder after it (a new name is durable only once its directory is
+  synced: fsync(2), NOTES); reads open, `preadv` and close, no checks;
+- vLLM's `FileSystemTierManager` with its default thread counts (fs only);
+- obj instead of the file loop: raw obstore and boto3 loops at the tier's `io_threads`
+  (PUT = write, GET = cold read: an object store has no client-side cache).
+
+Each pass (`--repeats`) uses fresh keys and files; within a pass the contenders take turns in
+an order rotated every pass, and each figure is the median over the passes.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import contextlib
+import hashlib
 import mmap
 import os
-import shutil
+import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -27,35 +41,58 @@ from kvhal.argtypes import json_object, positive_int
 from kvhal.keys import ChunkKey
 from kvhal.report import print_json, print_table, progress
 from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tiers.fs.remove import remove_tree
 
 from .copy import _size
+from .vllm_fs import VllmFsTier, vllm_available
 
 ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Durability of a tier that does not report one in `stats()["durability"]`.
+DEFAULT_DURABILITY = "power-loss"
+
+
+@dataclass(frozen=True, slots=True)
+class ContenderResult:
+    """One contender's figures: GB/s (1e9 bytes per second) of payload bytes, one per pass."""
+
+    name: str
+    threads: str
+    durability: str
+    o_direct: bool
+    write_gbps: tuple[float, ...]
+    read_gbps: tuple[float, ...]
+
+    @property
+    def write_median(self) -> float:
+        """Median write throughput over the passes, GB/s."""
+        return statistics.median(self.write_gbps)
+
+    @property
+    def read_median(self) -> float:
+        """Median cold-read throughput over the passes, GB/s."""
+        return statistics.median(self.read_gbps)
 
 
 @dataclass(frozen=True, slots=True)
 class TierBenchResult:
-    """Throughputs in GB/s (1e9 bytes per second) of payload bytes."""
+    """All contenders of one run; `contenders[0]` is the kvhal tier, `[1]` the raw loop and,
+    where measured, `[2]` vLLM's fs tier (obj: `[1]` raw obstore, `[2]` raw boto3)."""
 
     tier: str
     chunk_bytes: int
     count: int
-    o_direct: bool
-    tier_write_gbps: float
-    raw_write_gbps: float
-    tier_read_gbps: float
-    raw_read_gbps: float
+    repeats: int
+    contenders: tuple[ContenderResult, ...]
+    vllm_note: str
 
-    @property
-    def write_ratio(self) -> float:
-        """Tier write throughput / raw loop write throughput."""
-        return self.tier_write_gbps / self.raw_write_gbps
-
-    @property
-    def read_ratio(self) -> float:
-        """Tier cold-read throughput / raw loop cold-read throughput."""
-        return self.tier_read_gbps / self.raw_read_gbps
+    def ratio(self, baseline: int, direction: str) -> float | None:
+        """Median of the kvhal tier / median of `contenders[baseline]` in `direction`
+        ("write" or "read"); None if that contender was not measured."""
+        if baseline >= len(self.contenders):
+            return None
+        kvhal, other = self.contenders[0], self.contenders[baseline]
+        return getattr(kvhal, f"{direction}_median") / getattr(other, f"{direction}_median")
 
 
 def drop_page_cache(folder: str) -> None:
@@ -69,43 +106,131 @@ def drop_page_cache(folder: str) -> None:
                 os.close(fd)
 
 
-def _raw_write(folder: str, host: memoryview, chunk: int, count: int, direct: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
-    for i in range(count):
-        fd = os.open(os.path.join(folder, str(i)), flags, 0o644)
+def block_hash(rep: int, i: int) -> bytes:
+    """The 32-byte block hash of chunk `i` in pass `rep`, shared by kvhal's and vLLM's keys
+    (sha256, as vLLM's default prefix-cache hash: names spread over folders as in service)."""
+    return hashlib.sha256(f"kvhal-bench-tier {rep} {i}".encode()).digest()
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _TierContender:
+    """The kvhal tier under test: one `TierJob` per chunk."""
+
+    def __init__(self, name: str, tier, namespace: bytes, chunk: int, count: int) -> None:
+        self.tier, self.namespace, self.chunk, self.count = tier, namespace, chunk, count
+        stats = tier.stats()
+        config = getattr(tier, "config", None)
+        io_threads = getattr(config, "io_threads", 1)
+        self.threads = (getattr(config, "n_read_threads", io_threads),
+                        getattr(config, "n_write_threads", io_threads))
+        self.durability = str(stats.get("durability", DEFAULT_DURABILITY))
+        self.o_direct = bool(stats.get("o_direct", False)) and chunk % ALIGN == 0
+        self.name = f"kvhal {name}"
+
+    def _run(self, kind: JobKind, rep: int) -> None:
+        submit = self.tier.submit_store if kind is JobKind.STORE else self.tier.submit_load
+        for i in range(self.count):
+            submit(TierJob(i, kind, ChunkKey(self.namespace, 0, block_hash(rep, i)),
+                           i * self.chunk, self.chunk))
+        self.tier.drain()
+        failed = [r for r in self.tier.get_finished_jobs() if not r.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} {kind.value} jobs failed, first: "
+                               f"{failed[0].error}")
+
+    def write(self, rep: int) -> None:
+        self._run(JobKind.STORE, rep)
+
+    def read(self, rep: int) -> None:
+        self._run(JobKind.LOAD, rep)
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+class _RawLoop:
+    """A raw file loop on a thread pool, with the durability of the tier it is compared to."""
+
+    name = "raw loop"
+
+    def __init__(self, root: str, host: memoryview, chunk: int, count: int,
+                 threads: tuple[int, int], durability: str, o_direct: bool) -> None:
+        self.root, self.host, self.chunk, self.count = root, host, chunk, count
+        self.threads, self.durability, self.o_direct = threads, durability, o_direct
+        self._sync = durability == "power-loss"
+
+    def _folder(self, rep: int) -> str:
+        return os.path.join(self.root, f"raw{rep}")
+
+    def _write_one(self, folder: str, i: int) -> None:
+        tmp, final = os.path.join(folder, f"{i}.tmp"), os.path.join(folder, str(i))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = os.open(tmp, flags | (_O_DIRECT if self.o_direct else 0), 0o644)
         try:
-            view, done = host[i * chunk:(i + 1) * chunk], 0
-            while done < chunk:
+            view, done = self.host[i * self.chunk:(i + 1) * self.chunk], 0
+            while done < self.chunk:
                 done += os.pwritev(fd, [view[done:]], done)
-            os.fdatasync(fd)
+            if self._sync:
+                os.fdatasync(fd)
         finally:
             os.close(fd)
-        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        os.rename(tmp, final)
+        if self._sync:
+            _fsync_dir(folder)
 
-
-def _raw_read(folder: str, host: memoryview, chunk: int, count: int, direct: bool) -> None:
-    flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
-    for i in range(count):
+    def _read_one(self, folder: str, i: int) -> None:
+        flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self.o_direct else 0)
         fd = os.open(os.path.join(folder, str(i)), flags)
         try:
-            if os.preadv(fd, [host[i * chunk:(i + 1) * chunk]], 0) != chunk:
+            if os.preadv(fd, [self.host[i * self.chunk:(i + 1) * self.chunk]], 0) != self.chunk:
                 raise OSError(f"raw read of chunk {i} was short")
         finally:
             os.close(fd)
 
+    def _map(self, fn, threads: int, rep: int) -> None:
+        folder = self._folder(rep)
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda i: fn(folder, i), range(self.count)))
 
-def _tier_pass(tier, kind: JobKind, keys: list[ChunkKey], chunk: int) -> None:
-    submit = tier.submit_store if kind is JobKind.STORE else tier.submit_load
-    for i, key in enumerate(keys):
-        submit(TierJob(i, kind, key, i * chunk, chunk))
-    tier.drain()
-    failed = [r for r in tier.get_finished_jobs() if not r.ok]
-    if failed:
-        raise RuntimeError(f"{len(failed)} {kind.value} jobs failed, first: {failed[0].error}")
+    def write(self, rep: int) -> None:
+        os.makedirs(self._folder(rep))
+        self._map(self._write_one, self.threads[1], rep)
+
+    def read(self, rep: int) -> None:
+        self._map(self._read_one, self.threads[0], rep)
+
+    def close(self) -> None:
+        pass
+
+
+class _VllmContender:
+    """vLLM's fs tier (`vllm_fs.VllmFsTier`) with its default thread counts."""
+
+    name = VllmFsTier.name
+
+    def __init__(self, root: str, host: memoryview, chunk: int, count: int) -> None:
+        self.tier = VllmFsTier(os.path.join(root, "vllm"), host, chunk)
+        self.threads, self.durability = self.tier.threads, self.tier.durability
+        self.o_direct, self.count = self.tier.o_direct, count
+
+    def _keys(self, rep: int) -> list[bytes]:
+        return [VllmFsTier.key(block_hash(rep, i)) for i in range(self.count)]
+
+    def write(self, rep: int) -> None:
+        self.tier.store(self._keys(rep))
+
+    def read(self, rep: int) -> None:
+        self.tier.load(self._keys(rep))
+
+    def close(self) -> None:
+        self.tier.close()
 
 
 def _timed(fn, *args) -> float:
@@ -115,11 +240,14 @@ def _timed(fn, *args) -> float:
 
 
 def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
-            repeats: int, bar=None) -> TierBenchResult:
-    """Run the benchmark (module docstring) with files under `root`; returns best figures.
+            repeats: int, bar=None, with_vllm: bool = True) -> TierBenchResult:
+    """Run the benchmark (module docstring) with files under `root`.
+
+    Args:
+        with_vllm: Add vLLM's fs tier where `tier_name` is "fs" and vLLM is importable.
 
     Raises:
-        RuntimeError: a tier job failed or a loaded chunk differs from the stored bytes.
+        RuntimeError: a job failed or a contender loaded other bytes than were stored.
     """
     region = mmap.mmap(-1, chunk * count)
     host = memoryview(region)
@@ -128,39 +256,70 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
     reference = array.copy()
     namespace = b"kvhal-bench-tier"
     tier = plugins.tiers()[tier_name].factory(config | {"type": tier_name}, host, namespace)
-    direct = bool(tier.stats().get("o_direct", False)) and chunk % ALIGN == 0
-    best = {"tw": float("inf"), "rw": float("inf"), "tr": float("inf"), "rr": float("inf")}
-    task = bar.add_task(f"bench tier [{tier_name}]", total=repeats) if bar else None
+    contenders = [_TierContender(tier_name, tier, namespace, chunk, count)]
+    kv = contenders[0]
+    if tier_name == "obj":
+        from .tier_obj import raw_contenders
+        contenders += raw_contenders(config | {"type": "obj"}, host, chunk, count)
+    else:
+        contenders.append(_RawLoop(root, host, chunk, count, kv.threads, kv.durability,
+                                   kv.o_direct))
+    note = _vllm_note(tier_name, with_vllm)
     try:
+        if note is None:
+            contenders.append(_VllmContender(root, host, chunk, count))
+            note = "vllm fs tier measured"
+        times = {c.name: ([], []) for c in contenders}
+        task = bar.add_task(f"bench tier [{tier_name}]", total=repeats) if bar else None
         for rep in range(repeats):
-            raw = os.path.join(root, f"raw{rep}")
-            os.makedirs(raw)
-            keys = [ChunkKey(namespace, rep, i.to_bytes(8, "big")) for i in range(count)]
-            best["rw"] = min(best["rw"], _timed(_raw_write, raw, host, chunk, count, direct))
-            best["tw"] = min(best["tw"], _timed(_tier_pass, tier, JobKind.STORE, keys, chunk))
+            order = contenders[rep % len(contenders):] + contenders[:rep % len(contenders)]
+            for c in order:
+                times[c.name][0].append(_timed(c.write, rep))
             drop_page_cache(root)
-            best["rr"] = min(best["rr"], _timed(_raw_read, raw, host, chunk, count, direct))
-            drop_page_cache(root)
-            array[:] = 0
-            best["tr"] = min(best["tr"], _timed(_tier_pass, tier, JobKind.LOAD, keys, chunk))
-            if not np.array_equal(array, reference):
-                raise RuntimeError("loaded bytes differ from the stored bytes")
-            shutil.rmtree(raw)
+            for c in order:
+                array[:] = 0
+                times[c.name][1].append(_timed(c.read, rep))
+                if not np.array_equal(array, reference):
+                    raise RuntimeError(f"{c.name}: loaded bytes differ from the stored bytes")
             if bar:
                 bar.advance(task)
     finally:
-        tier.close()
+        for c in contenders:
+            c.close()
     total = chunk * count
-    return TierBenchResult(tier_name, chunk, count, direct, total / best["tw"] / 1e9,
-                           total / best["rw"] / 1e9, total / best["tr"] / 1e9,
-                           total / best["rr"] / 1e9)
+    results = tuple(
+        ContenderResult(c.name, f"{c.threads[0]}+{c.threads[1]}", c.durability, c.o_direct,
+                        tuple(total / t / 1e9 for t in times[c.name][0]),
+                        tuple(total / t / 1e9 for t in times[c.name][1]))
+        for c in contenders)
+    return TierBenchResult(tier_name, chunk, count, repeats, results, note)
 
 
-def vllm_note() -> str:
-    """One line on the vLLM fs tier comparison (it runs only where vLLM is importable)."""
-    if importlib.util.find_spec("vllm") is None:
+def _vllm_note(tier_name: str, with_vllm: bool) -> str | None:
+    """Why vLLM's fs tier is not measured, or None if it is."""
+    if tier_name != "fs":
+        return "vllm has no counterpart of this tier: skipped"
+    if not with_vllm:
+        return "--no-vllm: skipped"
+    if not vllm_available():
         return "vllm not installed: skipped"
-    return "vllm installed, but its fs tier comparison is not implemented yet: skipped"
+    return None
+
+
+def to_json(result: TierBenchResult) -> dict:
+    """The `--json` payload: every pass of every contender, medians and kvhal's ratios."""
+    out = {"tier": result.tier, "chunk_bytes": result.chunk_bytes, "count": result.count,
+           "repeats": result.repeats, "vllm": result.vllm_note, "contenders": []}
+    for c in result.contenders:
+        out["contenders"].append(asdict(c) | {"write_median_gbps": c.write_median,
+                                              "read_median_gbps": c.read_median})
+    for direction in ("write", "read"):
+        out[f"{direction}_vs_raw"] = result.ratio(1, direction)
+        if result.tier != "obj":
+            out[f"{direction}_vs_vllm"] = result.ratio(2, direction)
+        else:
+            out[f"{direction}_vs_boto3"] = result.ratio(2, direction)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,39 +334,53 @@ def run(args: argparse.Namespace) -> int:
     if args.tier == "fs":
         config.setdefault("root_dir", os.path.join(root, "tier"))
     try:
-        with progress(disable=args.json) as bar:
+        with progress(disable=args.json) as bar, _store(args.tier, config) as config:
             result = measure(args.tier, config, root, args.chunk_bytes, args.count,
-                             args.repeats, bar)
+                             args.repeats, bar, with_vllm=not args.no_vllm)
     finally:
         if args.root_dir is None:
-            shutil.rmtree(root, ignore_errors=True)
-    note = vllm_note()
+            remove_tree(root)
     if args.json:
-        print_json(asdict(result) | {"write_ratio": result.write_ratio,
-                                     "read_ratio": result.read_ratio, "vllm": note})
+        print_json(to_json(result))
         return 0
+    kvhal = result.contenders[0]
+    rows = []
+    for i, c in enumerate(result.contenders):
+        w = "" if i == 0 else f"{kvhal.write_median / c.write_median:.2f}"
+        r = "" if i == 0 else f"{kvhal.read_median / c.read_median:.2f}"
+        rows.append([c.name, c.threads, c.durability, "on" if c.o_direct else "off",
+                     round(c.write_median, 3), w, round(c.read_median, 3), r])
     print_table(f"kvhal bench tier — {result.tier}, {result.count} × {result.chunk_bytes} B "
-                f"chunks, O_DIRECT {'on' if result.o_direct else 'off'} (GB/s)",
-                ["direction", "tier", "raw loop", "tier ×"],
-                [["write (durable)", round(result.tier_write_gbps, 3),
-                  round(result.raw_write_gbps, 3), round(result.write_ratio, 2)],
-                 ["cold read", round(result.tier_read_gbps, 3), round(result.raw_read_gbps, 3),
-                  round(result.read_ratio, 2)]])
-    print(note)
+                f"chunks, median of {result.repeats} alternating passes (GB/s)",
+                ["contender", "threads r+w", "durability", "O_DIRECT", "write", "kvhal ×",
+                 "cold read", "kvhal ×"], rows)
+    print(result.vllm_note)
     return 0
+
+
+def _store(tier_name: str, config: dict):
+    """obj: the bucket to measure against (`tier_obj.bucket_config`); other tiers: as is."""
+    if tier_name == "obj":
+        from .tier_obj import bucket_config
+        return bucket_config(config)
+    return contextlib.nullcontext(config)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvhal bench tier`."""
-    p = sub.add_parser("tier", help="tier write / cold-read throughput vs a raw file loop")
+    p = sub.add_parser("tier", help="tier write / cold-read throughput vs a raw loop (files, "
+                                    "or S3 requests for obj) and vLLM's fs tier")
     p.add_argument("--tier", default="fs", help="registered tier type (default: fs)")
     p.add_argument("--chunk-bytes", type=_size, default=2 << 20, help="e.g. 2MiB (default)")
     p.add_argument("--count", type=positive_int, default=256, help="chunks per pass (default 256)")
-    p.add_argument("--repeats", type=positive_int, default=3, help="passes; best is reported")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="alternating passes; medians are reported (default 3)")
     p.add_argument("--root-dir", default=None,
                    help="folder for the files (default: a temp folder, removed afterwards)")
     p.add_argument("--config", default=None,
                    help="JSON object merged into the tier's config, e.g. "
-                        "'{\"n_write_threads\": 8}'")
+                        "'{\"n_write_threads\": 8}'; obj: a \"store_config\" names the bucket "
+                        "(default: a local moto_server started for the run)")
+    p.add_argument("--no-vllm", action="store_true", help="leave out vLLM's fs tier")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

@@ -66,11 +66,11 @@ worker's `num_ok` (0 for a job that never ran). Shutdown: `worker.close()`, `man
 from .build import build_manager
 from .manager import Manager
 from .planner import BlockPlanner, LayoutPlanner
-from .requests import chunks_to_store, leading_hits
+from .requests import chunks_to_store, leading_hits, needed_chunks
 from .types import Direction, EngineError, LoadPlan, StorePlan, TransferResult
 from .worker import JobPlanner, Planner, Worker
 
 __all__ = ["BlockPlanner", "Direction", "EngineError", "LayoutPlanner", "LoadPlan", "Manager",
            "JobPlanner", "Planner",
            "StorePlan", "TransferResult", "Worker", "build_manager", "chunks_to_store",
-           "leading_hits"]
+           "leading_hits", "needed_chunks"]

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from kvhal.host.slots import IDLE
 from kvhal.keys import ChunkKey
 
+from .types import EngineError
+
 if TYPE_CHECKING:
     from .manager import Manager
 
@@ -24,9 +26,17 @@ class ManagerHostAccess:
 
     Attributes:
         chunk_nbytes: Payload bytes of every chunk.
+
+    Raises:
+        EngineError: the manager's slots are cut into several pools (a hybrid model's KV cache
+            groups have chunks of different sizes, which this access does not describe).
     """
 
     def __init__(self, manager: "Manager"):
+        if len(manager.slots.capacities) > 1:
+            raise EngineError(f"host access: {len(manager.slots.capacities)} slot pools (one "
+                              "per KV cache group); sharing the host of a hybrid model is not "
+                              "supported")
         self._manager = manager
         self.chunk_nbytes = manager.chunk_nbytes
 

@@ -3,20 +3,22 @@ from __future__ import annotations
 
 from kvhal import plugins
 from kvhal.config import EngineConfig, build_tiers
-from kvhal.host.region import HostGeometry
+from kvhal.host.region import HostGeometry, HostLayout
 from kvhal.host.slots import SlotTable
 
 from .manager import Manager
 
 
-def build_manager(config: EngineConfig, geometry: HostGeometry, host_view: memoryview,
+def build_manager(config: EngineConfig, geometry: HostGeometry | HostLayout, host_view: memoryview,
                   namespace: bytes, *, emit_events: bool = True) -> Manager:
     """A manager over `geometry.capacity` slots with `config.eviction_policy` and every
     secondary tier of `config` (each given `host_view` and `namespace`).
 
     Args:
         config: From `kvhal.config.parse_config`.
-        geometry: From `kvhal.host.host_geometry(chunk_nbytes, config.cpu_bytes_to_use)`.
+        geometry: From `kvhal.host.host_geometry(chunk_nbytes, config.cpu_bytes_to_use)`, or
+            a `HostLayout` (`kvhal.host.host_layout`) whose pool g holds the chunks of KV cache
+            group g (`ChunkKey.group`), each pool with its own policy.
         host_view: The host region's memoryview (`HostRegion.view`).
         namespace: 16-byte digest from `kvhal.keys.namespace_digest`.
         emit_events: Deliver KV events to `kvhal_kv_event` hooks.
@@ -24,7 +26,14 @@ def build_manager(config: EngineConfig, geometry: HostGeometry, host_view: memor
     Raises:
         ConfigError: a tier cannot be built (path `secondary_tiers[i]...`).
     """
-    policy = plugins.cache_policies()[config.eviction_policy].factory(geometry.capacity)
+    factory = plugins.cache_policies()[config.eviction_policy].factory
     tiers = build_tiers(config, host_view, namespace)
-    return Manager(SlotTable(geometry.capacity, policy), slot_bytes=geometry.slot_bytes,
+    if isinstance(geometry, HostLayout):
+        slots = SlotTable(geometry.capacities, [factory(c) for c in geometry.capacities],
+                          pool_of=lambda key: key.group)
+        return Manager(slots, slot_bytes=geometry.pools[0].slot_bytes,
+                       chunk_nbytes=geometry.pools[0].chunk_nbytes, tiers=tiers,
+                       emit_events=emit_events, layout=geometry)
+    return Manager(SlotTable(geometry.capacity, factory(geometry.capacity)),
+                   slot_bytes=geometry.slot_bytes,
                    chunk_nbytes=geometry.chunk_nbytes, tiers=tiers, emit_events=emit_events)

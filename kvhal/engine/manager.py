@@ -23,6 +23,7 @@ import numpy as np
 
 from kvhal import metrics, plugins
 from kvhal.events import HOST_MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored
+from kvhal.host.region import HostLayout
 from kvhal.host.slots import IDLE, SlotTable
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
@@ -55,15 +56,22 @@ class Manager:
         chunk_nbytes: Payload bytes per chunk (≤ slot_bytes).
         tiers: Secondary tiers, fastest first; every stored chunk cascades to all of them and
             a lookup miss in the host asks them in order.
+        layout: The host region's pools (hybrid models: one slot size per KV cache group,
+            `slots` cut with the same capacities); None: one pool of `slot_bytes` slots.
         emit_events: Deliver KV events to `kvhal_kv_event` hooks (they also queue for
             `take_events`).
     """
 
     def __init__(self, slots: SlotTable, *, slot_bytes: int, chunk_nbytes: int,
-                 tiers: Sequence[SecondaryTier] = (), emit_events: bool = True):
+                 tiers: Sequence[SecondaryTier] = (), emit_events: bool = True,
+                 layout: HostLayout | None = None):
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.chunk_nbytes = chunk_nbytes
+        # (byte offset in the host view, payload bytes) of a slot: pools of a layout have
+        # their own slot sizes.
+        self._span = layout.slot_span if layout is not None else (
+            lambda slot: (slot * slot_bytes, chunk_nbytes))
         self.tiers = tuple(tiers)
         self._emit = emit_events
         self._ids = itertools.count(1)
@@ -78,9 +86,10 @@ class Manager:
         self.lock = threading.RLock()
         #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.
         self.host_listeners: list = []
-        access = ManagerHostAccess(self)
-        for tier in self.tiers:
-            tier.attach_host(access)
+        if len(slots.capacities) == 1:  # pools of different slot sizes: no shared host access
+            access = ManagerHostAccess(self)
+            for tier in self.tiers:
+                tier.attach_host(access)
 
     # -- lookup ------------------------------------------------------------------------------
     @_locked
@@ -159,8 +168,7 @@ class Manager:
                     return _MISS
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.LOAD, placed[0], key)
-                tier.submit_load(TierJob(job_id, JobKind.LOAD, key, placed[0] * self.slot_bytes,
-                                         self.chunk_nbytes))
+                tier.submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(placed[0])))
                 return _RETRY
         return answer
 
@@ -197,7 +205,10 @@ class Manager:
                 todo.append(i)
         if not todo:
             return None
-        protect = frozenset(keys) if len(todo) > self.slots.num_free else frozenset()
+        pools = {self.slots.pool_of(keys[i]) for i in todo}
+        protect = (frozenset(keys) if any(sum(self.slots.pool_of(keys[i]) == p for i in todo)
+                                          > self.slots.num_free_in(p) for p in pools)
+                   else frozenset())
         slots, evicted = self.slots.reserve([keys[i] for i in todo], protect)
         self._removed(evicted)
         if not slots:
@@ -239,8 +250,7 @@ class Manager:
                 self.slots.acquire(slot)
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key)
-                tier.submit_store(TierJob(job_id, JobKind.STORE, key, slot * self.slot_bytes,
-                                          self.chunk_nbytes))
+                tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot)))
 
     # -- loads -------------------------------------------------------------------------------
     @_locked
@@ -253,7 +263,7 @@ class Manager:
             The plan (its keys may be fewer than asked if a chunk is not resident), or None if
             the first chunk is not resident (no job is created).
         """
-        index, state, touch = self.slots.index, self.slots.state, self.slots.policy.touch
+        index, state, touch = self.slots.index, self.slots.state, self.slots.touch
         slots: list[int] = []
         for key in keys:
             slot = index.get(key)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from kvhal.layout import Kind
 from kvhal.tiers.base import Lookup
 
 
@@ -46,3 +47,34 @@ def leading_hits(answers: Sequence[Lookup]) -> int | None:
         else:
             break
     return n
+
+
+def needed_chunks(kind: Kind, start: int, end: int, tokens_per_chunk: int, block_size: int,
+                  sliding_window: int | None = None) -> range:
+    """Chunks of one KV cache group a hit of chunks `[start, end)` must load, so that the
+    engine can compute token `end * tokens_per_chunk` next.
+
+    Full attention and MLA read the whole prefix: every chunk. A sliding-window group reads
+    only the last `sliding_window` tokens: the engine keeps (and allocates for a hit) the
+    blocks from `(L - sliding_window + 1) // block_size` on, L = end * tokens_per_chunk (vLLM
+    `SlidingWindowManager.get_num_skipped_tokens`, 0.32); earlier ones are null blocks. A
+    state group (Mamba) needs only the state at the hit's last chunk boundary.
+
+    Args:
+        kind: The group's `kvhal.layout.Kind`.
+        start, end: The hit's chunk range (`start` < `end` for a hit; empty otherwise).
+        tokens_per_chunk, block_size: Tokens per chunk and per engine block.
+        sliding_window: The window in tokens (sliding-window groups).
+
+    Returns:
+        A sub-range of `range(start, end)`, empty when `end <= start`.
+    """
+    if end <= start:
+        return range(start, start)
+    if kind is Kind.SLIDING_WINDOW:
+        skipped = max(0, end * tokens_per_chunk - sliding_window + 1)
+        first_block = skipped // block_size
+        return range(max(start, first_block * block_size // tokens_per_chunk), end)
+    if kind is Kind.MAMBA:
+        return range(end - 1, end)
+    return range(start, end)

@@ -52,6 +52,72 @@ class HostGeometry:
         return self.capacity * self.slot_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class HostLayout:
+    """A host region cut into pools of slots, one per KV cache group, each slot sized to its
+    group's chunk (no slot is padded to the largest group's chunk).
+
+    Slot ids are global (`kvhal.host.SlotTable` with `capacities`): pool p holds slots
+    `[first_slots[p], first_slots[p] + pools[p].capacity)` from byte `offsets[p]` of the region.
+
+    Attributes:
+        pools: One `HostGeometry` per pool.
+        offsets: Byte offset of each pool in the region.
+    """
+
+    pools: tuple[HostGeometry, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Exact region size in bytes: the sum of the pools' sizes."""
+        return sum(p.nbytes for p in self.pools)
+
+    @property
+    def capacities(self) -> tuple[int, ...]:
+        """Slots per pool."""
+        return tuple(p.capacity for p in self.pools)
+
+    @property
+    def first_slots(self) -> tuple[int, ...]:
+        """Global id of each pool's first slot."""
+        caps = self.capacities
+        return tuple(sum(caps[:p]) for p in range(len(caps)))
+
+    def slot_span(self, slot: int) -> tuple[int, int]:
+        """(byte offset in the region, payload bytes) of global slot `slot`.
+
+        Raises:
+            IndexError: `slot` is outside [0, total capacity).
+        """
+        for pool, first, offset in zip(self.pools, self.first_slots, self.offsets):
+            if first <= slot < first + pool.capacity:
+                return offset + (slot - first) * pool.slot_bytes, pool.chunk_nbytes
+        raise IndexError(f"slot {slot} outside [0, {sum(self.capacities)})")
+
+
+def host_layout(chunk_nbytes: tuple[int, ...], cpu_bytes_to_use: int) -> HostLayout:
+    """Cut a budget of `cpu_bytes_to_use` bytes into one pool per group with the same number
+    of slots each (every stored prefix needs a chunk of every group), each slot the group's
+    chunk bytes rounded up to `PAGE_BYTES`. Bytes left over (less than one slot of every pool)
+    stay unallocated.
+
+    Raises:
+        HostRegionError: a chunk size ≤ 0, no pools, or a budget too small for one slot of
+            every pool.
+    """
+    if not chunk_nbytes:
+        raise HostRegionError("chunk_nbytes: no groups")
+    slots = [host_geometry(n, 1 << 62).slot_bytes for n in chunk_nbytes]
+    count = cpu_bytes_to_use // sum(slots)
+    if count <= 0:
+        raise HostRegionError(f"cpu_bytes_to_use={cpu_bytes_to_use} holds no slot of every "
+                              f"group (slots of {', '.join(map(str, slots))} bytes)")
+    pools = tuple(HostGeometry(s, n, count) for s, n in zip(slots, chunk_nbytes))
+    offsets = tuple(sum(p.nbytes for p in pools[:i]) for i in range(len(pools)))
+    return HostLayout(pools, offsets)
+
+
 def host_geometry(chunk_nbytes: int, cpu_bytes_to_use: int) -> HostGeometry:
     """Size the region for chunks of `chunk_nbytes` within a budget of `cpu_bytes_to_use`.
 
@@ -81,7 +147,8 @@ class HostRegion:
         shm_path: The `/dev/shm` file of a shared region, else None.
     """
 
-    def __init__(self, backend: DeviceBackend, geometry: HostGeometry, allocation: Allocation,
+    def __init__(self, backend: DeviceBackend, geometry: HostGeometry | HostLayout,
+                 allocation: Allocation,
                  *, shm_path: str | None = None, owner: bool = True, mapped: bool = False):
         self.backend = backend
         self.geometry = geometry
@@ -104,7 +171,7 @@ class HostRegion:
         return cls(backend, geometry, backend.alloc_pinned(geometry.nbytes))
 
     @classmethod
-    def create_shared(cls, backend: DeviceBackend, geometry: HostGeometry,
+    def create_shared(cls, backend: DeviceBackend, geometry: HostGeometry | HostLayout,
                       shm_path: str) -> "HostRegion":
         """Create `shm_path` (exclusively) of exactly `geometry.nbytes`, map it shared and
         register it with `backend`. The creator unlinks the file on `close`.
@@ -128,7 +195,7 @@ class HostRegion:
 
     @classmethod
     def attach_shared(cls, backend: DeviceBackend, shm_path: str,
-                      geometry: HostGeometry) -> "HostRegion":
+                      geometry: HostGeometry | HostLayout) -> "HostRegion":
         """Map an existing shared region created by another process and register it here.
 
         Raises:
@@ -149,7 +216,7 @@ class HostRegion:
         return cls._register(backend, geometry, ptr, shm_path, owner=False)
 
     @classmethod
-    def _register(cls, backend: DeviceBackend, geometry: HostGeometry, ptr: int, shm_path: str,
+    def _register(cls, backend: DeviceBackend, geometry: HostGeometry | HostLayout, ptr: int, shm_path: str,
                   owner: bool) -> "HostRegion":
         try:
             allocation = backend.register_host(ptr, geometry.nbytes)
@@ -161,11 +228,12 @@ class HostRegion:
         return cls(backend, geometry, allocation, shm_path=shm_path, owner=owner, mapped=True)
 
     def slot_address(self, slot: int) -> int:
-        """Address of slot `slot`'s first byte."""
+        """Address of slot `slot`'s first byte (one-pool `HostGeometry` regions)."""
         return self.ptr + slot * self.geometry.slot_bytes
 
     def slot_array(self, slot: int) -> np.ndarray:
-        """uint8 view of slot `slot`'s payload, shape (chunk_nbytes,) (no copy)."""
+        """uint8 view of slot `slot`'s payload, shape (chunk_nbytes,) (no copy; one-pool
+        `HostGeometry` regions)."""
         start = slot * self.geometry.slot_bytes
         return self.array[start:start + self.geometry.chunk_nbytes]
 

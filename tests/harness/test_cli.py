@@ -87,6 +87,8 @@ def test_bench_replay_reports_wall_time_and_engine_time(write_trace, tmp_path):
     assert figures["wall_vs_target"] == figures["wall_s"] / 300.0
     assert figures["chunks_moved"] == 4 and figures["verified_chunks"] == 2
     assert list(scratch.iterdir()) == []  # the fs tier's folder is removed
+    assert figures["command_s"] >= figures["wall_s"] + figures["remove_s"]
+    assert figures["command_vs_target"] == figures["command_s"] / 300.0
 
 
 def test_token_id_trace_replays_by_chunk_tokens(write_trace):

@@ -61,3 +61,20 @@ def test_layout_refuses_kv_heads_with_mla():
                 "--block-size", "64")
     assert (out.returncode, out.stdout) == (1, "")
     assert "--kv-heads and --head-size do not apply with --mla-latent" in out.stderr
+
+
+def test_layout_prints_per_group_chunk_and_host_bytes_of_a_hybrid_geometry():
+    # Gemma-3-like: 2 full + 2 sliding-window layers, 2 KV heads of 64, bf16, 128-token blocks.
+    out = kvhal("layout", "--layers", "2", "--kv-heads", "2", "--head-size", "64",
+                "--block-size", "128", "--sliding-layers", "2", "--sliding-window", "256",
+                "--mamba-layers", "1", "--mamba-state-bytes", "5000",
+                "--cpu-bytes", str(64 << 20), "--json")
+    assert out.returncode == 0, out.stderr
+    slots = (64 << 20) // (131072 + 131072 + 8192)
+    assert json.loads(out.stdout)["groups"] == [
+        {"group": 0, "kind": "full", "layers": 2, "chunk_bytes": 131072, "slot_bytes": 131072,
+         "slots": slots, "host_bytes": slots * 131072},
+        {"group": 1, "kind": "sliding_window", "layers": 2, "chunk_bytes": 131072,
+         "slot_bytes": 131072, "slots": slots, "host_bytes": slots * 131072},
+        {"group": 2, "kind": "mamba", "layers": 1, "chunk_bytes": 5000, "slot_bytes": 8192,
+         "slots": slots, "host_bytes": slots * 8192}]

@@ -134,14 +134,27 @@ def test_fsck_never_reads_a_huge_file_with_a_chunk_name_into_memory(tmp_path):
     assert [paths[2], f"record size {3 << 30} != expected 16384"] in report["problems"]
 
 
-def test_bench_tier_json_reports_both_directions_with_ratios(tmp_path):
-    out = kvhal("bench", "tier", "--chunk-bytes", "64KiB", "--count", "8", "--repeats", "1",
+def test_bench_tier_json_reports_every_pass_of_kvhal_raw_and_vllm(tmp_path):
+    out = kvhal("bench", "tier", "--chunk-bytes", "64KiB", "--count", "8", "--repeats", "3",
                 "--root-dir", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert (result["tier"], result["chunk_bytes"], result["count"]) == ("fs", 65536, 8)
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    names = [c["name"] for c in result["contenders"]]
+    assert names == ["kvhal fs", "raw loop"] + (["vllm fs"] if has_vllm else [])
+    kvhal_fs, raw = result["contenders"][:2]
+    assert (raw["threads"], raw["durability"]) == (kvhal_fs["threads"], kvhal_fs["durability"])
+    for c in result["contenders"]:
+        assert len(c["write_gbps"]) == len(c["read_gbps"]) == 3
+        assert c["write_median_gbps"] == sorted(c["write_gbps"])[1]
     for direction in ("write", "read"):
-        assert result[f"{direction}_ratio"] == (result[f"tier_{direction}_gbps"]
-                                                / result[f"raw_{direction}_gbps"])
-    if importlib.util.find_spec("vllm") is None:
-        assert result["vllm"] == "vllm not installed: skipped"
+        assert result[f"{direction}_vs_raw"] == (kvhal_fs[f"{direction}_median_gbps"]
+                                                 / raw[f"{direction}_median_gbps"])
+    if has_vllm:
+        vllm = result["contenders"][2]
+        assert (vllm["threads"], result["vllm"]) == ("16+16", "vllm fs tier measured")
+        assert result["read_vs_vllm"] == (kvhal_fs["read_median_gbps"]
+                                          / vllm["read_median_gbps"])
+    else:
+        assert (result["vllm"], result["read_vs_vllm"]) == ("vllm not installed: skipped", None)

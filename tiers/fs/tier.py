@@ -1,8 +1,9 @@
 """`fs`: the filesystem secondary tier — crash-safe, self-verifying, shared by processes.
 
-One file per chunk (`format.py`), written to a unique temp name, fdatasynced, renamed
-atomically and the folder fsynced (`fileio.write_chunk`); every load verifies header, size and
-the xxh3-128 payload checksum (`fileio.read_chunk`). A failed check, a missing file or an I/O
+One file per chunk (`format.py`), written to a unique temp name and renamed atomically
+(`fileio.write_chunk`; with `durability: "power-loss"` also fdatasynced before the rename and
+the folder fsynced after it); every load verifies header, size and the xxh3-128 payload
+checksum (`fileio.read_chunk`), so a file torn or zeroed by a power loss is a miss. A failed check, a missing file or an I/O
 error fails the job (a MISS for the engine), bumps a counter, and moves a bad file into the
 namespace's `quarantine/` folder; nothing is raised into the caller.
 
@@ -39,6 +40,8 @@ from .scan import orphaned_temp_files, scan_namespace
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
+#: The refresh thread waits at least this many times as long as its last scan took.
+REFRESH_DUTY_FACTOR = 20
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
 _BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
 
@@ -83,6 +86,7 @@ class FsTier(SecondaryTier):
                             "support O_DIRECT; use \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
         self.o_direct = supported and cfg.o_direct is not False
+        self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_orphaned_temps()
         self._index = ChunkIndex()
@@ -133,11 +137,17 @@ class FsTier(SecondaryTier):
         return max(ALIGN, int(DEFAULT_SPACE_SHARE * free) + self._index.used_bytes)
 
     def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.config.refresh_interval_s):
+        wait_s = self.config.refresh_interval_s
+        while not self._stop.wait(wait_s):
+            t0 = time.perf_counter()
             try:
                 self.refresh()
             except Exception:  # keep refreshing; the counter shows it in metrics
                 self._count("refresh_errors")
+            # a scan lists every file: a big folder is scanned less often, so scanning takes
+            # at most 1 / REFRESH_DUTY_FACTOR of one core's time
+            wait_s = max(self.config.refresh_interval_s,
+                         REFRESH_DUTY_FACTOR * (time.perf_counter() - t0))
 
     def refresh(self) -> None:
         """Re-scan the namespace folder now (the background thread does this every
@@ -195,10 +205,12 @@ class FsTier(SecondaryTier):
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
         io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors
-        (absent while 0); plus used_bytes, max_bytes, chunks and o_direct (bool, detected at
-        start)."""
-        return self._jobs.counters() | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
-                      "chunks": len(self._index), "o_direct": self.o_direct}
+        (absent while 0); plus used_bytes, max_bytes, chunks, o_direct (bool, detected at
+        start) and durability (the config value)."""
+        return self._jobs.counters() | {
+            "used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
+            "chunks": len(self._index), "o_direct": self.o_direct,
+            "durability": self.config.durability}
 
     # -- jobs ---------------------------------------------------------------------------------
     def _check_job(self, job: TierJob) -> str | None:
@@ -217,9 +229,10 @@ class FsTier(SecondaryTier):
         error = self._check_job(job)
         if error:
             return error
-        if self._index.touch(job.key) or os.path.exists(chunk_path(self.ns_dir, job.key)):
-            self._index.add(job.key, record_nbytes(job.nbytes))
+        if self._index.touch(job.key):
             return None
+        # an unindexed file under this name is rewritten, not trusted: it may be torn by a
+        # power loss (the scan left it out), or be another process's copy of the same chunk
         nbytes = record_nbytes(job.nbytes)
         victims = self._index.reserve(nbytes, self.max_bytes)
         if victims is None:
@@ -228,7 +241,7 @@ class FsTier(SecondaryTier):
         try:
             write_chunk(self._os, self.ns_dir, job.key,
                         self._host[job.offset:job.offset + job.nbytes], self._direct(job),
-                        self._scratch_buffers())
+                        self._scratch_buffers(), self._sync)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 self._count("enospc")
