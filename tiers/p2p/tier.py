@@ -7,8 +7,8 @@ from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
 
-from ..base import HostAccess, JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
-from ..jobs import JobBoard
+from ..base import HostAccess, Lookup, TierError, TierJob, job_problem
+from ..jobs import BoardedTier, JobBoard
 from .client import FeedLink, Puller, PullError, format_peer
 from .config import parse_address, parse_config
 from .directory import Directory
@@ -26,7 +26,7 @@ def heartbeat_s(timeout_s: float) -> float:
     return min(1.0, max(0.05, timeout_s / 4))
 
 
-class P2PTier(SecondaryTier):
+class P2PTier(BoardedTier):
     """The p2p tier (see the package docstring; config keys in `config.py`).
 
     Args:
@@ -114,17 +114,6 @@ class P2PTier(SecondaryTier):
         deadline = time.monotonic() + self.config.timeout_s
         self._jobs.submit(self._pullers, lambda j: self._load(j, deadline), job)
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        """Results of jobs finished since the last call, each exactly once."""
-        return self._jobs.take_finished()
-
-    def drain(self, timeout_s: float | None = None) -> None:
-        """Wait until no job is pending (each ends within the tier's `timeout_s`).
-
-        Raises:
-            TimeoutError: jobs remain after `timeout_s` seconds.
-        """
-        self._jobs.drain(timeout_s)
 
     def take_removed(self) -> list[ChunkKey]:
         """Keys this instance stopped serving since the last call (evicted from the own
