@@ -147,7 +147,7 @@ def test_peer_killed_mid_transfer_fails_the_job_in_time(peers, tiers):
 
     t0 = time.monotonic()
     tier.submit_load(TierJob(1, JobKind.LOAD, chunk_key(NAMESPACE, 0), 0, n))
-    wait_for(lambda: tier._puller.connections() == 1, what="transfer started")
+    wait_for(lambda: peer.stats()["pieces_sent"] >= 1, what="payload flowing")
     peer.kill()
     tier.drain(20)
     (result,) = tier.get_finished_jobs()
