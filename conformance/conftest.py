@@ -11,6 +11,7 @@ import pytest
 
 from kvhal import plugins
 
+from .s3 import s3_server  # noqa: F401
 from .tier_fixtures import cpu_backend, harness, host, namespace, open_tier  # noqa: F401
 from .tier_fixtures import selected_tiers
 

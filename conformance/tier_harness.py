@@ -206,6 +206,73 @@ register_harness(TierHarness(
     stored_objects=_fs_stored_objects))
 
 
+# -- obj ------------------------------------------------------------------------------------
+#: HTTP answers that stand for the injected errno values (`kvhal.tiers.obj.client` maps them
+#: back): denied, out of space (MinIO's code), internal error.
+OBJ_FAULT_STATUS = {errno.EACCES: (403, "AccessDenied"), errno.ENOSPC: (507, "XMinioStorageFull"),
+                    errno.EIO: (500, "InternalError")}
+
+
+def _obj_config(tmp: str, max_bytes: int) -> Config:
+    import hashlib
+    from .s3 import shared_server, store_config
+    return {"type": "obj", "store_config": store_config(shared_server().endpoint),
+            "prefix": "conformance/" + hashlib.sha256(tmp.encode()).hexdigest()[:16],
+            "max_bytes": max_bytes, "refresh_interval_s": 0.02, "timeout_s": 10.0}
+
+
+def _obj_raw_client(tier):
+    from kvhal.tiers.obj.client import S3Client
+    return S3Client(tier.config.store, 10.0, 2)
+
+
+def _obj_damage(tier, config, key, kind, seed):
+    from kvhal.tiers.chunk_format import HEADER_BYTES, decode_header
+    client, name = _obj_raw_client(tier), tier.object_name(key)
+    record = bytearray(client.get(name))
+    client.delete([name])
+    if kind == "delete":
+        return
+    rng = __import__("random").Random(seed)
+    if kind == "truncate":
+        record = record[:rng.randrange(len(record))]
+    else:
+        lo, hi = (0, 64) if kind == "bitflip-header" else (
+            HEADER_BYTES, HEADER_BYTES + decode_header(record[:HEADER_BYTES]).payload_nbytes)
+        record[rng.randrange(lo, hi)] ^= 1 << rng.randrange(8)
+    client.put(name, memoryview(record))
+
+
+@contextlib.contextmanager
+def _obj_faulty(tmp, err, direction, host, namespace):
+    from .s3 import Fault, FaultyS3Proxy, shared_server
+    status, code = OBJ_FAULT_STATUS[err]
+    with FaultyS3Proxy(shared_server().port) as proxy:
+        config = _obj_config(tmp, 1 << 30)
+        config["store_config"]["endpoint_override"] = proxy.endpoint
+        tier = plugins.tiers()["obj"].factory(config, host, namespace)
+        proxy.set_fault(Fault("status", ("PUT",) if direction == "store" else ("GET",),
+                              status=status, code=code))
+        try:
+            yield tier
+        finally:
+            tier.close()
+
+
+def _obj_stored_objects(config: Config) -> tuple[list[str], list[str]]:
+    from kvhal.tiers.obj.client import S3Client
+    from kvhal.tiers.obj.config import parse_config
+    cfg = parse_config(config)
+    names = [n for n, _, _ in S3Client(cfg.store, 10.0, 2).list(cfg.prefix + "/")]
+    return [n for n in names if n.endswith(".kv")], [n for n in names if not n.endswith(".kv")]
+
+
+register_harness(TierHarness(
+    "obj", config=_obj_config, persistent=True, shared_by_processes=True,
+    damage=_obj_damage, damage_kinds=DAMAGE_KINDS, faulty=_obj_faulty,
+    stored_objects=_obj_stored_objects))
+
+
 # -- p2p ------------------------------------------------------------------------------------
 #: The shared secret of the suite's p2p instances (a test value, not a real secret).
 P2P_TEST_KEY = "kvhal-conformance-p2p-key"

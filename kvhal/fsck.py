@@ -1,4 +1,6 @@
-"""`kvhal fsck DIR [--repair]`: verify every chunk file of an fs tier directory.
+"""`kvhal fsck DIR|s3://BUCKET/PREFIX [--repair]`: verify every chunk of an fs tier directory or
+of an obj tier bucket (`--endpoint URL` for a non-AWS server; credentials from the AWS chain:
+AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws files, ...; never on the command line).
 
 Prints counts and bytes of good chunk files, corrupt chunk files, orphaned temp files and
 quarantined files, then one line per corrupt file. Exit code 1 if corrupt files were found and
@@ -13,12 +15,35 @@ import sys
 from dataclasses import asdict
 
 from kvhal.report import print_json, print_table
-from kvhal.tiers.fs.check import check_dir
+from kvhal.tiers.fs.check import CheckReport, check_dir
+
+
+def _check_s3(args: argparse.Namespace) -> CheckReport:
+    from kvhal.tiers.base import TierError
+    from kvhal.tiers.obj.check import check_bucket, parse_url
+    from kvhal.tiers.obj.client import StoreFailure
+    from kvhal.tiers.obj.config import parse_config
+    bucket, prefix = parse_url(args.dir)
+    store_config = {"bucket": bucket, "endpoint_override": args.endpoint or "",
+                    "region": args.region or ""}
+    try:
+        store = parse_config({"store_config": store_config}).store
+        return check_bucket(store, prefix, repair=args.repair)
+    except StoreFailure as failure:
+        raise ValueError(f"cannot list {store.describe()}: {failure}") from None
+    except TierError as exc:  # "store_config.KEY: why" → "--endpoint: why" / "why"
+        key, _, why = str(exc).partition(": ")
+        flag = {"store_config.endpoint_override": "--endpoint: ",
+                "store_config.region": "--region: "}.get(key, "")
+        raise ValueError(flag + why) from None
 
 
 def run(args: argparse.Namespace) -> int:
     """Check (and optionally repair) `args.dir`; returns the exit code."""
-    report = check_dir(args.dir, repair=args.repair)
+    s3 = args.dir.startswith("s3://")
+    if not s3 and (args.endpoint or args.region):
+        raise ValueError("--endpoint/--region: only for an s3://BUCKET/PREFIX target")
+    report = _check_s3(args) if s3 else check_dir(args.dir, repair=args.repair)
     if args.json:
         print_json(asdict(report))
     else:
@@ -38,16 +63,22 @@ def run(args: argparse.Namespace) -> int:
               "quarantine them", file=summary)
         return 1
     if args.repair and (report.corrupt or report.orphaned_temps):
-        print(f"kvhal fsck: quarantined {report.corrupt} corrupt chunk file(s), removed "
+        print(f"kvhal fsck: {'deleted' if s3 else 'quarantined'} {report.corrupt} corrupt "
+              f"chunk file(s), removed "
               f"{report.orphaned_temps} orphaned temp file(s)", file=summary)
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvhal fsck`."""
-    p = sub.add_parser("fsck", help="verify (and repair) an fs tier directory")
-    p.add_argument("dir", help="the fs tier's root_dir")
+    p = sub.add_parser("fsck", help="verify (and repair) an fs tier directory or obj bucket")
+    p.add_argument("dir", help="the fs tier's root_dir, or s3://BUCKET/PREFIX of an obj tier")
+    p.add_argument("--endpoint", default=None,
+                   help="s3:// only: S3-compatible server, e.g. http://127.0.0.1:9000 "
+                        "(default: AWS S3)")
+    p.add_argument("--region", default=None, help="s3:// only: region (default: AWS chain)")
     p.add_argument("--repair", action="store_true",
-                   help="quarantine corrupt chunk files and delete orphaned temp files")
+                   help="quarantine corrupt chunk files and delete orphaned temp files (s3://: "
+                        "delete corrupt objects)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

@@ -1,6 +1,7 @@
 """`kvhal bench tier`: write and cold-read throughput of a secondary tier, side by side with a
-raw file loop of the same durability and, for `--tier fs` where vLLM is importable, vLLM's own
-fs tier (`vllm_fs.py`), all on the same host bytes in the same run.
+raw loop of the same durability and, for `--tier fs` where vLLM is importable, vLLM's own
+fs tier (`vllm_fs.py`), all on the same host bytes in the same run. For `--tier obj` the raw
+loops are S3 clients against the same bucket (`tier_obj.py`).
 
 `--count` chunks of `--chunk-bytes` from one page-aligned host region are stored by each
 contender (one job per chunk, all submitted, then drained), then loaded back into the zeroed
@@ -13,7 +14,9 @@ loaded bytes are compared with the stored ones. Contenders:
   when the tier uses it) and renamed; with durability "power-loss" also `fdatasync` before the
   rename and an fsync of the folder after it (a new name is durable only once its directory is
   synced: fsync(2), NOTES); reads open, `preadv` and close, no checks;
-- vLLM's `FileSystemTierManager` with its default thread counts (fs only).
+- vLLM's `FileSystemTierManager` with its default thread counts (fs only);
+- obj instead of the file loop: raw obstore and boto3 loops at the tier's `io_threads`
+  (PUT = write, GET = cold read: an object store has no client-side cache).
 
 Each pass (`--repeats`) uses fresh keys and files; within a pass the contenders take turns in
 an order rotated every pass, and each figure is the median over the passes.
@@ -21,6 +24,7 @@ an order rotated every pass, and each figure is the median over the passes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import mmap
 import os
@@ -73,7 +77,7 @@ class ContenderResult:
 @dataclass(frozen=True, slots=True)
 class TierBenchResult:
     """All contenders of one run; `contenders[0]` is the kvhal tier, `[1]` the raw loop and,
-    where measured, `[2]` vLLM's fs tier."""
+    where measured, `[2]` vLLM's fs tier (obj: `[1]` raw obstore, `[2]` raw boto3)."""
 
     tier: str
     chunk_bytes: int
@@ -123,7 +127,9 @@ class _TierContender:
         self.tier, self.namespace, self.chunk, self.count = tier, namespace, chunk, count
         stats = tier.stats()
         config = getattr(tier, "config", None)
-        self.threads = (getattr(config, "n_read_threads", 1), getattr(config, "n_write_threads", 1))
+        io_threads = getattr(config, "io_threads", 1)
+        self.threads = (getattr(config, "n_read_threads", io_threads),
+                        getattr(config, "n_write_threads", io_threads))
         self.durability = str(stats.get("durability", DEFAULT_DURABILITY))
         self.o_direct = bool(stats.get("o_direct", False)) and chunk % ALIGN == 0
         self.name = f"kvhal {name}"
@@ -252,7 +258,12 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
     tier = plugins.tiers()[tier_name].factory(config | {"type": tier_name}, host, namespace)
     contenders = [_TierContender(tier_name, tier, namespace, chunk, count)]
     kv = contenders[0]
-    contenders.append(_RawLoop(root, host, chunk, count, kv.threads, kv.durability, kv.o_direct))
+    if tier_name == "obj":
+        from .tier_obj import raw_contenders
+        contenders += raw_contenders(config | {"type": "obj"}, host, chunk, count)
+    else:
+        contenders.append(_RawLoop(root, host, chunk, count, kv.threads, kv.durability,
+                                   kv.o_direct))
     note = _vllm_note(tier_name, with_vllm)
     try:
         if note is None:
@@ -304,7 +315,10 @@ def to_json(result: TierBenchResult) -> dict:
                                               "read_median_gbps": c.read_median})
     for direction in ("write", "read"):
         out[f"{direction}_vs_raw"] = result.ratio(1, direction)
-        out[f"{direction}_vs_vllm"] = result.ratio(2, direction)
+        if result.tier != "obj":
+            out[f"{direction}_vs_vllm"] = result.ratio(2, direction)
+        else:
+            out[f"{direction}_vs_boto3"] = result.ratio(2, direction)
     return out
 
 
@@ -320,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tier == "fs":
         config.setdefault("root_dir", os.path.join(root, "tier"))
     try:
-        with progress(disable=args.json) as bar:
+        with progress(disable=args.json) as bar, _store(args.tier, config) as config:
             result = measure(args.tier, config, root, args.chunk_bytes, args.count,
                              args.repeats, bar, with_vllm=not args.no_vllm)
     finally:
@@ -344,10 +358,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store(tier_name: str, config: dict):
+    """obj: the bucket to measure against (`tier_obj.bucket_config`); other tiers: as is."""
+    if tier_name == "obj":
+        from .tier_obj import bucket_config
+        return bucket_config(config)
+    return contextlib.nullcontext(config)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvhal bench tier`."""
-    p = sub.add_parser("tier", help="tier write / cold-read throughput vs a raw file loop "
-                                    "and vLLM's fs tier")
+    p = sub.add_parser("tier", help="tier write / cold-read throughput vs a raw loop (files, "
+                                    "or S3 requests for obj) and vLLM's fs tier")
     p.add_argument("--tier", default="fs", help="registered tier type (default: fs)")
     p.add_argument("--chunk-bytes", type=_size, default=2 << 20, help="e.g. 2MiB (default)")
     p.add_argument("--count", type=positive_int, default=256, help="chunks per pass (default 256)")
@@ -357,7 +379,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="folder for the files (default: a temp folder, removed afterwards)")
     p.add_argument("--config", default=None,
                    help="JSON object merged into the tier's config, e.g. "
-                        "'{\"n_write_threads\": 8}'")
+                        "'{\"n_write_threads\": 8}'; obj: a \"store_config\" names the bucket "
+                        "(default: a local moto_server started for the run)")
     p.add_argument("--no-vllm", action="store_true", help="leave out vLLM's fs tier")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

@@ -29,10 +29,10 @@ import numpy as np
 
 from kvhal.keys import ChunkKey
 
-from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
+from ..base import Lookup, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex
-from ..jobs import JobBoard
+from ..jobs import BoardedTier, JobBoard
 from .config import parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      write_chunk)
@@ -55,7 +55,7 @@ def _errno_text(exc: OSError) -> str:
     return f"{name}: {exc.strerror or exc}"
 
 
-class FsTier(SecondaryTier):
+class FsTier(BoardedTier):
     """The fs tier (see module docstring; config keys in `config.py`).
 
     Args:
@@ -192,17 +192,6 @@ class FsTier(SecondaryTier):
         """Queue a load on the read pool (see `SecondaryTier.submit_load`)."""
         self._jobs.submit(self._readers, self._load, job)
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        """Results of jobs finished since the last call, each exactly once."""
-        return self._jobs.take_finished()
-
-    def drain(self, timeout_s: float | None = None) -> None:
-        """Wait until no job is pending.
-
-        Raises:
-            TimeoutError: jobs remain after `timeout_s` seconds.
-        """
-        self._jobs.drain(timeout_s)
 
     def take_removed(self) -> list[ChunkKey]:
         """Keys whose chunk files left the tier since the last call: evicted, found corrupt
@@ -300,7 +289,9 @@ class FsTier(SecondaryTier):
             self._count("io_errors")
             if exc.errno in _BAD_FILE_ERRNOS:
                 self._quarantine(path)
-            self._index.discard(job.key)
+            # a file left in place (a transient error) stays a miss for a while instead of
+            # coming back with the next refresh and failing at every step
+            self._index.hold([job.key], time.monotonic() + max(1.0, self.config.refresh_interval_s))
             return _errno_text(exc)
         # touch only: a chunk evicted while this load read its open file stays evicted (its
         # file is gone); an unindexed file another process wrote arrives with the next refresh
