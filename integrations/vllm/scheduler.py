@@ -19,10 +19,7 @@ before the first chunk a group failed to load (`_Request.max_hit_chunks`).
 """
 from __future__ import annotations
 
-import atexit
-import glob
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +34,15 @@ from kvhal.layout import Kind
 from kvhal.tiers.base import Lookup
 
 from .events import ChunkEvents
-from .geometry import Deployment
+from .geometry import Deployment, check_shareable, check_vllm_hash_seed
+from .lifetime import exit_with_parent
 from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo, TransferJob
 
 logger = logging.getLogger(__name__)
 
-#: Shared host regions are `/dev/shm/kvhal-<pid of the scheduler process>-<engine id>`.
-SHM_PREFIX = "/dev/shm/kvhal-"
+#: Shared host regions are anonymous memory files named `kvhal-<engine id>` (`/memfd:kvhal-...`
+#: in `/proc/<pid>/fd`); nothing is created in `/dev/shm`, so no signal can leak one.
+REGION_NAME_PREFIX = "kvhal-"
 
 #: Key of the per-request cap in `SamplingParams.extra_args["kv_transfer_params"]`.
 MAX_OFFLOAD_TOKENS = "max_offload_tokens"
@@ -96,7 +95,8 @@ class SchedulerSide:
             when vLLM binds it.
 
     Raises:
-        kvhal.config.ConfigError: a secondary tier cannot be built.
+        kvhal.config.ConfigError: a secondary tier cannot be built, or secondary tiers are
+            configured while vLLM's block hashes are per-process (`check_shareable`).
         kvhal.host.HostRegionError: the shared host region cannot be created.
     """
 
@@ -104,13 +104,13 @@ class SchedulerSide:
                  kv_events: bool = False):
         self.deployment = deployment
         self.config = config
+        check_shareable(deployment, len(config.secondary_tiers))
+        self._seed_checked = False
         self.layout = host_layout(deployment.chunk_nbytes, config.cpu_bytes_to_use)
-        remove_stale_regions()
-        shm_path = f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
-        self.region = HostRegion.create_shared(CpuBackend(), self.layout, shm_path)
-        # A process that exits without vLLM's shutdown must not leave the region in /dev/shm.
-        atexit.register(_unlink, shm_path)
-        self.region_info = RegionInfo(shm_path, self.layout)
+        exit_with_parent()  # a killed API server must not leave this engine holding the region
+        self.region = HostRegion.create_shared(CpuBackend(), self.layout,
+                                               f"{REGION_NAME_PREFIX}{engine_id}")
+        self.region_info = RegionInfo(self.region.share_path, self.layout)
         self.manager = build_manager(config, self.layout, self.region.view,
                                      deployment.namespace)
         self.manager.metrics.keep_samples = True       # shipped each step (`stats.py`)
@@ -170,6 +170,9 @@ class SchedulerSide:
         With blocks_per_chunk > 1, a local prefix hit that ends inside a chunk gets no external
         hit (loads start at chunk boundaries); vLLM-CPU's 128-token blocks make 1 the default.
         """
+        if not self._seed_checked:  # vLLM seeds its hashes after building the connector
+            check_vllm_hash_seed(self.deployment)
+            self._seed_checked = True
         state = self._state(request)
         tpc = self.deployment.tokens_per_chunk
         start = -(-num_computed_tokens // tpc)
@@ -429,24 +432,3 @@ class SchedulerSide:
         self.manager.close()
         self.region.close()
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def remove_stale_regions() -> list[str]:
-    """Delete host regions whose creating process is gone (killed before its shutdown).
-
-    Returns:
-        The paths removed.
-    """
-    removed = []
-    for path in glob.glob(SHM_PREFIX + "*"):
-        pid = path[len(SHM_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            _unlink(path)
-            removed.append(path)
-    return removed
