@@ -14,8 +14,10 @@ then holds a stale entry, which costs it one failed load).
 from __future__ import annotations
 
 import collections
+import math
 import threading
-from typing import Mapping
+import time
+from typing import Iterable, Mapping
 
 from kvhal.keys import ChunkKey
 
@@ -37,6 +39,8 @@ class ChunkIndex:
         self._epoch = 0
         self._indexed = 0
         self._reserved = 0
+        #: key → monotonic deadline before which no listing brings the key back.
+        self._held: dict[ChunkKey, float] = {}
         self._gone: collections.deque[ChunkKey] = collections.deque(
             maxlen=MAX_REMEMBERED_REMOVALS)
 
@@ -62,9 +66,11 @@ class ChunkIndex:
 
     def reconcile(self, found: Mapping[ChunkKey, int], epoch: int) -> None:
         """Merge a listing (key → stored bytes) started at `epoch`: add new keys (as most
-        recently used) unless they were removed after the listing began, and drop entries the
-        listing did not find unless they were added after it began."""
+        recently used) unless they were removed after the listing began or are held (`hold`),
+        and drop entries the listing did not find unless they were added after it began."""
+        now = time.monotonic()
         with self._lock:
+            self._held = {k: t for k, t in self._held.items() if t > now}
             removed, self._removed_epoch = self._removed_epoch, {}
             for key in [k for k in self._lru if k not in found
                         and self._added_epoch.get(k, 0) < epoch]:
@@ -72,7 +78,8 @@ class ChunkIndex:
                 self._added_epoch.pop(key, None)
                 self._gone.append(key)
             for key, nbytes in found.items():
-                if key not in self._lru and removed.get(key, -1) < epoch:
+                if (key not in self._lru and removed.get(key, -1) < epoch
+                        and key not in self._held):
                     self._lru[key] = nbytes
                     self._indexed += nbytes
                     self._added_epoch[key] = epoch
@@ -104,6 +111,27 @@ class ChunkIndex:
                 self._indexed -= self._lru.pop(key)
                 self._added_epoch.pop(key, None)
                 self._gone.append(key)
+
+    def hold(self, keys: Iterable[ChunkKey], until: float = math.inf) -> None:
+        """Discard `keys` and keep listings from bringing them back before the monotonic time
+        `until` (`time.monotonic()` seconds; inf: until `unhold`). Used after a failed load (a
+        bad chunk is not offered again at every step) and while a DELETE is in flight."""
+        keys = list(keys)
+        with self._lock:
+            for key in keys:
+                self._held[key] = max(until, self._held.get(key, 0.0))
+        for key in keys:
+            self.discard(key)
+
+    def unhold(self, keys: Iterable[ChunkKey]) -> None:
+        """End the holds of `keys` (their stored objects are gone now) and discard them again,
+        so a listing that saw them before they went cannot bring them back."""
+        keys = list(keys)
+        for key in keys:
+            self.discard(key)
+        with self._lock:
+            for key in keys:
+                self._held.pop(key, None)
 
     def reserve(self, nbytes: int, max_bytes: int) -> list[tuple[ChunkKey, int]] | None:
         """Reserve `nbytes` for a store, taking least recently used entries out of the index

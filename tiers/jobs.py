@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Executor
 from typing import Callable
 
-from .base import JobResult, TierJob
+from .base import JobResult, SecondaryTier, TierJob
 
 JobFn = Callable[[TierJob], "str | None"]
 
@@ -120,3 +120,22 @@ class JobBoard:
         """A copy of the counters (those still 0 are absent)."""
         with self._cond:
             return dict(self._counters)
+
+
+class BoardedTier(SecondaryTier):
+    """Base of tiers whose jobs run through a `JobBoard` held in `self._jobs`: implements
+    `get_finished_jobs` and `drain` from it."""
+
+    _jobs: JobBoard
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Results of jobs finished since the last call, each exactly once."""
+        return self._jobs.take_finished()
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until no job is pending.
+
+        Raises:
+            TimeoutError: jobs remain after `timeout_s` seconds.
+        """
+        self._jobs.drain(timeout_s)

@@ -12,31 +12,25 @@ def kvhal_register_tiers():
             TierSpec("obj", obj_tier)]
 
 
-def p2p_tier(config, host, namespace, **kwargs):
-    """Build a `P2PTier`, imported on first use: it needs the `p2p` extra (msgpack).
+def _lazy(module: str, cls: str, extra: str):
+    """A factory importing `cls` from `module` on first use, so a tier whose extra is not
+    installed fails only when configured: `TierError` "type: the ... tier needs the ... extra"."""
+    def factory(config, host, namespace, **kwargs):
+        import importlib
 
-    Raises:
-        TierError: msgpack is not installed (`type: ...`), or the tier's own config errors.
-    """
-    from .base import TierError
-    try:
-        from .p2p import P2PTier
-    except ImportError as exc:
-        raise TierError(f"type: the p2p tier needs the p2p extra ({exc.name} missing): "
-                        "pip install 'kvhal[p2p]'") from None
-    return P2PTier(config, host, namespace, **kwargs)
+        from .base import TierError
+        try:
+            tier_cls = getattr(importlib.import_module(module, __package__), cls)
+        except ImportError as exc:
+            raise TierError(f"type: the {cls.removesuffix('Tier').lower()} tier needs the "
+                            f"{extra} extra ({exc.name} missing): pip install "
+                            f"'kvhal[{extra}]'") from None
+        return tier_cls(config, host, namespace, **kwargs)
+    factory.__doc__ = (f"Build a `{cls}` (imported on first use: it needs the `{extra}` "
+                       "extra).\n\nRaises:\n    TierError: the extra is missing, or the tier's "
+                       "own config errors.")
+    return factory
 
 
-def obj_tier(config, host, namespace):
-    """Build an `ObjTier`, imported on first use: it needs the `s3` extra (obstore, boto3).
-
-    Raises:
-        TierError: obstore is not installed (`type: ...`), or the tier's own config errors.
-    """
-    from .base import TierError
-    try:
-        from .obj import ObjTier
-    except ImportError as exc:
-        raise TierError(f"type: the obj tier needs the s3 extra ({exc.name} missing): "
-                        "pip install 'kvhal[s3]'") from None
-    return ObjTier(config, host, namespace)
+p2p_tier = _lazy(".p2p", "P2PTier", "p2p")
+obj_tier = _lazy(".obj", "ObjTier", "s3")

@@ -1,6 +1,9 @@
 """The shared LRU index of storage tiers: byte accounting, reconcile, and removal tracking."""
 from __future__ import annotations
 
+import math
+import time
+
 from kvhal.keys import ChunkKey
 from kvhal.tiers.index import ChunkIndex
 
@@ -48,3 +51,19 @@ def test_reconcile_drops_what_a_listing_missed_and_keeps_later_adds():
     assert [k in index for k in map(_key, range(1, 5))] == [False, True, True, True]
     assert index.used_bytes == 40
     assert index.take_removed() == [_key(1)]
+
+
+def test_a_held_key_stays_out_of_listings_until_its_deadline_or_unhold():
+    index = ChunkIndex()
+    index.add(_key(1), 10)
+    index.add(_key(2), 10)
+
+    index.hold([_key(1)], until=math.inf)
+    index.hold([_key(2)], until=time.monotonic() - 1)  # already expired
+    index.reconcile({_key(1): 10, _key(2): 10}, index.snapshot()[1])
+    held_after_listing = (_key(1) in index, _key(2) in index)
+    index.unhold([_key(1)])
+    index.reconcile({_key(1): 10}, index.snapshot()[1])
+
+    assert held_after_listing == (False, True)
+    assert _key(1) in index

@@ -29,12 +29,12 @@ from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
 
-from ..base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
+from ..base import Lookup, TierError, TierJob, job_problem
 from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)
 from ..index import ChunkIndex
-from ..jobs import JobBoard
+from ..jobs import BoardedTier, JobBoard
 from .client import S3Client, StoreFailure
 from .config import parse_config
 from .names import key_from_object, namespace_prefix, object_name
@@ -53,7 +53,7 @@ def start_error(failure: StoreFailure, describe: str) -> TierError:
     return TierError(f"store_config.endpoint_override: cannot list {describe} ({failure})")
 
 
-class ObjTier(SecondaryTier):
+class ObjTier(BoardedTier):
     """The obj tier (see module docstring; config keys in `config.py`).
 
     Args:
@@ -67,6 +67,7 @@ class ObjTier(SecondaryTier):
     """
 
     name = "obj"
+    locality = "REMOTE"     # medium STORAGE, hit source disk (vLLM's obj tier names)
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes):
         cfg = parse_config(config)
@@ -81,10 +82,6 @@ class ObjTier(SecondaryTier):
         self._jobs = JobBoard("obj")
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
-        #: Keys a listing must not bring back before a monotonic deadline: inf while their
-        #: DELETE is queued or running, `hold_s` after a failed load.
-        self._held: dict[ChunkKey, float] = {}
-        self._held_lock = threading.Lock()
         #: Seconds a chunk whose load failed stays a miss (a bad object is not asked for
         #: again at every step; a listing brings it back after that).
         self.hold_s = max(1.0, cfg.refresh_interval_s)
@@ -127,11 +124,7 @@ class ObjTier(SecondaryTier):
                 if key is not None and size >= HEADER_BYTES + ALIGN and size % ALIGN == 0:
                     listed.append((mtime, name, key, size))
             listed.sort()
-            now = time.monotonic()
-            with self._held_lock:
-                self._held = {k: t for k, t in self._held.items() if t > now}
-                found = {key: size for _, _, key, size in listed if key not in self._held}
-            self._index.reconcile(found, epoch)
+            self._index.reconcile({key: size for _, _, key, size in listed}, epoch)
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.config.refresh_interval_s):
@@ -154,17 +147,6 @@ class ObjTier(SecondaryTier):
         """Queue a load on the load pool (see `SecondaryTier.submit_load`)."""
         self._jobs.submit(self._loaders, self._load, job)
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        """Results of jobs finished since the last call, each exactly once."""
-        return self._jobs.take_finished()
-
-    def drain(self, timeout_s: float | None = None) -> None:
-        """Wait until no job is pending (each ends within the tier's `timeout_s`).
-
-        Raises:
-            TimeoutError: jobs remain after `timeout_s` seconds.
-        """
-        self._jobs.drain(timeout_s)
 
     def take_removed(self) -> list[ChunkKey]:
         """Keys whose objects left the tier since the last call, each once: evicted by
@@ -243,7 +225,7 @@ class ObjTier(SecondaryTier):
                 self._jobs.count("missing")
                 return f"not found: {failure}"
             self._jobs.count("request_errors")
-            self._hold([job.key], time.monotonic() + self.hold_s)
+            self._index.hold([job.key], time.monotonic() + self.hold_s)
             return str(failure)
         dest = self._host[job.offset:job.offset + job.nbytes]
         try:
@@ -257,7 +239,7 @@ class ObjTier(SecondaryTier):
             self._delete_later([job.key])
             return f"corrupt: {exc}"
         except SizeMismatch as exc:
-            self._hold([job.key], time.monotonic() + self.hold_s)
+            self._index.hold([job.key], time.monotonic() + self.hold_s)
             return str(exc)
         self._index.touch(job.key)
         self._jobs.count("bytes_loaded", job.nbytes)
@@ -268,7 +250,7 @@ class ObjTier(SecondaryTier):
         """Forget `keys` now and DELETE their objects on the delete thread. Until a DELETE is
         done its key is filtered out of listings, and after it the key is discarded again, so a
         listing that saw the object before it went cannot bring the key back."""
-        self._hold(keys, math.inf)
+        self._index.hold(keys, math.inf)
         try:
             self._deleter.submit(self._delete, keys)
         except RuntimeError:  # closing: the objects stay; a later instance evicts them
@@ -284,17 +266,4 @@ class ObjTier(SecondaryTier):
         self._done_deleting(keys)
 
     def _done_deleting(self, keys: list[ChunkKey]) -> None:
-        for key in keys:
-            self._index.discard(key)
-        with self._held_lock:
-            for key in keys:
-                self._held.pop(key, None)
-
-    def _hold(self, keys: list[ChunkKey], until: float) -> None:
-        """Take `keys` out of the index and keep listings from bringing them back before the
-        monotonic time `until`."""
-        with self._held_lock:
-            for key in keys:
-                self._held[key] = max(until, self._held.get(key, 0.0))
-        for key in keys:
-            self._index.discard(key)
+        self._index.unhold(keys)
