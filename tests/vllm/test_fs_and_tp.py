@@ -31,7 +31,7 @@ pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-
 
 from kvhal.keys import block_hashes, hash_function, none_hash  # noqa: E402
 
-from .conftest import FULL_HIT, prompt, run_engines  # noqa: E402
+from .conftest import FULL_HIT, flip_last_byte, prompt, run_engines  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +64,7 @@ def chunk_file(root: str, tokens: list[int], chunk: int) -> str:
 def corrupt_chunk(root: str, tokens: list[int], chunk: int) -> str:
     """Flip the last payload byte of the fs file of `tokens`' chunk `chunk`."""
     path = chunk_file(root, tokens, chunk)
-    with open(path, "r+b") as f:
-        f.seek(-1, 2)
-        last = f.read(1)[0]
-        f.seek(-1, 2)
-        f.write(bytes([last ^ 0xFF]))
+    flip_last_byte(path)
     return path
 
 
