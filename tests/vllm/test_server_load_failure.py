@@ -45,8 +45,9 @@ def runs(module_tmp):
     for path in files:
         flip_last_byte(path)
     log = module_tmp / "server-corrupt.log"
-    return {"cold": cold, "corrupt": _answer(Server(model, root, log)), "files": files,
-            "log": log.read_text()}
+    corrupt = _answer(Server(model, root, log))
+    return {"cold": cold, "corrupt": corrupt, "files": files, "log": log.read_text(),
+            "quarantined": glob.glob(f"{root}/*/quarantine/*.kv.*")}
 
 
 def test_every_chunk_corrupt_found_late_is_answered_like_the_cold_run(runs):
@@ -55,6 +56,12 @@ def test_every_chunk_corrupt_found_late_is_answered_like_the_cold_run(runs):
     assert got["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
     assert got["choices"][0]["finish_reason"] == cold["choices"][0]["finish_reason"] == "length"
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_the_chunks_were_read_and_found_corrupt_after_the_hit(runs):
+    # Indexed at lookup (vLLM was told of a 7-chunk hit), each read, failed its checksum and
+    # was quarantined.
+    assert len(runs["quarantined"]) == 7
 
 
 def test_vllm_failed_no_request(runs):
