@@ -34,7 +34,8 @@ class Rank:
 
     def __init__(self, instance: "Instance", tp: int, rank: int):
         self.mapper = chunk_mapper(SPEC, "mla", tp, rank, BLOCKS_PER_CHUNK)
-        shape = get_layout("mla").shape(SPEC.groups[0], self.mapper.groups[0].share.num_heads, NUM_BLOCKS)
+        heads = self.mapper.groups[0].share.num_heads
+        shape = get_layout("mla").shape(SPEC.groups[0], heads, NUM_BLOCKS)
         nbytes = int(np.prod(shape)) * 2
         backend = instance.backend
         self.allocs = [backend.alloc_device(nbytes) for _ in range(SPEC.num_layers)]
@@ -129,7 +130,8 @@ def test_mla_chunk_written_once_by_rank_0_loads_into_tp1_and_tp2(backend, tmp_pa
             reader = Instance(backend, str(tmp_path), tp=tp)
             readers.append(reader)
             promote(reader, keys)
-            assert reader.manager.tiers[0].stats()["bytes_loaded"] == 2 * writer.geometry.chunk_nbytes
+            loaded = reader.manager.tiers[0].stats()["bytes_loaded"]
+            assert loaded == 2 * writer.geometry.chunk_nbytes
             plan = reader.manager.prepare_load(keys)
             assert reader.run("submit_load", plan.job_id, LOADED, plan.slots) == 2
             reader.manager.complete_load(plan.job_id, 2)
