@@ -1,9 +1,12 @@
 """KV events (DESIGN §8): what the engine tells routers about where chunks live.
 
 Field names follow vLLM's `vllm/distributed/kv_events.py` (`BlockStored.block_hashes`,
-`.medium`; `BlockRemoved`; `AllBlocksCleared`) so an integration can forward them as vLLM's
-msgpack events; fields kvhal does not know (token ids, parent hash, LoRA) are the integration's
-to fill. Block hashes are the hashes of each chunk's last block (the chunk key's `block_hash`).
+`.medium`, `.locality`; `BlockRemoved`; `AllBlocksCleared`) so an integration can forward them
+as vLLM's msgpack events; fields kvhal does not know (token ids, parent hash, the hashes of a
+chunk's other blocks, LoRA) are the integration's to fill. Block hashes are the hashes of each
+chunk's last block (the chunk key's `block_hash`). `medium` and `locality` are vLLM's names
+(`MEDIUM_CPU`/`MEDIUM_STORAGE`, `Locality.LOCAL`/`REMOTE`): each secondary tier declares its
+own (`SecondaryTier.medium`, `.locality`); `tier` names the tier (its metrics label).
 Events reach every `kvhal_kv_event` hook implementation through `kvhal.plugins.emit_kv_event`.
 """
 from __future__ import annotations
@@ -12,6 +15,10 @@ from dataclasses import dataclass
 
 #: `medium` of the host tier, as vLLM names its CPU offload medium.
 HOST_MEDIUM = "CPU"
+#: `locality` of a tier on this instance (vLLM `Locality.LOCAL`).
+LOCAL = "LOCAL"
+#: `tier` of the host tier (its metrics label, `kvhal.metrics.HOST`).
+HOST_TIER = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +26,8 @@ class _BlockEvent:
     block_hashes: tuple[bytes, ...]
     group: int
     medium: str
-    locality: str = "local"
+    locality: str = LOCAL
+    tier: str = HOST_TIER
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +37,9 @@ class BlockStored(_BlockEvent):
     Attributes:
         block_hashes: Last-block hash of each chunk, in prefix order.
         group: KV cache group of the chunks.
-        medium: "CPU" for the host tier, else the secondary tier's type name upper-cased.
-        locality: "local" (this instance) or the name of a peer.
+        medium: "CPU" for the host tier, else the secondary tier's `medium` ("CPU", "STORAGE").
+        locality: "LOCAL" (on this instance) or "REMOTE" (an object store, a peer).
+        tier: "host" or the secondary tier's metrics label (`kvhal.metrics.tier_labels`).
     """
 
 
@@ -44,4 +53,5 @@ class AllBlocksCleared:
     """Every chunk left `medium`."""
 
     medium: str
-    locality: str = "local"
+    locality: str = LOCAL
+    tier: str = HOST_TIER

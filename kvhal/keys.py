@@ -14,8 +14,10 @@ engine's (source: vLLM `vllm/v1/core/kv_cache_utils.py::hash_block_tokens` and
   `xxhash_cbor` = XXH3-128(cbor2.dumps(obj, canonical=True))                     (16 bytes)
 - token ids are Python ints (a numpy int pickles differently, so they are converted);
   `extra_keys` is None or a tuple (LoRA name, multimodal hashes, cache salt on block 0).
-- NONE_HASH = H(seed) where seed is the *string* value of PYTHONHASHSEED; vLLM uses 32 random
-  bytes when PYTHONHASHSEED is unset, so instances that share a cache must set it.
+- NONE_HASH = H(seed), seed a *string* (vLLM `resolve_none_hash_seed`): PYTHONHASHSEED if set;
+  otherwise "vllm-none-hash" for the cryptographic sha256 forms (so independent processes agree
+  by default) and 32 random bytes per process for the xxhash forms (their keys can never be
+  shared then). `resolve_hash_seed` applies the same rule.
 - Only full blocks are hashed (a partial last block has no hash).
 
 A chunk key is `(namespace, group, hash of the chunk's last block)`. The namespace digest covers
@@ -30,7 +32,7 @@ import json
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import xxhash as _xxhash
 
@@ -102,6 +104,12 @@ HASH_FUNCTIONS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 #: The env var whose string value seeds NONE_HASH (vLLM `init_none_hash`).
 HASH_SEED_ENV = "PYTHONHASHSEED"
+#: vLLM's NONE_HASH seed for sha256/sha256_cbor when PYTHONHASHSEED is unset (vLLM 0.32
+#: `kv_cache_utils.DEFAULT_NONE_HASH_SEED`).
+DEFAULT_HASH_SEED = "vllm-none-hash"
+#: Hash functions vLLM seeds randomly per process when PYTHONHASHSEED is unset (vLLM 0.32
+#: `kv_cache_utils._NON_CRYPTO_HASH_FUNCTIONS`: not collision resistant, so the seed stays secret).
+PER_PROCESS_SEED_HASHES = frozenset({"xxhash", "xxhash_cbor"})
 
 
 def _pickled(obj: Any) -> bytes:
@@ -138,25 +146,48 @@ def hash_function(name: str) -> Callable[[Any], bytes]:
                              f"{', '.join(HASH_FUNCTIONS)}") from None
 
 
+def resolve_hash_seed(hash_name: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The seed vLLM derives NONE_HASH from (vLLM 0.32 `resolve_none_hash_seed`).
+
+    Args:
+        hash_name: One of `HASH_FUNCTIONS`.
+        environ: Where PYTHONHASHSEED is read (default: this process's environment).
+
+    Returns:
+        PYTHONHASHSEED if set; else `DEFAULT_HASH_SEED` for sha256/sha256_cbor; else None: vLLM
+        picks random bytes per process for the xxhash forms, which no one can reproduce.
+
+    Raises:
+        KeyFormatError: unknown hash name.
+    """
+    hash_function(hash_name)
+    seed = environ.get(HASH_SEED_ENV)
+    if seed is not None:
+        return seed
+    return None if hash_name in PER_PROCESS_SEED_HASHES else DEFAULT_HASH_SEED
+
+
 def none_hash(hash_name: str, seed: str | None = None) -> bytes:
     """The parent hash of a prefix's first block (vLLM's NONE_HASH).
 
     Args:
         hash_name: One of `HASH_FUNCTIONS`.
-        seed: The seed string; None reads PYTHONHASHSEED. vLLM hashes this *string*.
+        seed: The seed string; None resolves it as vLLM does (`resolve_hash_seed`). vLLM hashes
+            this *string*.
 
     Returns:
         `hash_function(hash_name)(seed)`.
 
     Raises:
-        KeyFormatError: unknown hash name, or no seed given and PYTHONHASHSEED unset (vLLM
-            would then use random bytes, which no other instance can reproduce).
+        KeyFormatError: unknown hash name, or no seed given for an xxhash form while
+            PYTHONHASHSEED is unset (vLLM then uses random bytes no one can reproduce).
     """
     fn = hash_function(hash_name)
-    seed = os.environ.get(HASH_SEED_ENV) if seed is None else seed
+    seed = resolve_hash_seed(hash_name) if seed is None else seed
     if seed is None:
-        raise KeyFormatError(f"no hash seed: pass seed= or set {HASH_SEED_ENV} (vLLM uses random "
-                             "bytes then, so no other instance could share the cache)")
+        raise KeyFormatError(f"no hash seed for {hash_name}: pass seed= or set {HASH_SEED_ENV} "
+                             "(vLLM uses random bytes then, so no other instance could share "
+                             "the cache)")
     return fn(seed)
 
 

@@ -126,6 +126,14 @@ class SecondaryTier(abc.ABC):
 
     #: Registered type name ("fs", "obj", "p2p", "memory", ...).
     name: str = "base"
+    #: Where the tier keeps chunks, as vLLM's KV events name it (`vllm.distributed.kv_events`
+    #: `MEDIUM_CPU` "CPU" for memory, `MEDIUM_STORAGE` "STORAGE" for disks and object stores).
+    medium: str = "STORAGE"
+    #: "LOCAL" (on this instance) or "REMOTE" (vLLM `Locality`; an object store, a peer).
+    locality: str = "LOCAL"
+    #: Source of the prompt tokens this tier serves, as vLLM's `CacheHitSource` names it
+    #: ("host", "disk", "p2p"; `vllm/v1/metrics/cache_hit_source.py`).
+    hit_source: str = "disk"
 
     @abc.abstractmethod
     def lookup(self, key: ChunkKey) -> Lookup:
@@ -181,5 +189,8 @@ class SecondaryTier(abc.ABC):
         """Drain, then release threads, files and connections. Idempotent."""
 
     def stats(self) -> Mapping[str, Any]:
-        """Counters for metrics and reports (bytes stored/loaded, hits, corrupt, evictions)."""
+        """Counters for metrics and reports (bytes stored/loaded, hits, corrupt, evictions).
+
+        The engine's metrics read `used_bytes` (bytes held now) and `max_bytes` (capacity),
+        where given."""
         return {}

@@ -29,6 +29,8 @@ class MemoryTier(SecondaryTier):
     """
 
     name = "memory"
+    medium = "CPU"
+    hit_source = "host"
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes):
         unknown = sorted(str(k) for k in config if k not in _KEYS)
@@ -45,6 +47,7 @@ class MemoryTier(SecondaryTier):
         self._finished: list[JobResult] = []
         self._lock = threading.Lock()
         self._stats = collections.Counter()
+        self._removed: list[ChunkKey] = []
 
     def lookup(self, key: ChunkKey) -> Lookup:
         """HIT if held."""
@@ -63,8 +66,9 @@ class MemoryTier(SecondaryTier):
                 self._data.move_to_end(job.key)
                 return self._finish(job, t0)
             while self._used + job.nbytes > self.max_bytes:
-                _, old = self._data.popitem(last=False)
+                gone, old = self._data.popitem(last=False)
                 self._used -= len(old)
+                self._removed.append(gone)
                 self._stats["evictions"] += 1
             self._data[job.key] = bytes(self._host[job.offset:job.offset + job.nbytes])
             self._used += job.nbytes
@@ -99,6 +103,12 @@ class MemoryTier(SecondaryTier):
             out, self._finished = self._finished, []
             return out
 
+    def take_removed(self) -> list[ChunkKey]:
+        """Keys evicted since the last call."""
+        with self._lock:
+            out, self._removed = self._removed, []
+            return out
+
     def drain(self, timeout_s: float | None = None) -> None:
         """Nothing is ever pending."""
 
@@ -109,7 +119,8 @@ class MemoryTier(SecondaryTier):
             self._used = 0
 
     def stats(self) -> Mapping[str, Any]:
-        """bytes_stored, bytes_loaded, evictions, used_bytes, chunks."""
+        """bytes_stored, bytes_loaded, evictions, used_bytes, max_bytes, chunks."""
         with self._lock:
-            return dict(self._stats, used_bytes=self._used, chunks=len(self._data))
+            return dict(self._stats, used_bytes=self._used, max_bytes=self.max_bytes,
+                        chunks=len(self._data))
 

@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     options = ReplayOptions(geometry=_geometry(args), chunk_tokens=chunk_tokens,
                             device_bytes=args.device_bytes, backend=args.backend,
                             prefill_us_per_token=args.prefill_us_per_token,
-                            time_scale=args.time_scale, layout=args.layout)
+                            time_scale=args.time_scale, layout=args.layout,
+                            instances=args.instances)
     runs = ([(config, options)] if args.sweep is None else
             [with_capacity(config, options, args.sweep[0], size) for size in args.sweep[1]])
     for cfg, opts in runs:
@@ -151,6 +152,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-scale", type=non_negative_float, default=0.0,
                    help="replay on the trace's timestamps multiplied by this (1 = the "
                         "trace's pace, 0 = as fast as possible, default)")
+    p.add_argument("--instances", type=positive_int, default=1,
+                   help="serving instances to split the requests between (round robin), each "
+                        "with its own device pool, host tier and tiers; p2p tiers of the "
+                        "config are wired to each other (default 1)")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="replay only the first N requests")
     p.add_argument("--sweep", type=parse_sweep, default=None,

@@ -17,6 +17,12 @@ Per request, in trace order (one request at a time, as one engine step each):
    secondary tier.
 5. The request's device blocks are freed into the device pool's prefix cache.
 
+With `instances` > 1 each instance has its own device pool, host region, manager, worker and
+secondary tiers (p2p tiers wired to each other, `instance_configs`); request i runs on
+instance i mod instances, and between requests the replay waits until every p2p directory
+has applied what the other instances announced, so a chunk another instance holds in host
+memory is a p2p hit whatever the feed timing. Hits and traffic are totals over instances.
+
 Chunk = the trace's block (512 tokens for Mooncake) = one device block. The device KV pool is
 one device allocation cut into per-layer tensors of a `kvhal.layout` device layout (default
 packed-hnd, vLLM's GPU layout) at TP 1; the worker moves chunks with a `LayoutPlanner`, and the
@@ -26,6 +32,7 @@ buffer. Partial last blocks are never stored nor hit (their tokens are always re
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -71,6 +78,8 @@ class ReplayOptions:
         time_scale: Request i starts `timestamp_ms × time_scale / 1000` s after the replay
             starts (1 = the trace's pace, 0 = as fast as possible).
         layout: Device layout of the per-layer KV tensors (a `kvhal.layout` name).
+        instances: Serving instances, each with its own device pool, host tier and
+            secondary tiers (`instance_configs`); request i goes to instance i mod instances.
     """
 
     geometry: Geometry
@@ -80,6 +89,7 @@ class ReplayOptions:
     prefill_us_per_token: float = DEFAULT_PREFILL_US_PER_TOKEN
     time_scale: float = 0.0
     layout: str = "packed-hnd"
+    instances: int = 1
 
     @property
     def chunk_bytes(self) -> int:
@@ -115,6 +125,51 @@ def with_capacity(config: dict[str, Any], options: ReplayOptions, level: str,
     return config, options
 
 
+def instance_configs(config: dict[str, Any], instances: int) -> list[dict[str, Any]]:
+    """The engine config of each of `instances` instances.
+
+    Every instance gets `config`; with more than one, each p2p tier entry gets its own
+    listener port and every instance's p2p identity as `peers` (so each instance pulls from
+    all others; its own identity is skipped), and other tiers are as configured (an fs
+    `root_dir` is then shared by all instances, as instances on one node would share it).
+
+    Raises:
+        ConfigError: a p2p entry sets `port` or `peers` while instances > 1 (they are the
+            replay's to set; names the key path).
+    """
+    if instances == 1:
+        return [config]
+    tiers = config.get("secondary_tiers", [])
+    p2p = _p2p_entries(config)
+    ports = {i: [_free_port() for _ in range(instances)] for i in p2p}
+    out = []
+    for n in range(instances):
+        own = [dict(t) for t in tiers]
+        for i in p2p:
+            host = own[i].get("advertise_host", own[i].get("host", "127.0.0.1"))
+            own[i] |= {"port": ports[i][n], "peers": [f"{host}:{p}" for p in ports[i]]}
+        out.append(dict(config, secondary_tiers=own))
+    return out
+
+
+def _p2p_entries(config: dict[str, Any]) -> list[int]:
+    """Positions of the p2p entries of `secondary_tiers`, checked for `instance_configs`."""
+    tiers = config.get("secondary_tiers", [])
+    p2p = [i for i, t in enumerate(tiers) if isinstance(t, dict) and t.get("type") == "p2p"]
+    for i in p2p:
+        for key in ("port", "peers"):
+            if key in tiers[i]:
+                raise ConfigError(f"secondary_tiers[{i}].{key}",
+                                  "set by the replay for --instances > 1; leave it out")
+    return p2p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def replay_namespace(options: ReplayOptions) -> bytes:
     """The namespace digest of replay chunks with this geometry and chunking (stable across
     runs, so a persistent tier is reused by the next replay of the same geometry)."""
@@ -133,11 +188,14 @@ def check_replay(requests: Sequence[TraceRequest], config: dict[str, Any],
         The parsed engine config.
 
     Raises:
-        ConfigError: invalid config, or a chunk other than the trace's block (names the key).
+        ConfigError: invalid config, a chunk other than the trace's block, or a p2p `port` /
+            `peers` with several instances (names the key).
         LayoutError: `options.layout` is unknown or cannot store the geometry ("--layout: ...").
         DevicePoolError: a request has more full chunks than `options.device_bytes` holds.
     """
     cfg = parse_config(config)
+    if options.instances > 1:
+        _p2p_entries(config)
     if cfg.blocks_per_chunk_for(options.chunk_tokens) != 1:
         key = "block_size" if cfg.block_size is not None else "blocks_per_chunk"
         raise ConfigError(key, f"a replay's chunk is the trace's block ({options.chunk_tokens} "
@@ -352,8 +410,15 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
     cfg = check_replay(requests, config, options)
     backend = select_backend(options.backend)
     max_chunks = max((len(r.chunk_hashes) for r in requests), default=0)
-    rep = _Replayer(cfg, options, backend, max_chunks)
-    levels = ["device", "host", *rep.tier_names]
+    reps: list[_Replayer] = []
+    try:
+        for instance_config in instance_configs(config, options.instances):
+            reps.append(_Replayer(parse_config(instance_config), options, backend, max_chunks))
+    except BaseException:
+        for rep in reps:
+            rep.close()
+        raise
+    levels = ["device", "host", *reps[0].tier_names]
     counters = _Counters(levels)
     n = len(requests)
     times = np.zeros(n)
@@ -362,24 +427,29 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
     saved = np.zeros(n)
     t_start = time.perf_counter()
     try:
-        tier_stats_before = [dict(t.stats()) for t in rep.manager.tiers]
+        tier_stats_before = [[dict(t.stats()) for t in rep.manager.tiers] for rep in reps]
+        _settle(reps)
         for r, req in enumerate(requests):
             if options.time_scale > 0:
                 delay = t_start + req.timestamp_ms * options.time_scale / 1000 - \
                     time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-            hit_chunks, load_s = _replay_request(rep, req, r, counters)
+            hit_chunks, load_s = _replay_request(reps[r % len(reps)], req, r, counters)
+            _settle(reps)
             times[r], inputs[r] = req.timestamp_ms / 1000, req.input_tokens
             hits[r] = hit_chunks * options.chunk_tokens
             saved[r] = hits[r] * options.prefill_us_per_token * 1e-6 - load_s
             if on_request is not None:
                 on_request()
-        rep.manager.drain()
-        traffic = _traffic(rep, counters, tier_stats_before)
+        for rep in reps:
+            rep.manager.drain()
+        traffic = _traffic(reps, counters, tier_stats_before)
     finally:
-        rep.close()
+        for rep in reps:
+            rep.close()
     wall_s = time.perf_counter() - t_start
+    rep = reps[0]
     capacities: dict[str, int | None] = {"device": rep.pool.num_blocks * rep.chunk_bytes,
                                          "host": rep.host_capacity_bytes}
     for tier_cfg, name in zip(cfg.secondary_tiers, rep.tier_names):
@@ -388,21 +458,49 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
         trace=trace, capacities=capacities, chunk_tokens=options.chunk_tokens,
         chunk_bytes=rep.chunk_bytes, requests=n, input_tokens=int(inputs.sum()),
         hit_tokens={k: v * options.chunk_tokens for k, v in counters.hits.items()},
-        traffic=traffic, reference=reference, wall_s=wall_s, manager_s=rep.manager.seconds,
-        worker_s=rep.worker.seconds, load_s=counters.load_s, verified_chunks=counters.verified,
-        prefill_us_per_token=options.prefill_us_per_token, ttft_saved_s=float(saved.sum()),
-        timeline=Timeline(times, inputs, hits, saved))
+        traffic=traffic, reference=reference, wall_s=wall_s,
+        manager_s=sum(r.manager.seconds for r in reps),
+        worker_s=sum(r.worker.seconds for r in reps), load_s=counters.load_s,
+        verified_chunks=counters.verified, prefill_us_per_token=options.prefill_us_per_token,
+        ttft_saved_s=float(saved.sum()), timeline=Timeline(times, inputs, hits, saved),
+        instances=len(reps))
 
 
-def _traffic(rep: _Replayer, c: _Counters, before: list[dict]) -> dict[str, dict[str,
-                                                                                  TierTraffic]]:
+#: Seconds the replay waits for instances' p2p directories to catch up between requests.
+SETTLE_TIMEOUT_S = 30.0
+
+
+def _settle(reps: Sequence[_Replayer]) -> None:
+    """Wait until every instance's p2p tiers have applied what the other instances' p2p tiers
+    announced (so p2p hits depend on the trace, not on feed timing).
+
+    Raises:
+        TimeoutError: not in step within `SETTLE_TIMEOUT_S`.
+    """
+    if len(reps) < 2:
+        return
+    from kvhal.tiers.p2p import P2PTier  # the p2p extra, only when instances share one
+    tiers = [[t for t in rep.manager.tiers if isinstance(t, P2PTier)] for rep in reps]
+    pairs = [(mine[k], theirs[k]) for a, mine in enumerate(tiers)
+             for b, theirs in enumerate(tiers) if a != b for k in range(len(mine))]
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not all(mine.in_step_with(theirs) for mine, theirs in pairs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"p2p directories of the replay's instances did not catch up "
+                               f"within {SETTLE_TIMEOUT_S} s")
+        time.sleep(_RETRY_POLL_S)
+
+
+def _traffic(reps: Sequence[_Replayer], c: _Counters, before: list[list[dict]]
+             ) -> dict[str, dict[str, TierTraffic]]:
     out = {"host": {"d2h": TierTraffic(*c.d2h), "h2d": TierTraffic(*c.h2d)}}
-    for tier, name, old in zip(rep.manager.tiers, rep.tier_names, before):
-        now = tier.stats()
+    chunk_bytes = reps[0].chunk_bytes
+    for k, name in enumerate(reps[0].tier_names):
         moved = {}
         for direction, stat in (("store", "bytes_stored"), ("load", "bytes_loaded")):
-            nbytes = int(now.get(stat, 0)) - int(old.get(stat, 0))
-            moved[direction] = TierTraffic(nbytes // rep.chunk_bytes, nbytes)
+            nbytes = sum(int(rep.manager.tiers[k].stats().get(stat, 0)) - int(old[k].get(stat, 0))
+                         for rep, old in zip(reps, before))
+            moved[direction] = TierTraffic(nbytes // chunk_bytes, nbytes)
         out[name] = moved
     return out
 

@@ -70,6 +70,8 @@ class ReplayReport:
         prefill_us_per_token: The modeled prefill cost.
         ttft_saved_s: Σ over requests of (hit tokens × prefill cost − that request's load time).
         timeline: Per-request samples, or None when not recorded.
+        instances: Serving instances the requests were split between (capacities are per
+            instance; hits, traffic and times are totals over them).
     """
 
     trace: str
@@ -89,6 +91,7 @@ class ReplayReport:
     prefill_us_per_token: float
     ttft_saved_s: float
     timeline: Timeline | None = field(default=None, repr=False)
+    instances: int = 1
 
     @property
     def total_hit_tokens(self) -> int:
@@ -143,7 +146,8 @@ def print_report(report: ReplayReport, as_json: bool) -> None:
         return
     ref = report.reference
     print_table(f"kvhal replay — {report.trace}", ["metric", "value"], [
-        ["requests", report.requests],
+        ["requests", report.requests if report.instances == 1 else
+         f"{report.requests}, split between {report.instances} instances"],
         ["input tokens", report.input_tokens],
         ["hit tokens", report.total_hit_tokens],
         ["hit ratio", f"{report.hit_ratio:.4f}"],

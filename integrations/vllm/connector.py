@@ -15,19 +15,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole,
                                                                KVConnectorTransferResults,
                                                                SupportsHMA)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvhal import events
 from kvhal.config import parse_config
 
 from .geometry import deployment
 from .metadata import KVHalMetadata, KVHalWorkerMetadata
 from .scheduler import SchedulerSide
+from .stats import KVHalPromMetrics, KVHalStats
 from .worker import WorkerSide
 
 
@@ -62,7 +62,10 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(dep, config, transfer.engine_id)
+            kv_events = vllm_config.kv_events_config
+            self.scheduler_side = SchedulerSide(
+                dep, config, transfer.engine_id,
+                kv_events=bool(kv_events and kv_events.enable_kv_cache_events))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -150,20 +153,42 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.request_finished(request)
 
     def take_events(self) -> list:
-        """kvhal's KV events as vLLM's (`BlockStored`/`BlockRemoved`/`AllBlocksCleared`)."""
-        tpc = self.scheduler_side.deployment.tokens_per_chunk
-        out = []
-        for event in self.scheduler_side.take_events():
-            if isinstance(event, events.BlockStored):
-                out.append(BlockStored(block_hashes=list(event.block_hashes),
-                                       parent_block_hash=None, token_ids=[], block_size=tpc,
-                                       lora_id=None, medium=event.medium, lora_name=None))
-            elif isinstance(event, events.BlockRemoved):
-                out.append(BlockRemoved(block_hashes=list(event.block_hashes),
-                                        medium=event.medium))
-            else:
-                out.append(AllBlocksCleared())
-        return out
+        """kvhal's KV events as vLLM's `BlockStored`/`BlockRemoved` (`events.py`)."""
+        return self.scheduler_side.take_events()
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        """The request's external hit tokens by the tier that served them: `host` (kvhal's
+        host tier), `disk` (fs, obj), `p2p` (a peer), for `vllm:prompt_tokens_cached_by_source`."""
+        if num_external_tokens == 0:
+            return {}
+        return {CacheHitSource(source): n for source, n in
+                self.scheduler_side.hit_sources(request).items()}
+
+    def get_kv_connector_stats(self) -> KVHalStats | None:
+        """The engine's metrics since the last step (scheduler side; None on workers)."""
+        if self.scheduler_side is None:
+            return None
+        data = self.scheduler_side.take_stats()
+        return KVHalStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVHalStats:
+        """Rebuild shipped stats in vLLM's logging process."""
+        return KVHalStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVHalPromMetrics:
+        """kvhal's `vllm:kv_offload_*` series on vLLM's `/metrics` (`stats.py`)."""
+        return KVHalPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def reset_cache(self) -> bool:
+        """Drop every chunk from kvhal's host tier (vLLM's `reset_prefix_cache(reset_connector=
+        True)`); secondary tiers keep theirs. Published as `BlockRemoved` of those chunks."""
+        self.scheduler_side.manager.clear()
+        return True
 
     def shutdown(self) -> None:
         """Finish in-flight jobs and release the host region and tiers."""

@@ -18,7 +18,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvhal.keys import HASH_SEED_ENV, namespace_digest
+from kvhal.config import ConfigError
+from kvhal.keys import HASH_SEED_ENV, namespace_digest, resolve_hash_seed
 from kvhal.layout import FORMAT_ID, Kind, KVCacheSpec, LayerGroup, LayoutError, chunk_layout
 
 
@@ -76,6 +77,10 @@ class Deployment:
         blocks_per_chunk: vLLM blocks per kvhal chunk.
         tp_size: Tensor-parallel size.
         namespace: 16-byte namespace digest of this cache (`kvhal.keys.namespace_digest`).
+        hash_name: vLLM's `prefix_caching_hash_algo`.
+        hash_seed: The NONE_HASH seed vLLM uses (`kvhal.keys.resolve_hash_seed`), or None when
+            vLLM seeds randomly per process (xxhash forms without PYTHONHASHSEED): then the
+            namespace is this process's own and no other process can share its keys.
     """
 
     groups: tuple[GroupInfo, ...]
@@ -83,6 +88,8 @@ class Deployment:
     blocks_per_chunk: int
     tp_size: int
     namespace: bytes
+    hash_name: str
+    hash_seed: str | None
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -192,21 +199,56 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
                                     "chunk by the hash of its last block")
     tokens = block_size * blocks_per_chunk
     dtypes = sorted({s.dtype for s in specs})
-    seed = os.environ.get(HASH_SEED_ENV)
+    hash_name = vllm_config.cache_config.prefix_caching_hash_algo
+    seed = resolve_hash_seed(hash_name)
     namespace = namespace_digest(
         model=str(model.served_model_name or model.model), revision=str(model.revision or ""),
         kv_dtype="+".join(dtypes), format_id=FORMAT_ID, tokens_per_chunk=tokens,
-        hash_name=vllm_config.cache_config.prefix_caching_hash_algo,
-        # Without PYTHONHASHSEED vLLM seeds its block hashes randomly per process, so keys can
-        # never match another process's: name that in the namespace instead of pretending.
-        hash_seed=seed if seed is not None else f"random:{os.getpid()}")
+        hash_name=hash_name,
+        # vLLM's seed is random and unknowable here: a namespace no other process can have.
+        hash_seed=seed if seed is not None else f"per-process:{os.urandom(16).hex()}")
     infos = []
     for gi, (group, spec) in enumerate(zip(groups, specs)):
         cache = KVCacheSpec((spec,))
         infos.append(GroupInfo(gi, cache, tuple(group.layer_names),
                                chunk_layout(cache, blocks_per_chunk).chunk_bytes))
     return Deployment(tuple(infos), block_size, blocks_per_chunk,
-                      vllm_config.parallel_config.tensor_parallel_size, namespace)
+                      vllm_config.parallel_config.tensor_parallel_size, namespace, hash_name,
+                      seed)
+
+
+def check_shareable(dep: Deployment, num_secondary_tiers: int) -> None:
+    """Refuse secondary tiers when vLLM's block hashes are private to this process.
+
+    Raises:
+        kvhal.config.ConfigError: `secondary_tiers` is non-empty while vLLM seeds NONE_HASH
+            randomly per process (an xxhash form and PYTHONHASHSEED unset): no restarted or
+            other instance could ever hit what those tiers keep.
+    """
+    if num_secondary_tiers and dep.hash_seed is None:
+        raise ConfigError("secondary_tiers", "vLLM's block hashes are random per process with "
+                          f"--prefix-caching-hash-algo {dep.hash_name} and {HASH_SEED_ENV} "
+                          "unset, so no restarted or other instance could reuse these tiers; "
+                          f"set {HASH_SEED_ENV} to one value on every instance, or use sha256")
+
+
+def check_vllm_hash_seed(dep: Deployment) -> None:
+    """Verify that vLLM derived NONE_HASH from the seed kvhal keyed its namespace with (vLLM
+    resolves it after the connector is built; call once requests arrive).
+
+    Raises:
+        RuntimeError: vLLM used another seed (a vLLM version whose rule kvhal does not know);
+            names both seeds.
+    """
+    from vllm.v1.core import kv_cache_utils
+
+    if dep.hash_seed is None:
+        return
+    used = kv_cache_utils.get_none_hash_seed()
+    if used != dep.hash_seed:
+        raise RuntimeError(f"vLLM seeded its block hashes with {used!r}, kvhal expected "
+                           f"{dep.hash_seed!r}: kvhal's keys would not match vLLM's; set "
+                           f"{HASH_SEED_ENV} explicitly")
 
 
 def device_layout_name(tensor: Any, kind: Kind) -> str:

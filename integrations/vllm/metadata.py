@@ -15,10 +15,10 @@ from kvhal.host import HostLayout
 
 @dataclass(frozen=True, slots=True)
 class RegionInfo:
-    """Where the shared host region lives and how it is cut: one pool of slots per KV cache
-    group (`kvhal.host.HostLayout`)."""
+    """Where the shared host region lives (`HostRegion.share_path`) and how it is cut: one pool
+    of slots per KV cache group (`kvhal.host.HostLayout`)."""
 
-    shm_path: str
+    share_path: str
     layout: HostLayout
 
 

@@ -118,15 +118,28 @@ class EngineProcess:
         self._proc = subprocess.Popen([*command, str(path)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._stderr, text=True)
 
+    @property
+    def pid(self) -> int:
+        """Process id of the engine process (TP=1: the process that runs kvhal's tiers)."""
+        return self._proc.pid
+
     def wait_ready(self) -> None:
         """Block until the engine has started."""
         self._read()
 
-    def step(self, step: dict) -> Any:
-        """Run one step (see the module docstring) and return its result."""
+    def send(self, step: dict) -> None:
+        """Start one step without waiting for it; `result` returns what it answers."""
         self._proc.stdin.write(json.dumps(step) + "\n")
         self._proc.stdin.flush()
+
+    def result(self) -> Any:
+        """The answer of the step `send` started (blocks until it is there)."""
         return self._read()
+
+    def step(self, step: dict) -> Any:
+        """Run one step (see the module docstring) and return its result."""
+        self.send(step)
+        return self.result()
 
     def _read(self) -> Any:
         for line in self._proc.stdout:
@@ -143,6 +156,8 @@ class EngineProcess:
         Raises:
             ScenarioError: the process exited with an error.
         """
+        if self._stderr.closed:  # killed
+            return
         if self._proc.stdin and not self._proc.stdin.closed:
             self._proc.stdin.close()
         code = self._proc.wait()
@@ -151,6 +166,15 @@ class EngineProcess:
         self._stderr.close()
         if code != 0:
             raise ScenarioError(f"engine process {self.name!r} exited with {code}: {tail}")
+
+    def kill(self) -> None:
+        """SIGKILL the engine process (a crashed instance) and reap it. Idempotent."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        for f in (self._proc.stdin, self._proc.stdout, self._stderr):
+            if not f.closed:
+                f.close()
 
     def __enter__(self) -> "EngineProcess":
         return self

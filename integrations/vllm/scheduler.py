@@ -19,10 +19,7 @@ before the first chunk a group failed to load (`_Request.max_hit_chunks`).
 """
 from __future__ import annotations
 
-import atexit
-import glob
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +33,16 @@ from kvhal.keys import chunk_keys
 from kvhal.layout import Kind
 from kvhal.tiers.base import Lookup
 
-from .geometry import Deployment
+from .events import ChunkEvents
+from .geometry import Deployment, check_shareable, check_vllm_hash_seed
+from .lifetime import exit_with_parent
 from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo, TransferJob
 
 logger = logging.getLogger(__name__)
 
-#: Shared host regions are `/dev/shm/kvhal-<pid of the scheduler process>-<engine id>`.
-SHM_PREFIX = "/dev/shm/kvhal-"
+#: Shared host regions are anonymous memory files named `kvhal-<engine id>` (`/memfd:kvhal-...`
+#: in `/proc/<pid>/fd`); nothing is created in `/dev/shm`, so no signal can leak one.
+REGION_NAME_PREFIX = "kvhal-"
 
 #: Key of the per-request cap in `SamplingParams.extra_args["kv_transfer_params"]`.
 MAX_OFFLOAD_TOKENS = "max_offload_tokens"
@@ -59,8 +59,9 @@ class _Request:
     # Chunk range of the hit found by the last get_num_new_matched_tokens.
     load_start: int = 0
     load_end: int = 0
-    promoted: set = field(default_factory=set)
-    hit_tokens: dict[str, int] = field(default_factory=dict)
+    hit_tokens: dict[str, int] = field(default_factory=dict)    # tier label → tokens
+    # The last update_state_after_alloc's hit tokens by vLLM cache-hit source.
+    hit_sources: dict[str, int] = field(default_factory=dict)
     # First chunk a group failed to load: later hits end before it (async loads).
     max_hit_chunks: int | None = None
 
@@ -86,37 +87,46 @@ class SchedulerSide:
         deployment: Geometry and namespace (`geometry.deployment`).
         config: The validated `kv_connector_extra_config`.
         engine_id: vLLM's `kv_transfer_config.engine_id` (names the shared host region).
+        kv_events: Whether vLLM publishes KV events (`kv_events_config.enable_kv_cache_events`);
+            chunks are described for them only then.
 
     Attributes:
         kv_cache_manager: vLLM's `KVCacheManager` (a request's block ids), set by the connector
             when vLLM binds it.
 
     Raises:
-        kvhal.config.ConfigError: a secondary tier cannot be built.
+        kvhal.config.ConfigError: a secondary tier cannot be built, or secondary tiers are
+            configured while vLLM's block hashes are per-process (`check_shareable`).
         kvhal.host.HostRegionError: the shared host region cannot be created.
     """
 
-    def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str):
+    def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str,
+                 kv_events: bool = False):
         self.deployment = deployment
         self.config = config
+        check_shareable(deployment, len(config.secondary_tiers))
+        self._seed_checked = False
         self.layout = host_layout(deployment.chunk_nbytes, config.cpu_bytes_to_use)
-        remove_stale_regions()
-        shm_path = f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
-        self.region = HostRegion.create_shared(CpuBackend(), self.layout, shm_path)
-        # A process that exits without vLLM's shutdown must not leave the region in /dev/shm.
-        atexit.register(_unlink, shm_path)
-        self.region_info = RegionInfo(shm_path, self.layout)
+        exit_with_parent()  # a killed API server must not leave this engine holding the region
+        self.region = HostRegion.create_shared(CpuBackend(), self.layout,
+                                               f"{REGION_NAME_PREFIX}{engine_id}")
+        self.region_info = RegionInfo(self.region.share_path, self.layout)
         self.manager = build_manager(config, self.layout, self.region.view,
                                      deployment.namespace)
+        self.manager.metrics.keep_samples = True       # shipped each step (`stats.py`)
         self.kv_cache_manager: Any = None
+        # tier label → vLLM CacheHitSource value of the tokens it serves
+        self._hit_source = {"host": "host", **{label: tier.hit_source for label, tier in
+                                               zip(self.manager.tier_labels,
+                                                   self.manager.tiers)}}
+        self.chunk_events = (ChunkEvents(deployment.block_size, deployment.blocks_per_chunk,
+                                         sum(self.layout.capacities)) if kv_events else None)
         # vLLM's null block (the stand-in for blocks a sliding window dropped); set on bind.
         self.null_block_id = 0
         self._prefix_groups = [g for g in deployment.groups
                                if g.kind in (Kind.FULL, Kind.MLA)]
         self._window_groups = [g for g in deployment.groups
                                if g.kind not in (Kind.FULL, Kind.MLA)]
-        self._tier_name = (config.secondary_tiers[0].type if len(config.secondary_tiers) == 1
-                           else "secondary")
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._loads: list[TransferJob] = []
@@ -160,6 +170,9 @@ class SchedulerSide:
         With blocks_per_chunk > 1, a local prefix hit that ends inside a chunk gets no external
         hit (loads start at chunk boundaries); vLLM-CPU's 128-token blocks make 1 the default.
         """
+        if not self._seed_checked:  # vLLM seeds its hashes after building the connector
+            check_vllm_hash_seed(self.deployment)
+            self._seed_checked = True
         state = self._state(request)
         tpc = self.deployment.tokens_per_chunk
         start = -(-num_computed_tokens // tpc)
@@ -184,7 +197,7 @@ class SchedulerSide:
         for g in self._prefix_groups:   # whole prefix: the leading hits
             keys = self._keys(request, g.group_id)[start:end]
             answers = self.manager.lookup(keys, request_id=(rid, g.group_id))
-            state.promoted.update(k for k, a in zip(keys, answers) if a is Lookup.RETRY)
+            self._describe(request, start, keys, answers)
             hits = leading_hits(answers)
             if hits is None:
                 return None
@@ -198,7 +211,7 @@ class SchedulerSide:
             if (group, chunk) not in probed:  # each chunk once per call (promotions start once)
                 probed[group, chunk] = self.manager.lookup([keys[group][chunk]])[0]
                 if probed[group, chunk] is Lookup.RETRY:
-                    state.promoted.add(keys[group][chunk])
+                    self._describe(request, chunk, [keys[group][chunk]], [Lookup.RETRY])
             return probed[group, chunk]
 
         hit_end = start
@@ -222,12 +235,20 @@ class SchedulerSide:
             self.manager.lookup([keys[g.group_id][c] for c in rng], request_id=(rid, g.group_id))
         return hit_end
 
+    def _describe(self, request: Any, start: int, keys: list, answers: list) -> None:
+        """Describe the chunks being promoted (from chunk `start` on) for their KV events."""
+        if self.chunk_events is not None:
+            for i, (key, answer) in enumerate(zip(keys, answers)):
+                if answer is Lookup.RETRY:
+                    self.chunk_events.record(key, request, start + i)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
         """Reserve the hit chunks for reading and queue their load into the request's new
         blocks (vLLM has allocated them; a group's null blocks — outside a sliding window —
         are not loaded)."""
         state = self._state(request)
+        state.hit_sources = {}
         if num_external_tokens == 0:
             self._release(request.request_id)
             return
@@ -236,7 +257,7 @@ class SchedulerSide:
         start = state.load_start
         stop = start + num_external_tokens // tpc
         group_blocks = blocks.get_block_ids()
-        loaded: dict[str, int] = {}
+        sources: tuple[str, ...] = ()      # tier label per chunk, of the fullest group
         for g in dep.groups:
             ids = np.asarray(group_blocks[g.group_id], dtype=np.int64)
             chunk_blocks = ids[start * bpc:stop * bpc].reshape(-1, bpc)
@@ -259,12 +280,13 @@ class SchedulerSide:
                                            chunk_blocks[wanted]))
             if placed < len(keys):
                 self._cap(state, start + int(wanted[placed]))
-            from_tier = sum(1 for k in keys[:placed] if k in state.promoted)
-            if placed > sum(loaded.values()):
-                loaded = {"host": placed - from_tier, self._tier_name: from_tier}
-        for name, count in loaded.items():
-            if count:
-                state.hit_tokens[name] = state.hit_tokens.get(name, 0) + count * tpc
+            if plan is not None and placed > len(sources):
+                sources = plan.sources
+        # chunks gone since the lookup fail to load; vLLM still counts them as hits, from host
+        for label in (*sources, *("host",) * (stop - start - len(sources))):
+            state.hit_tokens[label] = state.hit_tokens.get(label, 0) + tpc
+            source = self._hit_source[label]
+            state.hit_sources[source] = state.hit_sources.get(source, 0) + tpc
         state.num_stored_chunks = max(state.num_stored_chunks, stop)
 
     @staticmethod
@@ -287,6 +309,7 @@ class SchedulerSide:
         preempted = scheduler_output.preempted_req_ids or ()
         for req_id in preempted:
             self._release(req_id)
+        self.manager.poll()        # finished cascades, and chunks that left a tier
         meta = KVHalMetadata(self.region_info, self._loads, stores, flush=bool(preempted),
                              report_sending=tuple(self._report_sending))
         self._loads, self._report_sending = [], []
@@ -315,6 +338,9 @@ class SchedulerSide:
             plan = self.manager.prepare_store([keys[c] for c in chunks])
             if plan is None:
                 continue
+            if self.chunk_events is not None:
+                for key, chunk in zip(plan.keys, chunks[plan.indices].tolist()):
+                    self.chunk_events.record(key, request, chunk)
             self._jobs[plan.job_id] = _Job(request.request_id, True, g.group_id,
                                            chunks[plan.indices])
             state.store_jobs.add(plan.job_id)
@@ -357,7 +383,7 @@ class SchedulerSide:
         Returns:
             (delay_free, kv_transfer_params): the params carry `{"kvhal": {"hit_tokens":
             {tier: tokens}, "counters": stats()}}` for the request's output (tier "host" or a
-            secondary tier's type; counters are this connector's totals so far).
+            secondary tier's metrics label, e.g. "fs", "fs-2"; counters are this connector's totals so far).
         """
         self._release(request.request_id)
         state = self._requests.pop(request.request_id, None)
@@ -370,8 +396,20 @@ class SchedulerSide:
         return False, params
 
     def take_events(self) -> list:
-        """kvhal KV events since the last call (`kvhal.events`)."""
-        return self.manager.take_events()
+        """vLLM KV events for the engine's events since the last call (none unless vLLM
+        publishes KV events; the engine's are drained either way)."""
+        engine_events = self.manager.take_events()
+        return [] if self.chunk_events is None else self.chunk_events.translate(engine_events)
+
+    def hit_sources(self, request: Any) -> dict[str, int]:
+        """The last `update_state_after_alloc`'s external hit tokens of `request` by vLLM
+        `CacheHitSource` value ("host", "disk", "p2p"); they sum to its `num_external_tokens`."""
+        state = self._requests.get(request.request_id)
+        return {} if state is None else dict(state.hit_sources)
+
+    def take_stats(self) -> dict[str, Any]:
+        """The engine's metrics since the last call (`EngineMetrics.take_delta`)."""
+        return self.manager.metrics.take_delta()
 
     def stats(self) -> dict[str, Any]:
         """Counters of this connector plus the manager's and every tier's, and per KV cache
@@ -394,24 +432,3 @@ class SchedulerSide:
         self.manager.close()
         self.region.close()
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def remove_stale_regions() -> list[str]:
-    """Delete host regions whose creating process is gone (killed before its shutdown).
-
-    Returns:
-        The paths removed.
-    """
-    removed = []
-    for path in glob.glob(SHM_PREFIX + "*"):
-        pid = path[len(SHM_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            _unlink(path)
-            removed.append(path)
-    return removed

@@ -5,7 +5,8 @@ tensors of every KV cache group through `kvhal.layout` (vLLM-CPU's attention lay
 latent layout, the rank's heads of the canonical page) and registers their memory with the HAL
 backend of their device. Jobs arrive in `KVHalMetadata`, each for one group; one kvhal engine
 `Worker` per group executes them on its own load and store streams, into that group's pool of
-the host region (the scheduler's shared `/dev/shm` region, attached on first use).
+the host region (the scheduler's shared region, `HostRegion.attach_shared`, attached on first
+use).
 
 Loads are synchronous with one group (the forward waits for them; failed blocks go to
 `take_load_errors`) and asynchronous with several (`Deployment.async_loads`: a request is
@@ -96,7 +97,7 @@ class WorkerSide:
     def _attach(self, info: RegionInfo) -> list[Worker]:
         if not self.workers:
             layout = info.layout
-            self.region = HostRegion.attach_shared(self.backend, info.shm_path, layout)
+            self.region = HostRegion.attach_shared(self.backend, info.share_path, layout)
             self.workers = [Worker(self.backend, planner, host_ptr=self.region.ptr + offset,
                                    slot_bytes=pool.slot_bytes)
                             for planner, pool, offset in zip(self._planners, layout.pools,

@@ -16,13 +16,14 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 from collections import defaultdict
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
 from kvhal import metrics, plugins
-from kvhal.events import HOST_MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored
+from kvhal.events import HOST_MEDIUM, LOCAL, AllBlocksCleared, BlockRemoved, BlockStored
 from kvhal.host.region import HostLayout
 from kvhal.host.slots import IDLE, SlotTable
 from kvhal.keys import ChunkKey
@@ -32,10 +33,7 @@ from .access import ManagerHostAccess
 from .types import EngineError, LoadPlan, StorePlan
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
-_LOOKUP = {answer: metrics.LOOKUP_CHUNKS.labels(metrics.HOST, answer.value) for answer in Lookup}
-_HOST_STORED = metrics.STORED_CHUNKS.labels(metrics.HOST)
-_HOST_LOADED = metrics.LOADED_CHUNKS.labels(metrics.HOST)
-_HOST_EVICTED = metrics.EVICTED_CHUNKS.labels(metrics.HOST)
+_HOST = metrics.HOST
 
 
 def _locked(method):
@@ -60,6 +58,10 @@ class Manager:
             `slots` cut with the same capacities); None: one pool of `slot_bytes` slots.
         emit_events: Deliver KV events to `kvhal_kv_event` hooks (they also queue for
             `take_events`).
+
+    Attributes:
+        metrics: This engine's figures per tier (`kvhal.metrics.EngineMetrics`).
+        tier_labels: The `tier` label of each secondary tier, in order.
     """
 
     def __init__(self, slots: SlotTable, *, slot_bytes: int, chunk_nbytes: int,
@@ -72,6 +74,7 @@ class Manager:
         # their own slot sizes.
         self._span = layout.slot_span if layout is not None else (
             lambda slot: (slot * slot_bytes, chunk_nbytes))
+        self._layout = layout
         self.tiers = tuple(tiers)
         self._emit = emit_events
         self._ids = itertools.count(1)
@@ -81,7 +84,12 @@ class Manager:
         # (tier index, tier job id) -> (kind, slot, key); LOAD = promotion, STORE = cascade.
         self._tier_jobs: dict[tuple[int, int], tuple[JobKind, int, ChunkKey]] = {}
         self._failed_promotions: set[ChunkKey] = set()
+        # Chunks a promotion put into host memory and nobody has loaded since: key → tier.
+        self._promoted: dict[ChunkKey, int] = {}
+        self._started: dict[int, float] = {}      # host job id → time.monotonic() at prepare
         self._events: list = []
+        self.tier_labels = metrics.tier_labels([t.name for t in self.tiers])
+        self.metrics = metrics.EngineMetrics(self.sizes)
         #: Guards slot state against tiers pinning slots from their threads (`access.py`).
         self.lock = threading.RLock()
         #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.
@@ -144,10 +152,10 @@ class Manager:
                 state[slot] += 1
             self._pins[request_id] = pins
         retries = out.count(_RETRY)
-        for answer, count in ((_HIT, len(pins)), (_RETRY, retries),
-                              (_MISS, len(out) - len(pins) - retries)):
-            if count:
-                _LOOKUP[answer].inc(count)
+        count = self.metrics.count
+        count("chunk_lookups", _HOST, len(pins), "hit")
+        count("chunk_lookups", _HOST, retries, "retry")
+        count("chunk_lookups", _HOST, len(out) - len(pins) - retries, "miss")
         return out
 
     def _promote(self, key: ChunkKey, protect: frozenset | None) -> Lookup:
@@ -159,6 +167,7 @@ class Manager:
         answer = _MISS
         for t, tier in enumerate(self.tiers):
             found = tier.lookup(key)
+            self.metrics.count("chunk_lookups", self.tier_labels[t], 1, found.value)
             if found is _RETRY:
                 answer = _RETRY
             elif found is _HIT:
@@ -216,6 +225,7 @@ class Manager:
         job_id = next(self._ids)
         placed = tuple(keys[i] for i in todo[:len(slots)])
         self._stores[job_id] = (placed, slots)
+        self._started[job_id] = time.monotonic()
         return StorePlan(job_id, placed, np.array(todo[:len(slots)], dtype=np.int64),
                          np.array(slots, dtype=np.int64))
 
@@ -238,8 +248,7 @@ class Manager:
                 stored.append((key, slot))
         for slot in slots[n_ok:]:
             self.slots.abort(slot)
-        if n_ok < len(slots):
-            metrics.FAILED_CHUNKS.labels(metrics.HOST, "store").inc(len(slots) - n_ok)
+        self._job_ended("store", job_id, slots, n_ok)
         if stored:
             self._stored([k for k, _ in stored])
             self._cascade(stored)
@@ -278,7 +287,12 @@ class Manager:
             return None
         job_id = next(self._ids)
         self._loads[job_id] = slots
-        return LoadPlan(job_id, tuple(keys[:len(slots)]), np.array(slots, dtype=np.int64))
+        self._started[job_id] = time.monotonic()
+        placed = tuple(keys[:len(slots)])
+        labels = self.tier_labels
+        sources = tuple(labels[t] if (t := self._promoted.pop(k, None)) is not None else _HOST
+                        for k in placed) if self._promoted else (_HOST,) * len(placed)
+        return LoadPlan(job_id, placed, np.array(slots, dtype=np.int64), sources)
 
     @_locked
     def complete_load(self, job_id: int, num_ok: int | None = None) -> None:
@@ -296,44 +310,65 @@ class Manager:
         for slot in slots:
             release(slot)
         n_ok = len(slots) if num_ok is None else max(0, min(num_ok, len(slots)))
-        _HOST_LOADED.inc(n_ok)
-        if n_ok < len(slots):
-            metrics.FAILED_CHUNKS.labels(metrics.HOST, "load").inc(len(slots) - n_ok)
+        self._job_ended("load", job_id, slots, n_ok)
+
+    def _job_ended(self, kind: str, job_id: int, slots: list[int], n_ok: int) -> None:
+        """Count a finished host job of `kind` ("store"/"load") and its latency."""
+        count = self.metrics.count
+        if kind == "load":                  # a store's chunks count in `_stored`
+            count("loaded_chunks", _HOST, n_ok)
+        count(f"{kind}_bytes", _HOST, sum(self._span(s)[1] for s in slots[:n_ok]))
+        count("failed_chunks", _HOST, len(slots) - n_ok, kind)
+        self.metrics.observe(f"{kind}_latency_seconds", _HOST,
+                             time.monotonic() - self._started.pop(job_id))
 
     # -- secondary tiers ---------------------------------------------------------------------
     @_locked
     def poll(self) -> list[JobResult]:
         """Collect finished secondary-tier jobs: a promotion that succeeded makes its chunk a
-        HIT, one that failed frees its slot; a finished cascade releases its slot.
+        HIT, one that failed frees its slot; a finished cascade releases its slot. Then collect
+        the chunks that left each tier (`take_removed`) as `BlockRemoved` events, after this
+        poll's `BlockStored` events.
 
         Returns:
             The tier results collected by this call.
         """
         results: list[JobResult] = []
-        landed: dict[tuple[int, str], list[ChunkKey]] = defaultdict(list)  # (index, tier)
+        landed: dict[int, list[ChunkKey]] = defaultdict(list)  # tier index (-1: host) → keys
+        count, observe = self.metrics.count, self.metrics.observe
         for t, tier in enumerate(self.tiers):
+            label = self.tier_labels[t]
             for result in tier.get_finished_jobs():
                 job = self._tier_jobs.pop((t, result.job_id), None)
                 if job is None:
                     continue
                 kind, slot, key = job
                 results.append(result)
+                observe(f"{kind.value}_latency_seconds", label, result.seconds)
                 if not result.ok:
-                    metrics.FAILED_CHUNKS.labels(tier.name, kind.value).inc()
+                    count("failed_chunks", label, 1, kind.value)
                 if kind is JobKind.LOAD:
                     if not result.ok:
                         self.slots.abort(slot)
                         self._failed_promotions.add(key)
                     else:
-                        metrics.LOADED_CHUNKS.labels(tier.name).inc()
+                        count("loaded_chunks", label)
+                        count("load_bytes", label, self._span(slot)[1])
                         if self.slots.commit(slot):
-                            landed[(-1, metrics.HOST)].append(key)
+                            self._promoted[key] = t
+                            landed[-1].append(key)
                 else:
                     self.slots.release(slot)
                     if result.ok:
-                        landed[(t, tier.name)].append(key)
-        for (_, name), keys in landed.items():
-            self._stored(keys, name)
+                        count("store_bytes", label, self._span(slot)[1])
+                        landed[t].append(key)
+        for t, keys in landed.items():
+            self._stored(keys, t)
+        # after the stores: a chunk a tier stored and then evicted within one poll is gone
+        for t, tier in enumerate(self.tiers):
+            gone = tier.take_removed()
+            if gone:
+                self._removed(gone, t)
         return results
 
     def drain(self, timeout_s: float | None = None) -> None:
@@ -355,11 +390,15 @@ class Manager:
 
     @_locked
     def clear(self) -> None:
-        """Drop every chunk from host memory (deferred for chunks in use)."""
+        """Drop every chunk from host memory (deferred for chunks in use): counted as
+        evictions, announced as one `AllBlocksCleared` of the host medium."""
+        keys = list(self.slots.index)
         for listener in self.host_listeners:
-            listener((), list(self.slots.index))
-        for key in list(self.slots.index):
+            listener((), keys)
+        for key in keys:
             self.slots.discard(key)
+            self._promoted.pop(key, None)
+        self.metrics.count("evicted_chunks", _HOST, len(keys))
         self._event(AllBlocksCleared(HOST_MEDIUM))
 
     def take_events(self) -> list:
@@ -367,27 +406,36 @@ class Manager:
         out, self._events = self._events, []
         return out
 
-    def _stored(self, keys: list[ChunkKey], tier: str = metrics.HOST) -> None:
-        """Count and announce chunks that became readable in `tier` ("host" or a tier name)."""
-        if tier == metrics.HOST:
-            _HOST_STORED.inc(len(keys))
-            medium = HOST_MEDIUM
+    def _where(self, t: int) -> tuple[str, str, str]:
+        """(tier label, medium, locality) of tier index `t` (-1: the host tier)."""
+        if t < 0:
+            return _HOST, HOST_MEDIUM, LOCAL
+        tier = self.tiers[t]
+        return self.tier_labels[t], tier.medium, tier.locality
+
+    def _stored(self, keys: list[ChunkKey], t: int = -1) -> None:
+        """Count and announce chunks that became readable in tier `t` (-1: host)."""
+        label, medium, locality = self._where(t)
+        self.metrics.count("stored_chunks", label, len(keys))
+        if t < 0:
             for listener in self.host_listeners:
                 listener(keys, ())
-        else:
-            metrics.STORED_CHUNKS.labels(tier).inc(len(keys))
-            medium = tier.upper()
         for group, hashes in _by_group(keys).items():
-            self._event(BlockStored(hashes, group, medium))
+            self._event(BlockStored(hashes, group, medium, locality, label))
 
-    def _removed(self, keys: list[ChunkKey]) -> None:
-        """Count and announce chunks that left the host tier."""
+    def _removed(self, keys: list[ChunkKey], t: int = -1) -> None:
+        """Count and announce chunks that left tier `t` (-1: host)."""
         if keys:
-            _HOST_EVICTED.inc(len(keys))
-            for listener in self.host_listeners:
-                listener((), keys)
+            label, medium, locality = self._where(t)
+            self.metrics.count("evicted_chunks", label, len(keys))
+            if t < 0 and self._promoted:
+                for key in keys:
+                    self._promoted.pop(key, None)
+            if t < 0:
+                for listener in self.host_listeners:
+                    listener((), keys)
             for group, hashes in _by_group(keys).items():
-                self._event(BlockRemoved(hashes, group, HOST_MEDIUM))
+                self._event(BlockRemoved(hashes, group, medium, locality, label))
 
     def _event(self, event) -> None:
         self._events.append(event)
@@ -395,6 +443,21 @@ class Manager:
             plugins.emit_kv_event(event)
 
     # -- introspection -----------------------------------------------------------------------
+    def sizes(self) -> dict[str, tuple[int, int]]:
+        """(used, capacity) bytes per tier label: the host tier's from its slots, a secondary
+        tier's from its `stats()` `used_bytes` and `max_bytes` (0 where not given). Thread-safe
+        as far as the tiers' `stats()` are (they are: DESIGN §6)."""
+        if self._layout is None:
+            out = {_HOST: (len(self.slots.index) * self.slot_bytes,
+                           self.slots.capacity * self.slot_bytes)}
+        else:                   # pools of their own slot sizes (hybrid models)
+            used = sum(self._span(s)[1] for s in list(self.slots.index.values()))
+            out = {_HOST: (used, self._layout.nbytes)}
+        for label, tier in zip(self.tier_labels, self.tiers):
+            stats = tier.stats()
+            out[label] = (int(stats.get("used_bytes", 0)), int(stats.get("max_bytes", 0)))
+        return out
+
     @_locked
     def stats(self) -> dict[str, int]:
         """Counts: resident chunks, free slots, slots with readers / being written, lookup

@@ -46,11 +46,14 @@ class LoadPlan:
         job_id: Identifies the job in `Worker.submit_load` and `Manager.complete_load`.
         keys: Keys of the chunks to load: a prefix of the caller's key list.
         slots: int64 array (n,): host slot of each chunk.
+        sources: Per chunk, the `tier` label of where it came from: "host", or the secondary
+            tier whose promotion put it into host memory (its first load after the promotion).
     """
 
     job_id: int
     keys: tuple[ChunkKey, ...]
     slots: np.ndarray
+    sources: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,12 @@
 """The pinned host region: one allocation through the HAL, cut into fixed-size chunk slots.
 
 Sizes are exact: the region is `capacity * slot_bytes` bytes, never rounded to a power of two.
-A region is either private (`alloc_pinned`) or shared across processes through a `/dev/shm` file
-that every process maps and registers with its backend (`register_host`), so several TP ranks of
-one node use the same bytes (DESIGN §5).
+A region is either private (`alloc_pinned`) or shared across processes through an anonymous
+memory file (`memfd_create`) that every process maps and registers with its backend
+(`register_host`), so several TP ranks of one node use the same bytes (DESIGN §5). Other
+processes open it by `/proc/<creator pid>/fd/<fd>`; it is never linked into `/dev/shm` or any
+other folder, so the kernel frees it once the creator has closed it and every attached process
+has unmapped it, or they have died — SIGKILL included. Nothing can leak into `/dev/shm`.
 """
 from __future__ import annotations
 
@@ -144,20 +147,20 @@ class HostRegion:
         ptr: Base address; slot s starts at `ptr + s * slot_bytes`.
         array: Writable uint8 numpy view of the whole region, shape (nbytes,) (no copy).
         view: The same bytes as a writable memoryview (format "B"), handed to tiers.
-        shm_path: The `/dev/shm` file of a shared region, else None.
+        share_path: Path other processes pass to `attach_shared` (`/proc/<pid>/fd/<fd>` of the
+            creator; valid while the creator holds the region open), or None if not shared.
     """
 
     def __init__(self, backend: DeviceBackend, geometry: HostGeometry | HostLayout,
-                 allocation: Allocation,
-                 *, shm_path: str | None = None, owner: bool = True, mapped: bool = False):
+                 allocation: Allocation, *, share_path: str | None = None, fd: int | None = None, mapped: bool = False):
         self.backend = backend
         self.geometry = geometry
         self.allocation = allocation
         self.ptr = allocation.ptr
         self.array = address_array(allocation.ptr, geometry.nbytes)
         self.view = memoryview(self.array)
-        self.shm_path = shm_path
-        self._owner = owner
+        self.share_path = share_path
+        self._fd = fd
         self._mapped = mapped
         self._closed = False
 
@@ -172,60 +175,61 @@ class HostRegion:
 
     @classmethod
     def create_shared(cls, backend: DeviceBackend, geometry: HostGeometry | HostLayout,
-                      shm_path: str) -> "HostRegion":
-        """Create `shm_path` (exclusively) of exactly `geometry.nbytes`, map it shared and
-        register it with `backend`. The creator unlinks the file on `close`.
+                      name: str) -> "HostRegion":
+        """Create an anonymous memory file of exactly `geometry.nbytes` (`memfd_create(name)`),
+        map it shared and register it with `backend`; other processes attach by `share_path`.
+
+        Args:
+            name: Label shown in `/proc/<pid>/fd` as `/memfd:<name>` (no file is created).
 
         Raises:
-            HostRegionError: the file exists or cannot be created/sized/mapped (errno named).
+            HostRegionError: the memory file cannot be created, sized or mapped (errno named).
         """
         try:
-            fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
         except OSError as exc:
-            raise HostRegionError(f"cannot create shared region {shm_path}: {exc}") from None
+            raise HostRegionError(f"cannot create shared region {name!r}: {exc}") from None
         try:
             os.ftruncate(fd, geometry.nbytes)
-            ptr = _map_shared(fd, geometry.nbytes, shm_path)
-        except (OSError, HostRegionError):
+            return cls._map_and_register(backend, geometry, fd, f"/proc/{os.getpid()}/fd/{fd}",
+                                         own_fd=True)
+        except BaseException:
             os.close(fd)
-            os.unlink(shm_path)
             raise
-        os.close(fd)
-        return cls._register(backend, geometry, ptr, shm_path, owner=True)
 
     @classmethod
-    def attach_shared(cls, backend: DeviceBackend, shm_path: str,
+    def attach_shared(cls, backend: DeviceBackend, share_path: str,
                       geometry: HostGeometry | HostLayout) -> "HostRegion":
-        """Map an existing shared region created by another process and register it here.
+        """Map a shared region another process created (its `share_path`) and register it here.
 
         Raises:
-            HostRegionError: the file is missing or its size differs from `geometry.nbytes`.
+            HostRegionError: the path cannot be opened (creator gone or region closed) or the
+                region's size differs from `geometry.nbytes`.
         """
         try:
-            fd = os.open(shm_path, os.O_RDWR)
+            fd = os.open(share_path, os.O_RDWR)
         except OSError as exc:
-            raise HostRegionError(f"cannot open shared region {shm_path}: {exc}") from None
+            raise HostRegionError(f"cannot open shared region {share_path}: {exc}") from None
         try:
             size = os.fstat(fd).st_size
             if size != geometry.nbytes:
-                raise HostRegionError(f"shared region {shm_path} has {size} bytes, expected "
+                raise HostRegionError(f"shared region {share_path} has {size} bytes, expected "
                                       f"{geometry.nbytes}")
-            ptr = _map_shared(fd, geometry.nbytes, shm_path)
+            return cls._map_and_register(backend, geometry, fd, share_path, own_fd=False)
         finally:
             os.close(fd)
-        return cls._register(backend, geometry, ptr, shm_path, owner=False)
 
     @classmethod
-    def _register(cls, backend: DeviceBackend, geometry: HostGeometry | HostLayout, ptr: int, shm_path: str,
-                  owner: bool) -> "HostRegion":
+    def _map_and_register(cls, backend: DeviceBackend, geometry: HostGeometry | HostLayout,
+                          fd: int, share_path: str, *, own_fd: bool) -> "HostRegion":
+        ptr = _map_shared(fd, geometry.nbytes, share_path)
         try:
             allocation = backend.register_host(ptr, geometry.nbytes)
         except Exception:
             _libc.munmap(ptr, geometry.nbytes)
-            if owner:
-                os.unlink(shm_path)
             raise
-        return cls(backend, geometry, allocation, shm_path=shm_path, owner=owner, mapped=True)
+        return cls(backend, geometry, allocation, share_path=share_path,
+                   fd=fd if own_fd else None, mapped=True)
 
     def slot_address(self, slot: int) -> int:
         """Address of slot `slot`'s first byte (one-pool `HostGeometry` regions)."""
@@ -238,7 +242,8 @@ class HostRegion:
         return self.array[start:start + self.geometry.chunk_nbytes]
 
     def close(self) -> None:
-        """Release the allocation (unregister + unmap for shared; unlink if creator).
+        """Release the allocation (unregister + unmap for shared; the creator also closes the
+        memory file, so no further process can attach).
 
         Close every tier and worker using the region first: `array` and `view` dangle after.
         """
@@ -248,11 +253,8 @@ class HostRegion:
         self.backend.free(self.allocation)
         if self._mapped:
             _libc.munmap(self.ptr, self.geometry.nbytes)
-        if self.shm_path and self._owner:
-            try:
-                os.unlink(self.shm_path)
-            except FileNotFoundError:
-                pass
+        if self._fd is not None:
+            os.close(self._fd)
 
 
 def _map_shared(fd: int, nbytes: int, path: str) -> int:

@@ -45,26 +45,66 @@ region.close()
 """
 
 
-def test_shared_region_is_seen_by_another_process(tmp_path):
-    path = f"/dev/shm/kvhal-test-{os.getpid()}-{tmp_path.name}"
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_shared_region_is_seen_by_another_process():
     backend = CpuBackend()
-    region = HostRegion.create_shared(backend, host_geometry(4096, 4 * 4096), path)
+    before = _shm_names()
+    region = HostRegion.create_shared(backend, host_geometry(4096, 4 * 4096), "kvhal-test")
     try:
-        assert region.allocation.kind is MemoryKind.REGISTERED and os.path.getsize(path) == 16384
+        assert region.allocation.kind is MemoryKind.REGISTERED
+        assert os.path.getsize(region.share_path) == 16384
+        assert os.readlink(region.share_path).startswith("/memfd:kvhal-test")
+        assert _shm_names() - before == set()
         region.slot_array(2)[:4] = [1, 2, 3, 4]
-        subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), path], check=True)
+        subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), region.share_path],
+                       check=True)
         assert int(region.slot_array(3).sum()) == 9 * 4096
     finally:
         region.close()
-    assert not os.path.exists(path)
+    with pytest.raises(HostRegionError, match="cannot open shared region"):
+        HostRegion.attach_shared(backend, region.share_path, host_geometry(4096, 4 * 4096))
 
 
-def test_attach_with_other_geometry_is_refused(tmp_path):
-    path = f"/dev/shm/kvhal-test-{os.getpid()}-{tmp_path.name}"
-    region = HostRegion.create_shared(CpuBackend(), host_geometry(4096, 4 * 4096), path)
+CREATOR = """
+import sys, time
+from kvhal.backends.cpu import CpuBackend
+from kvhal.host import HostRegion, host_geometry
+region = HostRegion.create_shared(CpuBackend(), host_geometry(4096, 4 * 4096), "kvhal-killed")
+region.slot_array(1)[:] = 7
+print(region.share_path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkilled_creator_leaves_nothing_in_dev_shm():
+    before = _shm_names()
+    creator = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CREATOR)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        path = creator.stdout.readline().strip()
+        region = HostRegion.attach_shared(CpuBackend(), path, host_geometry(4096, 4 * 4096))
+    finally:
+        creator.kill()
+        creator.wait()
+    try:
+        # the attached mapping keeps the bytes alive; no name outlives the creator
+        assert int(region.slot_array(1).sum()) == 7 * 4096
+        assert _shm_names() - before == set()
+        with pytest.raises(HostRegionError, match="cannot open shared region"):
+            HostRegion.attach_shared(CpuBackend(), path, host_geometry(4096, 4 * 4096))
+    finally:
+        region.close()
+
+
+def test_attach_with_other_geometry_is_refused():
+    region = HostRegion.create_shared(CpuBackend(), host_geometry(4096, 4 * 4096), "kvhal-test")
     try:
         with pytest.raises(HostRegionError, match="has 16384 bytes, expected 20480"):
-            HostRegion.attach_shared(CpuBackend(), path, host_geometry(4096, 5 * 4096))
+            HostRegion.attach_shared(CpuBackend(), region.share_path,
+                                     host_geometry(4096, 5 * 4096))
     finally:
         region.close()
 

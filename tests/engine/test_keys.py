@@ -9,7 +9,8 @@ import pytest
 import xxhash
 
 from kvhal.keys import (HASH_FUNCTIONS, ChunkKey, KeyFormatError, block_hashes, chunk_keys,
-                        hash_function, namespace_digest, none_hash)
+                        hash_function, namespace_digest, none_hash,
+                        resolve_hash_seed)
 
 from .rig import namespace
 
@@ -43,9 +44,34 @@ def test_numpy_token_ids_hash_like_python_ints():
 def test_none_hash_reads_pythonhashseed(monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     assert none_hash("sha256") == hashlib.sha256(pickle.dumps("7", protocol=5)).digest()
-    monkeypatch.delenv("PYTHONHASHSEED")
-    with pytest.raises(KeyFormatError, match="PYTHONHASHSEED"):
-        none_hash("sha256")
+    assert none_hash("xxhash") == xxhash.xxh3_128_digest(pickle.dumps("7", protocol=5))
+
+
+def test_unset_seed_is_vllms_fixed_default_for_sha256_only(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert none_hash("sha256") == hashlib.sha256(pickle.dumps("vllm-none-hash",
+                                                              protocol=5)).digest()
+    assert [resolve_hash_seed(n) for n in HASH_FUNCTIONS] == ["vllm-none-hash",
+                                                            "vllm-none-hash", None, None]
+    with pytest.raises(KeyFormatError, match="no hash seed for xxhash_cbor: .*PYTHONHASHSEED"):
+        none_hash("xxhash_cbor")
+
+
+@pytest.mark.parametrize("env", [{}, {"PYTHONHASHSEED": "3"}], ids=["unset", "set"])
+@pytest.mark.parametrize("name", HASH_FUNCTIONS)
+def test_seed_rule_is_vllms(name, env):
+    """kvhal's seed rule against vLLM's own `resolve_none_hash_seed` (where vLLM is installed)."""
+    kv_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils",
+                                   reason="vllm is not installed in this environment")
+    from vllm.utils.hashing import get_hash_fn_by_name
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PYTHONHASHSEED", raising=False)
+        for k, v in env.items():
+            mp.setenv(k, v)
+        theirs = kv_utils.resolve_none_hash_seed(get_hash_fn_by_name(name))
+        ours = resolve_hash_seed(name)
+    # vLLM's per-process seed is 32 random bytes in hex; kvhal says it cannot know it
+    assert ours == theirs if ours is not None else len(theirs) == 64
 
 
 def test_unknown_hash_function_lists_accepted():

@@ -191,7 +191,7 @@ class FaultyLoadTier(MemoryTier):
 def test_failed_promotion_answers_miss_once_then_tries_again(monkeypatch):
     rig = make_rig(capacity=4, blocks_per_chunk=1, block_bytes=1024, num_blocks=16)
     tier = FaultyLoadTier({}, rig.region.view, namespace())
-    rig.manager.tiers = (tier,)
+    rig.manager.tiers, rig.manager.tier_labels = (tier,), ["faulty"]
     try:
         (key,) = synthetic_keys(1)
         rig.store([key], chunk_blocks(0, 1, 1))
@@ -212,7 +212,8 @@ def test_every_stored_chunk_cascades_to_every_secondary_tier():
         rig.manager.poll()
         assert [t.stats()["chunks"] for t in rig.manager.tiers] == [5, 5]
         assert rig.manager.stats()["reading_slots"] == 0 and result.num_ok == 5
-        assert [e.medium for e in rig.manager.take_events()] == ["CPU", "MEMORY", "MEMORY"]
+        assert [(e.tier, e.medium, e.locality) for e in rig.manager.take_events()] == [
+            ("host", "CPU", "LOCAL"), ("memory", "CPU", "LOCAL"), ("memory-2", "CPU", "LOCAL")]
     finally:
         rig.close()
 
@@ -325,3 +326,19 @@ def test_chunks_survive_a_restart_through_the_fs_tier(tmp_path):
         assert np.array_equal(second.dev[8:14], want)
     finally:
         second.close()
+
+
+def test_a_chunk_leaving_a_secondary_tier_is_announced_with_its_medium():
+    rig = make_rig(capacity=4, blocks_per_chunk=1, block_bytes=64, num_blocks=16,
+                   tiers=[{"type": "memory", "max_bytes": 2 * 64}])
+    try:
+        a, b, c = synthetic_keys(3)
+        rig.store([a, b, c], chunk_blocks(0, 3, 1))
+        rig.manager.poll()                              # the tier keeps b, c; a left it
+        events = rig.manager.take_events()
+    finally:
+        rig.close()
+    hashes = (a.block_hash, b.block_hash, c.block_hash)
+    assert events == [BlockStored(hashes, 0, "CPU"),
+                      BlockStored(hashes, 0, "CPU", "LOCAL", "memory"),
+                      BlockRemoved((a.block_hash,), 0, "CPU", "LOCAL", "memory")]

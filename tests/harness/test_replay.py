@@ -149,3 +149,29 @@ def test_two_tiers_of_one_type_are_reported_apart(write_trace):
     # 1 left the host (capacity 2) when 3 was stored; both tiers hold it, the first one serves.
     assert report.hit_tokens == {"device": 0, "host": 0, "memory[0]": CHUNK, "memory[1]": 0}
     assert report.traffic["memory[1]"]["store"].chunks == 3
+
+
+P2P = {"type": "p2p", "auth_key": "kvhal-test-p2p-shared-key", "timeout_s": 10.0}
+
+
+def test_two_instances_hit_each_others_host_over_p2p(write_trace):
+    # Round robin: r0, r2 on instance 0; r1, r3 on instance 1 (device pools of 8 chunks).
+    path = write_trace([
+        mooncake([1, 2, 3]),           # i0: misses; host0 gets 1,2,3
+        mooncake([1, 2, 3, 4]),        # i1: 1,2,3 pulled from i0 (p2p); 4 misses
+        mooncake([1, 2, 3, 4, 5]),     # i0: 1,2,3 on its device; 4 from i1 (p2p); 5 misses
+        mooncake([1, 2, 3, 4, 5, 6]),  # i1: 1..4 on its device; 5 from i0 (p2p); 6 misses
+    ])
+    config = {"cpu_bytes_to_use": 64 << 20, "secondary_tiers": [P2P]}
+    report = replay(path, config, device_chunks=8, instances=2)
+    assert report.hit_tokens == {"device": 7 * CHUNK, "host": 0, "p2p": 5 * CHUNK}
+    assert report.traffic["p2p"]["load"].chunks == 5
+    assert report.verified_chunks == 12
+    assert report.instances == 2
+
+
+def test_instances_refuse_a_configured_p2p_port(write_trace):
+    path = write_trace([mooncake([1])])
+    config = {"cpu_bytes_to_use": 64 << 20, "secondary_tiers": [P2P | {"port": 9999}]}
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.port: set by the replay"):
+        replay(path, config, device_chunks=8, instances=2)

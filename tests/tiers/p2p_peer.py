@@ -5,7 +5,8 @@ CONFIG is a JSON object: the p2p tier config plus `"count"` and `"nbytes"` (chun
 optionally `"send_delay_s"` (seconds slept before each payload piece it sends: a slow peer,
 injected by `FaultySlowTransport`). Prints one JSON line `{"identity": "host:port"}` once it
 serves, then reads commands from stdin: `store FIRST COUNT` (store more chunks, answers
-`stored`), `stats` (answers the tier's stats as JSON); EOF closes the tier and exits 0.
+`stored`), `stats` (answers the tier's stats as JSON, plus `pieces_sent`, payload MiB sent,
+of a slow peer); EOF closes the tier and exits 0.
 """
 from __future__ import annotations
 
@@ -24,25 +25,30 @@ from .helpers import NAMESPACE, chunk_key, payload
 
 
 class FaultySlowTransport(TcpTransport):
-    """TCP, except that served payloads pause `delay_s` before every piece (a slow peer)."""
+    """TCP, except that served payloads pause `delay_s` before every MiB (a slow peer)."""
 
     def __init__(self, delay_s: float):
         self.delay_s = delay_s
+        self.pieces_sent = 0
 
     def listen(self, host, port):
-        listener, delay = TcpListener(host, port), self.delay_s
+        listener, delay, transport = TcpListener(host, port), self.delay_s, self
         accept = listener.accept
 
         def slow_accept():
             conn = accept()
             if conn is not None:
-                send = conn.send_payload
+                send = conn.send_parts
 
-                def slow_send(view, deadline, hasher):
-                    for start in range(0, len(view), 1 << 20):
+                def slow_send(parts, deadline):  # (chunk frame, payload, end frame)
+                    header, payload, end = parts
+                    send((header,), deadline)
+                    for start in range(0, len(payload), 1 << 20):
                         time.sleep(delay)
-                        send(view[start:start + (1 << 20)], deadline, hasher)
-                conn.send_payload = slow_send
+                        send((payload[start:start + (1 << 20)],), deadline)
+                        transport.pieces_sent += 1
+                    send((end,), deadline)
+                conn.send_parts = slow_send
             return conn
         listener.accept = slow_accept
         return listener
@@ -64,8 +70,8 @@ def main(argv: list[str]) -> int:
     count, nbytes = config.pop("count", 0), config.pop("nbytes", 4096)
     delay = config.pop("send_delay_s", 0.0)
     host = memoryview(mmap.mmap(-1, max(nbytes, 4096)))
-    tier = P2PTier(config, host, NAMESPACE,
-                   transport=FaultySlowTransport(delay) if delay else None)
+    transport = FaultySlowTransport(delay) if delay else None
+    tier = P2PTier(config, host, NAMESPACE, transport=transport)
     _store(tier, host, 0, count, nbytes)
     print(json.dumps({"identity": tier.identity}), flush=True)
     for line in sys.stdin:
@@ -74,7 +80,8 @@ def main(argv: list[str]) -> int:
             _store(tier, host, int(words[1]), int(words[2]), nbytes)
             print("stored", flush=True)
         elif words[:1] == ["stats"]:
-            print(json.dumps(dict(tier.stats())), flush=True)
+            extra = {"pieces_sent": transport.pieces_sent} if transport else {}
+            print(json.dumps(dict(tier.stats()) | extra), flush=True)
     tier.close()
     return 0
 

@@ -17,6 +17,10 @@ from kvhal.tiers.p2p.wire import encode
 from .helpers import NAMESPACE, chunk_key, host_region, load, payload
 from .p2p_helpers import PeerProcess, config, free_port, wait_for
 
+#: Seconds past a job's 1 s `timeout_s` the tests accept before it ended: scheduling slack of a
+#: loaded 2-core CI machine (a job that ignored its deadline would never end at all).
+DEADLINE_SLACK_S = 2.0
+
 
 @pytest.fixture
 def peers():
@@ -147,7 +151,7 @@ def test_peer_killed_mid_transfer_fails_the_job_in_time(peers, tiers):
 
     t0 = time.monotonic()
     tier.submit_load(TierJob(1, JobKind.LOAD, chunk_key(NAMESPACE, 0), 0, n))
-    wait_for(lambda: tier._puller.connections() == 1, what="transfer started")
+    wait_for(lambda: peer.stats()["pieces_sent"] >= 1, what="payload flowing")
     peer.kill()
     tier.drain(20)
     (result,) = tier.get_finished_jobs()
@@ -170,7 +174,7 @@ def test_stopped_peer_times_out_is_dropped_and_comes_back(peers, tiers):
         peer.signal(signal.SIGCONT)
 
     assert not result.ok and result.error.startswith(f"peer {peer.identity}: timed out")
-    assert elapsed < 1.5
+    assert elapsed < 1.0 + DEADLINE_SLACK_S
     wait_for(lambda: tier.lookup(chunk_key(NAMESPACE, 0)) is Lookup.HIT, what="resync")
     assert load(tier, chunk_key(NAMESPACE, 0), 0, 4096, job_id=2).ok
     np.testing.assert_array_equal(array[:4096], payload(0, 4096))
@@ -188,7 +192,7 @@ def test_slow_peer_fails_past_the_deadline_and_succeeds_within_it(peers, tiers):
     in_time = load(patient, chunk_key(NAMESPACE, 0), 0, n, job_id=2)
 
     assert (late.ok, late.error) == (False, f"peer {slow.identity}: timed out")
-    assert elapsed < 1.5
+    assert elapsed < 1.0 + DEADLINE_SLACK_S
     assert in_time.ok
     np.testing.assert_array_equal(np.frombuffer(patient._host, np.uint8)[:n], payload(0, n))
 

@@ -4,6 +4,12 @@ Usage: python engine_run.py SCENARIO.json OUT.json (see `kvhal.integrations.vllm
 Extra steps (TP=1 in-process engines):
     {"op": "noise", "seed": int}: overwrite this process's kvhal host region with seeded random
         bytes → number of bytes overwritten.
+    {"op": "track_preemptions"}: record every request vLLM's scheduler preempts from now on
+        → null.
+    {"op": "preempted", "prompts": {name: [token ids]}}: names of the prompts preempted since
+        `track_preemptions` → sorted list.
+    {"op": "poison_report"}: `poison.KVHalConnector`'s counters → {handed_out, reused,
+        checked_chunks, poisoned_chunks}.
     {"op": "fault_loads", "tokens": [ids], "group": int, "chunk": int}: from now on every H2D
         copy reading the host slot of that chunk (KV cache group `group`, 1 block per chunk,
         sha256 block hashes seeded "0") faults on the device (`FaultyReadBackend`) → the slot.
@@ -17,7 +23,6 @@ Extra steps (TP=1 in-process engines):
 """
 from __future__ import annotations
 
-import glob
 import os
 import sys
 import time
@@ -26,21 +31,66 @@ import numpy as np
 
 from kvhal.backends.cpu import CpuBackend
 from kvhal.integrations.vllm import runner, worker
-from kvhal.integrations.vllm.scheduler import SHM_PREFIX
+from kvhal.integrations.vllm.scheduler import REGION_NAME_PREFIX
 from kvhal.keys import ChunkKey, block_hashes, hash_function, none_hash
 from kvhal.tiers.base import Lookup
+
+
+def own_host_regions() -> list[str]:
+    """`/proc/self/fd/N` paths of the kvhal host regions this process created."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{REGION_NAME_PREFIX}"):
+            out.append(f"/proc/self/fd/{fd}")
+    return out
 
 
 def noise_host_region(llm, step: dict) -> int:
     """Fill every kvhal host region this process created with seeded random bytes."""
     total = 0
-    for path in glob.glob(f"{SHM_PREFIX}{os.getpid()}-*"):
+    for path in own_host_regions():
         region = np.memmap(path, dtype=np.uint8, mode="r+")
         region[:] = np.random.default_rng(step["seed"]).integers(0, 256, region.size,
                                                                  dtype=np.uint8)
         region.flush()
         total += region.size
     return total
+
+
+def _scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+_PREEMPTED: list[tuple[int, ...]] = []
+
+
+def track_preemptions(llm, step: dict) -> None:
+    """Wrap the scheduler's `_preempt_request` to record the prompts it preempts."""
+    scheduler = _scheduler(llm)
+    original = scheduler._preempt_request
+
+    def preempt(request, *args, **kwargs):
+        _PREEMPTED.append(tuple(request.prompt_token_ids))
+        return original(request, *args, **kwargs)
+
+    scheduler._preempt_request = preempt
+
+
+def preempted(llm, step: dict) -> list[str]:
+    """Names of the prompts preempted since `track_preemptions`."""
+    seen = set(_PREEMPTED)
+    return sorted(name for name, ids in step["prompts"].items() if tuple(ids) in seen)
+
+
+def poison_report(llm, step: dict) -> dict:
+    """The poisoning connector's counters."""
+    c = _scheduler(llm).get_kv_connector()
+    return {"handed_out": c.handed_out, "reused": c.reused, "checked_chunks": c.checked_chunks,
+            "poisoned_chunks": c.poisoned_chunks}
 
 
 class FaultyReadBackend(CpuBackend):
@@ -136,10 +186,8 @@ def fault_loads(llm, step: dict) -> int:
 
 
 if __name__ == "__main__":
-    runner.OPS["noise"] = noise_host_region
-    runner.OPS["fault_loads"] = fault_loads
-    runner.OPS["drop_chunk"] = drop_chunk
-    runner.OPS["drain"] = drain
-    runner.OPS["await_tier"] = await_tier
+    runner.OPS.update(noise=noise_host_region, track_preemptions=track_preemptions,
+                      preempted=preempted, poison_report=poison_report, fault_loads=fault_loads,
+                      drop_chunk=drop_chunk, drain=drain, await_tier=await_tier)
     worker.plugins.select_backend = _select_backend
     runner.main(sys.argv[1:])

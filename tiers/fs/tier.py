@@ -11,7 +11,8 @@ namespace's `quarantine/` folder; nothing is raised into the caller.
 from the directory at start (restart keeps every complete chunk; files are not rewritten) and
 refreshed by a background thread, so chunks written by other processes sharing `root_dir`
 become visible within `refresh_interval_s`. Stores and loads run on separate thread pools.
-Capacity: `max_bytes` with LRU eviction; ENOSPC fails the store and evicts about a tenth of
+Capacity: `max_bytes` covers every namespace under `root_dir` (`budget.py`: namespaces nobody
+uses are deleted first, then this namespace's least recently used chunks); ENOSPC fails the store and evicts about a tenth of
 the namespace.
 """
 from __future__ import annotations
@@ -35,11 +36,14 @@ from ..jobs import BoardedTier, JobBoard
 from .config import parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      write_chunk)
+from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, TEMP_DIR, chunk_path, namespace_dir
 from .scan import orphaned_temp_files, scan_namespace
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
+#: At most this often (seconds) the other namespaces under root_dir are measured again.
+ROOT_SCAN_INTERVAL_S = 10.0
 #: The refresh thread waits at least this many times as long as its last scan took.
 REFRESH_DUTY_FACTOR = 20
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
@@ -91,6 +95,9 @@ class FsTier(BoardedTier):
         self._remove_orphaned_temps()
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
+        self._budget = RootBudget(cfg.root_dir, os.path.basename(self.ns_dir))
+        self._next_root_scan = 0.0
+        self._refresh_wait_s = cfg.refresh_interval_s
         try:
             self.refresh()
         except OSError as exc:
@@ -134,7 +141,8 @@ class FsTier(BoardedTier):
 
     def _default_max_bytes(self) -> int:
         free = shutil.disk_usage(self.ns_dir).free
-        return max(ALIGN, int(DEFAULT_SPACE_SHARE * free) + self._index.used_bytes)
+        return max(ALIGN, int(DEFAULT_SPACE_SHARE * free) + self._index.used_bytes
+                   + self._budget.others_bytes)
 
     def _refresh_loop(self) -> None:
         wait_s = self.config.refresh_interval_s
@@ -146,12 +154,14 @@ class FsTier(BoardedTier):
                 self._count("refresh_errors")
             # a scan lists every file: a big folder is scanned less often, so scanning takes
             # at most 1 / REFRESH_DUTY_FACTOR of one core's time
-            wait_s = max(self.config.refresh_interval_s,
-                         REFRESH_DUTY_FACTOR * (time.perf_counter() - t0))
+            wait_s = self._refresh_wait_s = max(self.config.refresh_interval_s,
+                                                REFRESH_DUTY_FACTOR * (time.perf_counter() - t0))
 
     def refresh(self) -> None:
         """Re-scan the namespace folder now (the background thread does this every
-        `refresh_interval_s`): index files other processes wrote, forget deleted ones.
+        `refresh_interval_s` or longer for big folders): mark the namespace in use (with the
+        current wait, `budget.py`), index files other processes wrote, forget deleted ones;
+        every `ROOT_SCAN_INTERVAL_S` also measure the other namespaces under root_dir.
         Thread-safe; scans run one at a time.
 
         Raises:
@@ -159,9 +169,15 @@ class FsTier(BoardedTier):
                 thread counts `refresh_errors` and tries again).
         """
         with self._scan_lock:
+            mark_in_use(self.ns_dir, self._refresh_wait_s)
             known, epoch = self._index.snapshot()
             self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known).found,
                                   epoch)
+            now = time.monotonic()
+            if now >= self._next_root_scan:
+                self._budget.rescan()
+                self._next_root_scan = now + max(ROOT_SCAN_INTERVAL_S,
+                                                 self.config.refresh_interval_s)
 
     # -- SecondaryTier ------------------------------------------------------------------------
     def lookup(self, key: ChunkKey) -> Lookup:
@@ -193,13 +209,16 @@ class FsTier(BoardedTier):
 
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
-        io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors
-        (absent while 0); plus used_bytes, max_bytes, chunks, o_direct (bool, detected at
-        start) and durability (the config value)."""
-        return self._jobs.counters() | {
-            "used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
-            "chunks": len(self._index), "o_direct": self.o_direct,
-            "durability": self.config.durability}
+        io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors,
+        namespaces_deleted (absent while 0); plus used_bytes, max_bytes (root-wide),
+        other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
+        chunks, o_direct (bool, detected at start) and durability (the config value)."""
+        deleted = self._budget.namespaces_deleted
+        return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
+                | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
+                   "other_namespaces_bytes": self._budget.others_bytes,
+                   "chunks": len(self._index), "o_direct": self.o_direct,
+                   "durability": self.config.durability})
 
     # -- jobs ---------------------------------------------------------------------------------
     def _check_job(self, job: TierJob) -> str | None:
@@ -223,9 +242,12 @@ class FsTier(BoardedTier):
         # an unindexed file under this name is rewritten, not trusted: it may be torn by a
         # power loss (the scan left it out), or be another process's copy of the same chunk
         nbytes = record_nbytes(job.nbytes)
-        victims = self._index.reserve(nbytes, self.max_bytes)
+        budget = self._budget.room_for(self._index.used_bytes + nbytes, self.max_bytes)
+        victims = self._index.reserve(nbytes, budget)
         if victims is None:
-            return f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
+            held = self.max_bytes - budget
+            return (f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
+                    + (f" less {held} bytes held by other namespaces in use" if held else ""))
         self._delete(victims, "evictions")
         try:
             write_chunk(self._os, self.ns_dir, job.key,

@@ -67,6 +67,7 @@ class ObjTier(BoardedTier):
     """
 
     name = "obj"
+    locality = "REMOTE"     # medium STORAGE, hit source disk (vLLM's obj tier names)
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes):
         cfg = parse_config(config)

@@ -29,10 +29,13 @@ load (the peer answers "miss"), after which the entry is forgotten: then a miss.
 Transfer. A load sends `get(key, n)`; the serving peer pins the chunk, sends `chunk(key, n)`,
 the raw payload and `end(xxh3-128)`; the puller receives the payload with `recv_into` on a
 memoryview of the reserved host slot (no payload copy in Python) and reports ok only after the
-key, the length and the digest match. Bulk and control share plain TCP (`transport.py`, one
+key, the length and the digest match. The server writes the three in one gathering `sendmsg`
+from the pinned slot; sockets stay blocking with the kernel's SO_RCVTIMEO/SO_SNDTIMEO armed
+from each deadline (1 sendmsg + 2 setsockopt + 1 recv per served chunk, measured with strace,
+against 4 sends, 5 polls and 5 ioctls with Python's `settimeout`). Bulk and control share plain TCP (`transport.py`, one
 small `Transport` interface for a later NIXL/RDMA transport): `kvhal bench p2p` measures zmq
-frames against TCP for 2 MiB chunks (on this 2-core machine under load the two were within
-noise of each other, 0.6-2.6x either way); TCP needs no intermediate message copy,
+frames against TCP for 2 MiB chunks (zmq 0.5x raw TCP in alternating passes on this loaded
+2-core machine); TCP needs no intermediate message copy,
 and using one framed TCP protocol for control too gives one codec, one handshake and explicit
 connection loss (zmq reconnects and queues silently, which would hide a dead peer from the
 directory). pyzmq is used by the bench's comparison only.

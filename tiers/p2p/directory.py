@@ -77,6 +77,11 @@ class Directory:
         with self._lock:
             return self._position.get(peer) == (epoch, seq)
 
+    def position(self, peer: Peer) -> tuple[bytes, int] | None:
+        """(epoch, seq) of the last event applied from `peer`, or None before its snapshot."""
+        with self._lock:
+            return self._position.get(peer)
+
     def forget(self, peer: Peer, key: ChunkKey) -> None:
         """Drop one entry found stale by a load."""
         with self._lock:

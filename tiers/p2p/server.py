@@ -10,7 +10,8 @@ served nothing. Then by its role:
   `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). The chunk is held
   (`Source.acquire`: host slot pinned) for the whole transfer and released after it; `sum` is
   the xxh3-128 digest the bytes had when stored (own store: bytes damaged since then fail the
-  puller's check), or the digest of the bytes sent, taken while sending (pinned host slot).
+  puller's check), or the digest of the pinned host slot taken just before sending (its bytes
+  cannot change while pinned). The three go out as one write (`Connection.send_parts`).
 Anything unexpected (malformed frame, wrong key, deadline, reset) drops that connection only
 and bumps a counter; the listener and every other connection carry on. `close` stops the
 listener, closes every connection and joins every thread.
@@ -156,10 +157,9 @@ class Server:
             if len(served.payload) != nbytes:
                 conn.send(encode("miss", why=f"holds {len(served.payload)} bytes"), deadline)
                 return
-            conn.send(encode("chunk", key=key, n=nbytes), deadline)
-            hasher = xxhash.xxh3_128() if served.checksum is None else None
-            conn.send_payload(served.payload, deadline, hasher)
-            conn.send(encode("end", sum=served.checksum or hasher.digest()), deadline)
+            digest = served.checksum or xxhash.xxh3_128_digest(served.payload)
+            conn.send_parts((encode("chunk", key=key, n=nbytes), served.payload,
+                             encode("end", sum=digest)), deadline)
             self._count("chunks_served")
         finally:
             served.release()

