@@ -9,7 +9,8 @@ random-weight models, prefix caching on:
   start.
 - Mamba2 hybrids (GraniteMoeHybrid, Falcon-H1, Nemotron-H) start, then fail in their first
   prefill ("IndexError: index 4 is out of bounds for dimension 0 with size 1": the CPU SSD scan
-  returns no per-chunk states for the align mode); Jamba (Mamba1) has no CPU kernel
+  returns no per-chunk states for the align mode; with prefix caching off GraniteMoeHybrid
+  runs, but kvhal needs it on); Jamba (Mamba1) has no CPU kernel
   ("'_OpNamespace' '_C' object has no attribute 'selective_scan_fwd'"); Bamba is no longer a
   vLLM model class.
 - An fp8 KV cache (`kv_cache_dtype` "fp8", "fp8_e4m3", "fp8_e5m2") fails at engine start:
