@@ -1,5 +1,6 @@
 """Tier conformance across processes (slow): concurrent writers of the same key while another
-process reads in a loop, and writers killed with SIGKILL at seeded points (`TierHarness.kill_points`: 100 for fs)."""
+process reads in a loop, and writers killed with SIGKILL at seeded points
+(`TierHarness.kill_points`: 100 for fs)."""
 from __future__ import annotations
 
 import multiprocessing
