@@ -1,5 +1,6 @@
 """Tier conformance across processes (slow): concurrent writers of the same key while another
-process reads in a loop, and writers killed with SIGKILL at ≥ 100 seeded points."""
+process reads in a loop, and writers killed with SIGKILL at seeded points
+(`TierHarness.kill_points`: 100 for fs)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.slow
 
 WRITERS = 3
 ROUNDS = 16
-KILL_POINTS = 100
 CHUNKS_PER_WRITER = 6
 
 
@@ -100,10 +100,10 @@ def test_sigkilled_writers_never_leave_a_torn_chunk(harness, tmp_path, namespace
     ctx = _context()
     config = harness.config(str(tmp_path), 1 << 30)
     nbytes = (256 << 10) + 3
-    first = KILL_POINTS * CHUNKS_PER_WRITER  # the calibration run's chunks come after
+    first = harness.kill_points * CHUNKS_PER_WRITER  # the calibration run's chunks come after
     stored_all, span_s = _kill_at(ctx, harness, config, namespace, first, nbytes, None)
     assert sorted(stored_all) == list(range(first, first + CHUNKS_PER_WRITER))
-    for point in range(KILL_POINTS):  # kill points spread over 1.5x an unkilled writer's time
+    for point in range(harness.kill_points):  # kill points spread over 1.5x an unkilled writer's time
         delay = random.Random(point).uniform(0, 1.5 * span_s)
         stored, _ = _kill_at(ctx, harness, config, namespace, point * CHUNKS_PER_WRITER,
                              nbytes, delay)

@@ -55,6 +55,7 @@ class TierHarness:
         faulty: Builds a tier with injected I/O errors (see `Faulty`), or None.
         stored_objects: `stored_objects(config)` → (complete objects, temp objects) currently
             in the store (e.g. chunk files and temp files), or None.
+        kill_points: SIGKILL points of the torn-chunk test (each starts a writer process).
         why_not: Reason printed when a test is skipped for a missing capability.
     """
 
@@ -66,6 +67,7 @@ class TierHarness:
     damage_kinds: tuple[str, ...] = ()
     faulty: Faulty | None = None
     stored_objects: Callable[[Config], tuple[list[str], list[str]]] | None = None
+    kill_points: int = 100
     why_not: str = ""
 
     def make(self, config: Config, host: memoryview, namespace: bytes) -> SecondaryTier:
@@ -270,7 +272,10 @@ def _obj_stored_objects(config: Config) -> tuple[list[str], list[str]]:
 register_harness(TierHarness(
     "obj", config=_obj_config, persistent=True, shared_by_processes=True,
     damage=_obj_damage, damage_kinds=DAMAGE_KINDS, faulty=_obj_faulty,
-    stored_objects=_obj_stored_objects))
+    stored_objects=_obj_stored_objects,
+    # a PUT is atomic on the server, so a kill can only lose a chunk, never tear one; 20 points
+    # cover kills before, during and after requests (100 took ~5 min on 2 loaded cores)
+    kill_points=20))
 
 
 # -- p2p ------------------------------------------------------------------------------------

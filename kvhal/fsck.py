@@ -4,8 +4,9 @@ AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws files, ...; never on the comma
 
 Prints counts and bytes of good chunk files, corrupt chunk files, orphaned temp files and
 quarantined files, then one line per corrupt file. Exit code 1 if corrupt files were found and
-not repaired; with `--repair`, corrupt files are moved to their namespace's `quarantine/` folder,
-orphaned temp files are deleted, and the exit code is 0. With `--json`, stdout holds the JSON
+not repaired; with `--repair`, corrupt files are moved to their namespace's `quarantine/` folder
+(deleted from a bucket), orphaned temp files are deleted, and the exit code is 0 unless chunk
+objects of a bucket could not be read (a failed GET: unverified, left alone, exit code 1). With `--json`, stdout holds the JSON
 report alone and the summary line goes to stderr.
 """
 from __future__ import annotations
@@ -54,18 +55,23 @@ def run(args: argparse.Namespace) -> int:
                      ["corrupt chunks", report.corrupt, report.corrupt_bytes],
                      ["orphaned temp files", report.orphaned_temps, report.orphaned_temp_bytes],
                      ["quarantined", report.quarantined, ""],
-                     ["other files (left alone)", report.other_files, ""]])
+                     ["other files (left alone)", report.other_files, ""]]
+                    + ([["unreadable (not verified)", report.unreadable, ""]] if s3 else []))
         for path, reason in report.problems:
             print(f"corrupt: {path}: {reason}")
     summary = sys.stderr if args.json else sys.stdout  # --json: stdout is the JSON alone
     if report.corrupt and not args.repair:
         print(f"kvhal fsck: {report.corrupt} corrupt chunk file(s); run with --repair to "
-              "quarantine them", file=summary)
+              f"{'delete' if s3 else 'quarantine'} them", file=summary)
         return 1
     if args.repair and (report.corrupt or report.orphaned_temps):
         print(f"kvhal fsck: {'deleted' if s3 else 'quarantined'} {report.corrupt} corrupt "
               f"chunk file(s), removed "
               f"{report.orphaned_temps} orphaned temp file(s)", file=summary)
+    if report.unreadable:
+        print(f"kvhal fsck: {report.unreadable} chunk object(s) could not be read (not "
+              "verified, left alone); run again", file=summary)
+        return 1
     return 0
 
 

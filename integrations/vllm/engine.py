@@ -46,13 +46,16 @@ def kv_transfer_config(kvhal_config: Mapping[str, Any], module_path: str | None 
 
 def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | None = None,
              connector_module_path: str | None = None, num_blocks: int | None = None,
-             max_model_len: int = 4096, enable_prefix_caching: bool = True) -> Any:
+             max_model_len: int = 4096, enable_prefix_caching: bool = True,
+             kv_cache_dtype: str = "auto") -> Any:
     """A `vllm.LLM` on `model_dir`, with kvhal when `kvhal_config` is given.
 
     Args:
         connector_module_path: Load the connector by this module path instead of by name.
         num_blocks: vLLM KV cache blocks (128 tokens each on CPU); None lets vLLM size it from
             `VLLM_CPU_KVCACHE_SPACE`. Must hold more than `max_model_len` tokens.
+        kv_cache_dtype: vLLM's KV cache dtype ("auto" = the model's, "fp8", "fp8_e4m3",
+            "fp8_e5m2").
     """
     from vllm import LLM
 
@@ -61,7 +64,7 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
     return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                tensor_parallel_size=tp, max_model_len=max_model_len,
                enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks,
-               disable_log_stats=False, **extra)
+               disable_log_stats=False, kv_cache_dtype=kv_cache_dtype, **extra)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,10 @@ class UnsupportedModelError(ValueError):
 SPEC_KINDS = {"FullAttentionSpec": Kind.FULL, "SlidingWindowSpec": Kind.SLIDING_WINDOW,
               "MLAAttentionSpec": Kind.MLA}
 
+#: vLLM 0.32's recurrent-state spec: Mamba, Mamba2, gated delta net (Qwen3-Next), linear attention
+#: and short conv layers all register a `MambaSpec`.
+_STATE_SPECS = frozenset({"MambaSpec"})
+
 #: torch dtype names (as `str(torch.dtype)` without "torch.") → `kvhal.layout.ELEMENT_BYTES` keys.
 _DTYPES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 
@@ -126,14 +130,18 @@ def group_spec(gi: int, group: Any, model: Any) -> LayerGroup:
     name = type(spec).__name__
     kind = SPEC_KINDS.get(name)
     if kind is None:
-        raise _refuse(gi, group, f"{name} is not supported; kvhal maps "
+        why = (" (an attention + state hybrid: kvhal has no rule yet for which states a chunk "
+               "keeps)") if name in _STATE_SPECS else ""
+        raise _refuse(gi, group, f"{name} is not supported{why}; kvhal maps "
                                  f"{', '.join(SPEC_KINDS)}")
     if getattr(spec, "page_size_padded", None) is not None:
         raise _refuse(gi, group, f"padded pages (page_size_padded={spec.page_size_padded}) "
                                  "are not supported")
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is not None and getattr(quant, "name", "NONE") != "NONE":
-        raise _refuse(gi, group, f"quantised KV ({quant.name}) is not supported")
+        raise _refuse(gi, group, f"quantised KV ({quant.name}, {spec.dtype}) is not supported: "
+                                 "its scales live outside the page, so a chunk could be read "
+                                 "back with another instance's scales")
     if kind is not Kind.MLA and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         raise _refuse(gi, group, f"K head size {spec.head_size} != V head size "
                                  f"{spec.head_size_v}")

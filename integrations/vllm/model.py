@@ -1,9 +1,11 @@
 """Tiny random-weight models, built once with transformers and cached on disk.
 
 Families: Llama (full attention), Gemma 3 text (interleaved sliding-window + full attention,
-`sliding_window` tokens on the layers `layer_types` names "sliding_attention") and DeepSeek-V2
+`sliding_window` tokens on the layers `layer_types` names "sliding_attention"), DeepSeek-V2
 (MLA: one 576-element latent per token, kv_lora_rank 512 + rope 64, the only latent size
-vLLM-CPU's MLA backend compiles).
+vLLM-CPU's MLA backend compiles) and Qwen3-Next (gated delta-net linear attention, a
+recurrent state per sequence, interleaved with full attention; the one attention + state
+hybrid vLLM-CPU 0.32 prefills with prefix caching on, tests/vllm/test_model_families.py).
 
 vLLM loads them like any local checkpoint (`skip_tokenizer_init=True`, token-id prompts), so the
 demo and the tests need no network and no download. Weights are seeded, so two builds of the
@@ -31,7 +33,7 @@ class ModelSpec:
         intermediate_size: MLP width.
         max_position: Longest context in tokens.
         seed: torch seed for the random weights.
-        family: "llama", "gemma3" or "deepseek_v2".
+        family: "llama", "gemma3", "deepseek_v2" or "qwen3_next".
         sliding_window: gemma3: window of the sliding layers (tokens); every other layer,
             starting with layer 0, slides, the rest attend to the whole prefix.
     """
@@ -70,6 +72,11 @@ TINY_SWA = ModelSpec("kvhal-tiny-gemma3", hidden_size=256, num_layers=4, num_hea
 TINY_MLA = ModelSpec("kvhal-tiny-deepseek-v2", hidden_size=256, num_layers=2, num_heads=4,
                      num_kv_heads=4, vocab_size=1024, intermediate_size=512,
                      family="deepseek_v2")
+#: Attention + state hybrid: layers 0 and 2 linear attention (gated delta net: 2 key heads and
+#: 4 value heads of 64, conv kernel 4), 1 and 3 full attention; 4 experts of 128, 2 per token.
+TINY_HYBRID = ModelSpec("kvhal-tiny-qwen3-next", hidden_size=256, num_layers=4, num_heads=4,
+                        num_kv_heads=2, vocab_size=1024, intermediate_size=512,
+                        family="qwen3_next")
 #: For the demo and `kvhal bench vllm`: 8 KiB of KV per token, recompute clearly visible.
 DEMO = ModelSpec("kvhal-demo-llama", hidden_size=1024, num_layers=8, num_heads=16,
                  num_kv_heads=4, vocab_size=4096, intermediate_size=2816)
@@ -148,5 +155,16 @@ def _random_model(spec: ModelSpec):
             **common, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
             qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=128, first_k_dense_replace=spec.num_layers))
+    if spec.family == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        layer_types = ["linear_attention" if i % 2 == 0 else "full_attention"
+                       for i in range(spec.num_layers)]
+        return Qwen3NextForCausalLM(Qwen3NextConfig(
+            **common, head_dim=spec.head_size, layer_types=layer_types,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
+            linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=128,
+            shared_expert_intermediate_size=128, pad_token_id=0))
     raise ValueError(f"family: unknown model family {spec.family!r}; accepted: llama, gemma3, "
-                     "deepseek_v2")
+                     "deepseek_v2, qwen3_next")

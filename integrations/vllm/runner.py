@@ -5,8 +5,8 @@ vLLM keeps process-global state, so every engine runs in its own process
 then runs steps sent as JSON lines on stdin and answers each on stdout. Two engines can be
 alive at once, so the demo alternates their requests and both see the same machine load.
 
-Scenario (`run_scenario`): {"tp": int, "model": "tiny" | "demo" | "tiny-swa" | "tiny-mla",
-           "num_blocks": int | null,
+Scenario (`run_scenario`): {"tp": int, "model": "tiny" | "demo" | "tiny-swa" | "tiny-mla" |
+           "tiny-hybrid", "num_blocks": int | null, "kv_cache_dtype"?: str (vLLM's, "auto"),
            "max_model_len": int, "engines": [{"kvhal": null | {kvhal config},
            "connector_module_path"?: str, "steps": [...]}]}
 Steps ("op"):
@@ -33,9 +33,10 @@ from typing import Any, Callable, Sequence
 from kvhal.bench.tier import drop_page_cache
 
 from .engine import engine_env, generate, make_llm, shutdown
-from .model import DEMO, TINY, TINY_MLA, TINY_SWA, build_model
+from .model import DEMO, TINY, TINY_HYBRID, TINY_MLA, TINY_SWA, build_model
 
-MODELS = {"tiny": TINY, "demo": DEMO, "tiny-swa": TINY_SWA, "tiny-mla": TINY_MLA}
+MODELS = {"tiny": TINY, "demo": DEMO, "tiny-swa": TINY_SWA, "tiny-mla": TINY_MLA,
+          "tiny-hybrid": TINY_HYBRID}
 
 
 class ScenarioError(RuntimeError):
@@ -73,12 +74,14 @@ RESULT = "KVHAL-RESULT "
 
 def serve(spec: dict) -> None:
     """Start one engine from `spec` ({"tp", "model", "num_blocks", "max_model_len", "kvhal",
-    "connector_module_path"?}), then run steps read as JSON lines from stdin, answering each with one
+    "connector_module_path"?, "kv_cache_dtype"?}), then run steps read as JSON lines from
+    stdin, answering each with one
     `RESULT` line on stdout, until stdin closes."""
     model = build_model(MODELS[spec.get("model", "tiny")])
     llm = make_llm(model, tp=spec["tp"], kvhal_config=spec["kvhal"],
                    connector_module_path=spec.get("connector_module_path"),
-                   num_blocks=spec.get("num_blocks"), max_model_len=spec.get("max_model_len", 4096))
+                   num_blocks=spec.get("num_blocks"), max_model_len=spec.get("max_model_len", 4096),
+                   kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
     print(RESULT + json.dumps({"ready": True}), flush=True)
     try:
         for line in sys.stdin:

@@ -6,6 +6,7 @@ import uuid
 
 import pytest
 
+from conformance.s3 import SECRET_KEY, Fault, FaultyS3Proxy
 from kvhal.tiers.obj import ObjTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload, store
@@ -55,11 +56,32 @@ def test_fsck_of_a_bucket_reports_damage_and_repair_deletes_it(s3_server, monkey
         [f"s3://{bucket}/{names[1]}", "checksum mismatch"],
         [f"s3://{bucket}/{names[3]}", "record size 6000 != expected 16384"]])
     assert out.stderr == ("kvhal fsck: 2 corrupt chunk file(s); run with --repair to "
-                          "quarantine them\n")
+                          "delete them\n")
     assert repaired.returncode == 0, repaired.stderr
     assert sorted(n for n, _, _ in raw_client(config).list(config["prefix"] + "/")) == sorted(
         [names[0], names[2]])
     assert (after.returncode, json.loads(after.stdout)["good"]) == (0, 2)
+
+
+def test_fsck_repair_leaves_an_unreadable_object_alone_and_says_so(s3_server, monkeypatch):
+    config, names = _bucket_with_damage(s3_server.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", config["store_config"]["access_key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", config["store_config"]["secret_key"])
+    url = f"s3://{config['store_config']['bucket']}/{config['prefix']}"
+    with FaultyS3Proxy(s3_server.port) as proxy:  # the first GET (of some object) is denied
+        proxy.set_fault(Fault("status", methods=("GET",), status=403, code="AccessDenied",
+                              remaining=1))
+        out = kvhal("fsck", url, "--endpoint", proxy.endpoint, "--repair", "--json")
+
+    report = json.loads(out.stdout)
+    unreadable = [p for p, why in report["problems"] if why.startswith("unreadable")]
+    assert (out.returncode, report["unreadable"], report["corrupt"] + report["good"],
+            len(unreadable)) == (1, 1, 3, 1), out.stderr
+    assert out.stderr.endswith("kvhal fsck: 1 chunk object(s) could not be read (not "
+                               "verified, left alone); run again\n")
+    left = sorted(n for n, _, _ in raw_client(config).list(config["prefix"] + "/"))
+    assert unreadable[0].split("/", 3)[3] in left  # never deleted
+    assert SECRET_KEY not in out.stdout + out.stderr
 
 
 def test_fsck_of_a_missing_bucket_or_without_credentials_is_one_line(s3_server, monkeypatch,

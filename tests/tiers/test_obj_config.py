@@ -6,6 +6,7 @@ import pytest
 from kvhal.config import ConfigError, build_tiers, parse_config as parse_engine_config
 from kvhal.tiers.base import TierError
 from kvhal.tiers.obj import parse_config
+from kvhal.tiers.obj.client import S3Client
 
 SECRET = "s3cr3t-VALUE-that-must-not-leak"
 STORE = {"bucket": "kv-cache", "endpoint_override": "minio.local:9000"}
@@ -51,8 +52,16 @@ def test_endpoint_forms(endpoint, scheme, expected):
     ({"store_config": STORE | {"scheme": "ftp"}},
      "store_config.scheme: must be \"http\" or \"https\", got 'ftp'"),
     ({"store_config": STORE | {"endpoint_override": "http://a b"}},
-     "store_config.endpoint_override: must be host[:port] or scheme://host[:port], got "
-     "'http://a b'"),
+     "store_config.endpoint_override: must be host[:port] or scheme://host[:port] with a port "
+     "in 1..65535, got 'http://a b'"),
+    ({"store_config": STORE | {"endpoint_override": "127.0.0.1:99999"}},  # was a Rust panic
+     "store_config.endpoint_override: must be host[:port] or scheme://host[:port] with a port "
+     "in 1..65535, got '127.0.0.1:99999'"),
+    ({"store_config": STORE | {"endpoint_override": f"http://ak:{SECRET}@h:1"}},
+     "store_config.endpoint_override: must be host[:port] or scheme://host[:port] with a port "
+     "in 1..65535, got 'http://***@h:1'"),
+    ({"store_config": STORE | {"region": "us east 1"}},
+     "store_config.region: 1-64 letters, digits and _.- expected, got 'us east 1'"),
     ({"store_config": STORE | {"endpoint_override": "http://h:1", "scheme": "https"}},
      "store_config.scheme: 'https' contradicts endpoint_override 'http://h:1'"),
     ({"store_config": STORE | {"access_key": "AK"}},
@@ -82,6 +91,18 @@ def test_a_secret_of_the_wrong_type_is_refused_without_showing_it(key):
     with pytest.raises(TierError) as exc:
         parse_config({"store_config": STORE | {"access_key": "AK", "secret_key": "SK", key: value}})
     assert str(exc.value) == f"store_config.{key}: must be a string"
+
+
+@pytest.mark.parametrize("content", [b"", b"not a certificate"], ids=["empty", "garbage"])
+def test_a_ca_bundle_without_a_certificate_is_one_error_naming_the_key(tmp_path, content):
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(content)
+    store = parse_config({"store_config": STORE | {"ca_bundle": str(bundle), "access_key": "AK",
+                                                   "secret_key": SECRET}}).store
+    with pytest.raises(TierError) as exc:
+        S3Client(store, 1.0, 2)
+    assert str(exc.value) == (f"store_config.ca_bundle: {str(bundle)!r} holds no PEM-encoded "
+                              f"certificate")
 
 
 def test_secrets_are_not_in_the_repr():

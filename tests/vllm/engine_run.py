@@ -17,11 +17,17 @@ Extra steps (TP=1 in-process engines):
         the host tier (that group can no longer serve it) → true if it was resident.
     {"op": "unlink", "paths": [...]}: delete files (an fs chunk vanishing after the tier
         indexed it) → number deleted.
+    {"op": "drain"}: wait for every secondary-tier job (stores cascaded to fs land) → null.
+    {"op": "await_tier", "tokens": [ids], "tier": name, "timeout_s": s}: poll that secondary
+        tier's lookup until every full chunk of `tokens` in every group is a HIT (files another
+        process wrote, picked up by the tier's refresh) → seconds waited; TimeoutError after
+        `timeout_s`.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -29,6 +35,7 @@ from kvhal.backends.cpu import CpuBackend
 from kvhal.integrations.vllm import runner, worker
 from kvhal.integrations.vllm.scheduler import REGION_NAME_PREFIX
 from kvhal.keys import ChunkKey, block_hashes, hash_function, none_hash
+from kvhal.tiers.base import Lookup
 
 
 def own_host_regions() -> list[str]:
@@ -126,11 +133,38 @@ def _select_backend(name):
     return FAULTY[-1]
 
 
+def _side(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+
+
+def _hashes(side, tokens: list[int]) -> list[bytes]:
+    return block_hashes(tokens, side.deployment.block_size, hash_function("sha256"),
+                        root=none_hash("sha256", "0"))
+
+
 def _chunk_key(llm, step: dict):
-    side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
-    hashes = block_hashes(step["tokens"], side.deployment.block_size, hash_function("sha256"),
-                          root=none_hash("sha256", "0"))
+    side = _side(llm)
+    hashes = _hashes(side, step["tokens"])
     return side, ChunkKey(side.deployment.namespace, step["group"], hashes[step["chunk"]])
+
+
+def drain(llm, step: dict) -> None:
+    """See the module docstring."""
+    _side(llm).manager.drain(timeout_s=120)
+
+
+def await_tier(llm, step: dict) -> float:
+    """See the module docstring."""
+    side = _side(llm)
+    (tier,) = [t for t in side.manager.tiers if t.name == step["tier"]]
+    keys = [ChunkKey(side.deployment.namespace, g.group_id, h)
+            for g in side.deployment.groups for h in _hashes(side, step["tokens"])]
+    start = time.monotonic()
+    while any(tier.lookup(k) is not Lookup.HIT for k in keys):
+        if time.monotonic() - start > step["timeout_s"]:
+            raise TimeoutError(f"{step['tier']}: chunks not visible after {step['timeout_s']} s")
+        time.sleep(0.05)
+    return time.monotonic() - start
 
 
 def drop_chunk(llm, step: dict) -> bool:
@@ -163,6 +197,7 @@ def unlink_files(llm, step: dict) -> int:
 if __name__ == "__main__":
     runner.OPS.update(noise=noise_host_region, track_preemptions=track_preemptions,
                       preempted=preempted, poison_report=poison_report, fault_loads=fault_loads,
-                      drop_chunk=drop_chunk, unlink=unlink_files)
+                      drop_chunk=drop_chunk, unlink=unlink_files, drain=drain,
+                      await_tier=await_tier)
     worker.plugins.select_backend = _select_backend
     runner.main(sys.argv[1:])

@@ -29,7 +29,9 @@ class CheckReport:
         orphaned_temps, orphaned_temp_bytes: Temp files of dead writers (deleted if `repaired`).
         quarantined: Files in quarantine folders after this run.
         other_files: Files in chunk folders that are not chunk files (left alone).
-        problems: (path, reason) of each corrupt file.
+        unreadable: Chunk objects a GET failed for (obj tier only): not verified, never
+            repaired, not counted as corrupt.
+        problems: (path, reason) of each corrupt file (and unreadable object).
         repaired: Whether repair was requested.
     """
 
@@ -42,6 +44,7 @@ class CheckReport:
     orphaned_temp_bytes: int = 0
     quarantined: int = 0
     other_files: int = 0
+    unreadable: int = 0
     problems: list[tuple[str, str]] = field(default_factory=list)
     repaired: bool = False
 

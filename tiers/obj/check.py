@@ -4,7 +4,7 @@ GETs every chunk object of every namespace under a prefix and checks header, key
 xxh3-128 payload checksum (`kvhal.tiers.chunk_format`), like `kvhal.tiers.fs.check` does for
 a folder, and fills the same `CheckReport`. Repair deletes corrupt objects (content-addressed:
 a live tier stores the chunk again); good objects, other objects and objects that could not
-be read (counted as corrupt, reason = the failed request) are never touched. S3 has
+be read (counted as `unreadable`, reason = the failed request) are never touched. S3 has
 no temp or quarantine objects: those counts stay 0.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def check_bucket(store: StoreConfig, prefix: str, repair: bool = False) -> Check
 
     Raises:
         StoreFailure: a LIST failed (missing bucket, denied, unreachable); a failed GET of
-            one object counts that object as corrupt with the failure as its reason.
+            one object counts that object as unreadable with the failure as its reason.
     """
     client = S3Client(store, DEFAULT_TIMEOUT_S, 4)
     report = CheckReport(repaired=repair)
@@ -57,18 +57,18 @@ def check_bucket(store: StoreConfig, prefix: str, repair: bool = False) -> Check
                 check_record_size(header, len(body), None)
                 verify_payload(header, body[HEADER_BYTES:HEADER_BYTES + header.payload_nbytes])
             except StoreFailure as failure:
-                if failure.errno_name == "ENOENT":  # evicted by a live tier meanwhile
-                    continue
-                reason, corrupt = str(failure), False
-            except CorruptChunk as exc:
-                reason, corrupt = str(exc), True
-            else:
-                report.good += 1
-                report.good_bytes += size
+                if failure.errno_name != "ENOENT":  # else: evicted by a live tier meanwhile
+                    report.unreadable += 1
+                    report.problems.append((f"s3://{store.bucket}/{name}",
+                                            f"unreadable ({failure})"))
                 continue
-            report.corrupt += 1
-            report.corrupt_bytes += size
-            report.problems.append((f"s3://{store.bucket}/{name}", reason))
-            if repair and corrupt:  # an unreadable object may be fine: never deleted
-                client.delete([name])
+            except CorruptChunk as exc:
+                report.corrupt += 1
+                report.corrupt_bytes += size
+                report.problems.append((f"s3://{store.bucket}/{name}", str(exc)))
+                if repair:
+                    client.delete([name])
+                continue
+            report.good += 1
+            report.good_bytes += size
     return report

@@ -118,7 +118,8 @@ class S3Client:
         connections: Idle connections to keep per host (≥ the caller's concurrency).
 
     Raises:
-        TierError: unreadable `ca_bundle`, or no credentials at all.
+        TierError: unreadable `ca_bundle` or one without a PEM certificate, or no credentials
+            at all.
     """
 
     def __init__(self, store: StoreConfig, timeout_s: float, connections: int):
@@ -145,8 +146,15 @@ class S3Client:
                              "max_backoff": timedelta(seconds=timeout_s / 8), "base": 2}}
         #: Whether the server honours If-None-Match on PUT (off after a 501 answer).
         self.conditional_put = True
-        self._store = S3Store(store.bucket, region=self.region, client_options=client,
-                              retry_config=retry, credential_provider=provider, **kwargs)
+        try:
+            self._store = S3Store(store.bucket, region=self.region, client_options=client,
+                                  retry_config=retry, credential_provider=provider, **kwargs)
+        except ValueError as exc:  # obstore checks certificates here; its text names no secret
+            if store.ca_bundle is not None and "certificate" in str(exc):
+                raise TierError(f"store_config.ca_bundle: {store.ca_bundle!r} holds no "
+                                f"PEM-encoded certificate") from None
+            raise TierError(f"store_config: obstore refused the client for "
+                            f"{store.describe()} ({type(exc).__name__})") from None
 
     def __repr__(self) -> str:
         return f"S3Client({self.store.describe()}, region={self.region!r})"

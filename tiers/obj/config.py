@@ -55,6 +55,8 @@ _PASSTHROUGH = frozenset({"type", "module_path"})
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9!_.*'()=+,;@~-]+$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9.-]+(:\d{1,5})?$|^\[[0-9A-Fa-f:.]+\](:\d{1,5})?$")
+#: Region names: AWS's ("eu-west-1"), MinIO's and Ceph's ("default", "us_east") alike.
+_REGION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,12 @@ def _optional_str(cfg: Mapping[str, Any], name: str) -> str | None:
     return value
 
 
+def _shown(endpoint: str) -> str:
+    """`endpoint` for an error message: any "user:password@" part (a credential) masked."""
+    scheme, sep, rest = endpoint.rpartition("://")
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else endpoint
+
+
 def _endpoint(store: Mapping[str, Any]) -> str | None:
     endpoint = _optional_str(store, "endpoint_override")
     scheme = _optional_str(store, "scheme")
@@ -119,17 +127,18 @@ def _endpoint(store: Mapping[str, Any]) -> str | None:
     if sep:
         if given not in ("http", "https"):
             raise TierError(f"store_config.endpoint_override: scheme must be http or https, "
-                            f"got {endpoint!r}")
+                            f"got {_shown(endpoint)!r}")
         if scheme is not None and scheme != given:
             raise TierError(f"store_config.scheme: {scheme!r} contradicts endpoint_override "
-                            f"{endpoint!r}")
+                            f"{_shown(endpoint)!r}")
         scheme = given
     else:
         host = endpoint
     host = host.rstrip("/")
-    if not _HOST_RE.match(host):
+    port = host.rpartition("]")[2].rpartition(":")[2] if ":" in host.rpartition("]")[2] else ""
+    if not _HOST_RE.match(host) or (port and not 1 <= int(port) <= 65535):
         raise TierError(f"store_config.endpoint_override: must be host[:port] or "
-                        f"scheme://host[:port], got {endpoint!r}")
+                        f"scheme://host[:port] with a port in 1..65535, got {_shown(endpoint)!r}")
     return f"{scheme or 'http'}://{host}"
 
 
@@ -151,7 +160,11 @@ def _store_config(store: Any) -> StoreConfig:
         missing = "secret_key" if secret_key is None else "access_key"
         raise TierError(f"store_config.{missing}: access_key and secret_key go together "
                         "(give both, or neither to use the AWS credential chain)")
-    return StoreConfig(bucket, _endpoint(store), _optional_str(store, "region"), access_key,
+    region = _optional_str(store, "region")
+    if region is not None and not _REGION_RE.match(region):
+        raise TierError(f"store_config.region: 1-64 letters, digits and _.- expected, got "
+                        f"{region!r}")
+    return StoreConfig(bucket, _endpoint(store), region, access_key,
                        secret_key, _optional_str(store, "session_token"),
                        _optional_str(store, "ca_bundle"))
 

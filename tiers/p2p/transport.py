@@ -132,8 +132,10 @@ class TcpConnection:
             self._buf, self._view = grown, memoryview(grown)
 
     def _take(self, n: int, deadline: float) -> bytes:
-        self._make_room(n)
-        while self._end - self._start < n:
+        while (pending := self._end - self._start) < n:
+            # Grow with the bytes that arrived, not with the length a peer announced: a frame
+            # prefix alone (4 bytes, before any handshake) must not allocate a 1 MiB buffer.
+            self._make_room(min(n, max(pending + _READ_BYTES, 2 * pending)))
             self._end += self._recv_into(self._view[self._end:], deadline)
         out = bytes(self._view[self._start:self._start + n])
         self._start += n
