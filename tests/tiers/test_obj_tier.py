@@ -235,7 +235,8 @@ def test_secrets_reach_no_log_error_repr_or_stats(s3_server, open_obj, region, c
     caplog.set_level(logging.DEBUG)
     host, array = region
     with FaultyS3Proxy(s3_server.port) as proxy:
-        config = obj_config(proxy.endpoint, timeout_s=3.0, refresh_interval_s=0.01)
+        # a cut connection must be noticed as a reset well within one attempt (timeout_s / 2)
+        config = obj_config(proxy.endpoint, timeout_s=8.0, refresh_interval_s=0.01)
         config["store_config"]["session_token"] = SECRET_KEY + "-token"
         tier = open_obj(config, host)
         array[:4096] = payload(1, 4096)

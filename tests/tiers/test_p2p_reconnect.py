@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tiers.base import JobKind, Lookup, TierJob
 from kvhal.tiers.p2p import P2PTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, load, payload
@@ -40,7 +40,8 @@ def test_hundred_peer_restarts_leak_no_sockets_or_threads():
     try:
         for r in range(ROUNDS + 1):
             server = _serve_one(port, r)
-            wait_for(lambda: client.stats()["peers_synced"] == 1, what=f"sync {r}")
+            wait_for(lambda: client.lookup(chunk_key(NAMESPACE, r)) is Lookup.HIT,
+                     what=f"sync {r}")  # the peer's feed reached the directory
             result = load(client, chunk_key(NAMESPACE, r), 0, 4096, job_id=r)
             assert result.ok, f"round {r}: {result.error}"
             np.testing.assert_array_equal(array[:4096], payload(r, 4096))
