@@ -80,6 +80,11 @@ class ReplayOptions:
         layout: Device layout of the per-layer KV tensors (a `kvhal.layout` name).
         instances: Serving instances, each with its own device pool, host tier and
             secondary tiers (`instance_configs`); request i goes to instance i mod instances.
+        waiting: The trace's last `waiting` requests form a queue that never runs: before
+            every replayed request each of them is looked up (on that request's instance)
+            and released unscheduled, as
+            vLLM asks its waiting requests every step (their tier hits start promotions:
+            `Manager.max_promotions` bounds them, so they must not push out the hot chunks).
     """
 
     geometry: Geometry
@@ -90,6 +95,7 @@ class ReplayOptions:
     time_scale: float = 0.0
     layout: str = "packed-hnd"
     instances: int = 1
+    waiting: int = 0
 
     @property
     def chunk_bytes(self) -> int:
@@ -392,8 +398,9 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
     """Replay `requests` through a fresh engine (see module docstring) and report.
 
     Args:
-        requests: From `read_trace`, in order.
-        reference: `reference_hits(requests, options.chunk_tokens)` (reported alongside).
+        requests: From `read_trace`, in order (the last `options.waiting` are the waiting
+            queue, not replayed).
+        reference: `reference_hits` of the replayed requests (reported alongside).
         config: Engine config (DESIGN §7 JSON object); its chunk must be the trace's block.
         options: Geometry, device pool, backend, prefill model, pacing.
         trace: Trace path, for the report.
@@ -420,6 +427,9 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
         raise
     levels = ["device", "host", *reps[0].tier_names]
     counters = _Counters(levels)
+    queue = [[ChunkKey(reps[0].namespace, 0, h) for h in req.chunk_hashes]
+             for req in requests[len(requests) - options.waiting:]] if options.waiting else []
+    requests = requests[:len(requests) - len(queue)]
     n = len(requests)
     times = np.zeros(n)
     inputs = np.zeros(n, dtype=np.int64)
@@ -430,6 +440,10 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
         tier_stats_before = [[dict(t.stats()) for t in rep.manager.tiers] for rep in reps]
         _settle(reps)
         for r, req in enumerate(requests):
+            manager = reps[r % len(reps)].manager
+            for q, keys in enumerate(queue):       # asked about, not scheduled
+                manager.lookup(keys, request_id=("waiting", q))
+                manager.release(("waiting", q))
             if options.time_scale > 0:
                 delay = t_start + req.timestamp_ms * options.time_scale / 1000 - \
                     time.perf_counter()

@@ -8,8 +8,10 @@ Four TTFTs, measured in one run on the demo model (`model.DEMO`, 8 KiB of KV per
 - host: after `reset_prefix_cache()`, kvhal serves the prompt from its host tier;
 - fs: a fresh engine process, page cache dropped, kvhal serves it from the fs tier.
 Against the physical limits measured in the same run: KV bytes / memcpy bandwidth and KV bytes /
-cold disk read bandwidth. Targets (issue 6): host ≤ 2 × (floor + bytes / memcpy bandwidth),
-fs ≤ 2 × (floor + bytes / cold read bandwidth).
+cold disk read bandwidth. Targets (issues 6, 13): host ≤ 2 × (floor + bytes / memcpy
+bandwidth), fs ≤ 2 × (floor + bytes / cold read bandwidth). The JSON carries each request's
+load timeline (`timeline_ms`: lookup, alloc, first_h2d_issue, landed, h2d_issue, recv_done,
+first_token, ms after arrival; `scheduler.timeline`).
 """
 from __future__ import annotations
 
@@ -59,6 +61,14 @@ def cold_read_gbps(folder: Path, nbytes: int, chunk_bytes: int) -> float:
     for path in paths:
         path.unlink()
     return nbytes / seconds / 1e9
+
+
+def _timeline(completion: dict) -> dict[str, float]:
+    """kvhal's load phases of one request (ms after arrival) plus its first token."""
+    out = dict(completion["timeline"])
+    if completion["ttft_s"] is not None:
+        out["first_token"] = round(completion["ttft_s"] * 1e3, 3)
+    return out
 
 
 def _timed(fn, *args) -> float:
@@ -116,14 +126,17 @@ def measure(context_tokens: int, samples: int, workdir: Path, show_progress: boo
                             on_step=lambda: bar.advance(task))
     ttft = {"recompute": [], "floor": [], "host": [], "fs": []}
     hits = {"host": [], "fs": []}
+    timelines = {"host": [], "fs": []}
     for i, name in enumerate(prompts):
         recompute, _, floor, _, host = w[1 + 5 * i: 6 + 5 * i]
         for kind, step in (("recompute", recompute), ("floor", floor), ("host", host)):
             ttft[kind].append(step[name]["ttft_s"])
         hits["host"].append(host[name]["hit_tokens"].get("host", 0))
+        timelines["host"].append(_timeline(host[name]))
     for i, name in enumerate(prompts):
         ttft["fs"].append(r[2 + i][name]["ttft_s"])
         hits["fs"].append(r[2 + i][name]["hit_tokens"].get("fs", 0))
+        timelines["fs"].append(_timeline(r[2 + i][name]))
     kv_bytes = context_tokens * DEMO.kv_bytes_per_token
     mem = memcpy_gbps(kv_bytes)
     disk = cold_read_gbps(workdir / "readbench", kv_bytes, DEMO.kv_bytes_per_token * 128)
@@ -131,7 +144,8 @@ def measure(context_tokens: int, samples: int, workdir: Path, show_progress: boo
     limit_host = med["floor"] + kv_bytes / (mem * 1e9)
     limit_fs = med["floor"] + kv_bytes / (disk * 1e9)
     return {"context_tokens": context_tokens, "kv_bytes": kv_bytes, "samples": samples,
-            "ttft_s": ttft, "median_ttft_s": med, "hit_tokens": hits,
+            "ttft_s": ttft, "median_ttft_s": med, "hit_tokens": hits, "timeline_ms": timelines,
+            "ratio_to_limit": {"host": med["host"] / limit_host, "fs": med["fs"] / limit_fs},
             "memcpy_gbps": mem, "cold_read_gbps": disk,
             "limit_s": {"host": limit_host, "fs": limit_fs},
             "target_met": {"host": med["host"] <= 2 * limit_host,

@@ -18,7 +18,6 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole,
-                                                               KVConnectorTransferResults,
                                                                SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -99,15 +98,11 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         """Delayed-free requests whose stores have all finished on this rank, and requests
-        whose asynchronous loads have ended on it."""
-        sending, recving, _ = self.worker_side.get_finished()
+        whose asynchronous loads have ended on it. A failed chunk is never reported as
+        `failed_recving`: the scheduler side cuts the request back instead (vLLM's default
+        `kv_load_failure_policy="fail"` would end it; `scheduler` module docstring)."""
+        sending, recving = self.worker_side.get_finished()
         return sending or None, recving or None
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """`get_finished` plus the requests whose asynchronous load failed on this rank
-        (vLLM frees their blocks and schedules them again)."""
-        sending, recving, failed = self.worker_side.get_finished()
-        return KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device blocks whose load failed this step: vLLM recomputes them."""
@@ -126,7 +121,8 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Tokens loadable from kvhal beyond `num_computed_tokens` (None: ask next step)."""
+        """Tokens loadable from kvhal beyond `num_computed_tokens`, and whether they load
+        asynchronously (several KV cache groups, or chunks still to be promoted)."""
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
@@ -139,8 +135,9 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Complete jobs that every rank has finished."""
-        self.scheduler_side.update_connector_output(connector_output.kv_connector_worker_meta)
+        """Complete jobs that every rank has finished; settle finished asynchronous loads."""
+        self.scheduler_side.update_connector_output(connector_output.kv_connector_worker_meta,
+                                                    connector_output.finished_recving)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

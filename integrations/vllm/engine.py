@@ -33,11 +33,11 @@ def engine_env(tp: int, in_process: bool = True) -> dict[str, str]:
 def kv_transfer_config(kvhal_config: Mapping[str, Any], module_path: str | None = None
                        ) -> dict[str, Any]:
     """vLLM's `kv_transfer_config` selecting kvhal with `kvhal_config` (DESIGN §7 keys), by
-    its registered name or, when `module_path` is given, by module path. A failed load is a
-    miss for kvhal, so vLLM recomputes (`kv_load_failure_policy` "recompute"; vLLM 0.32's
-    default "fail" would end the request)."""
+    its registered name or, when `module_path` is given, by module path. vLLM's
+    `kv_load_failure_policy` keeps its default ("fail" in 0.32): a kvhal load that fails
+    after vLLM was told of the hit cuts the request back to what arrived, so vLLM recomputes
+    the rest under either policy (`scheduler` module docstring)."""
     config = {"kv_connector": CONNECTOR, "kv_role": "kv_both",
-              "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": dict(kvhal_config)}
     if module_path is not None:
         config["kv_connector_module_path"] = module_path
@@ -78,6 +78,8 @@ class Completion:
         hit_tokens: kvhal's hits by tier ("host", "fs", ...), tokens.
         counters: kvhal's connector counters when the request finished ({} without kvhal).
         ttft_s: Time to first token in seconds (vLLM's `first_token_latency`), or None.
+        timeline: kvhal's load phases, ms after arrival (`scheduler.timeline`; {} without
+            kvhal).
     """
 
     token_ids: tuple[int, ...]
@@ -86,6 +88,7 @@ class Completion:
     hit_tokens: dict
     counters: dict
     ttft_s: float | None
+    timeline: dict
 
 
 def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
@@ -116,7 +119,7 @@ def _completion(output: Any) -> Completion:
     ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
     return Completion(tuple(out.token_ids), logprobs, int(output.num_cached_tokens or 0),
                       dict(kvhal.get("hit_tokens", {})), dict(kvhal.get("counters", {})),
-                      float(ttft) if ttft else None)
+                      float(ttft) if ttft else None, dict(kvhal.get("timeline", {})))
 
 
 def shutdown(llm: Any) -> None:

@@ -100,8 +100,8 @@ class Deployment:
     def async_loads(self) -> bool:
         """True with several KV cache groups: vLLM 0.32 cannot map a failed block id back to
         a request then (`Scheduler._handle_invalid_blocks` refuses block-level errors for more
-        than one group), so loads run asynchronously and a failed one is reported per request
-        (`failed_recving`), after which vLLM reschedules the request."""
+        than one group), so every load runs asynchronously and a failed chunk cuts the request
+        back on the scheduler side (`scheduler` module docstring)."""
         return len(self.groups) > 1
 
     @property

@@ -48,9 +48,12 @@ class KVHalMetadata(KVConnectorMetadata):
 
     Attributes:
         region: The host region (workers attach on first use).
-        loads: Jobs to finish before this step's forward (H2D), or, with several KV cache
-            groups, to run asynchronously (`Deployment.async_loads`).
+        loads: Jobs to finish before this step's forward (H2D; vLLM's synchronous loads).
         stores: Jobs to start after this step's forward (D2H).
+        async_loads: Chunks of asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS) that landed
+            in host memory since the last step; they never hold up this step's forward.
+        recv_final: Requests whose asynchronous load gets no more jobs: report each in
+            `finished_recving` once this worker's jobs for it have finished.
         flush: Blocks were freed by preemption this step: wait for every in-flight store
             before the forward overwrites them.
         report_sending: Requests whose frees vLLM delayed; report each in `finished_sending`
@@ -62,6 +65,8 @@ class KVHalMetadata(KVConnectorMetadata):
     stores: list[TransferJob] = field(default_factory=list)
     flush: bool = False
     report_sending: tuple[str, ...] = ()
+    async_loads: list[TransferJob] = field(default_factory=list)
+    recv_final: tuple[str, ...] = ()
 
 
 @dataclass

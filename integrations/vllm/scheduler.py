@@ -7,27 +7,47 @@ the manager once every TP rank has finished it.
 
 Every KV cache group of vLLM (hybrid models: full attention, sliding window, MLA) has its own
 chunk keys (`ChunkKey.group`), its own host pool and its own lookup rule
-(`kvhal.engine.needed_chunks`): a hit is the longest chunk prefix every group can serve.
+(`kvhal.engine.needed_chunks`): a hit is the longest chunk prefix every group can serve (a
+chunk being promoted from a secondary tier counts: it is on its way).
 
-With one group, loads are synchronous in vLLM's sense (`is_async=False`): they run in the same
-step as the forward pass that needs them, before it, and a load that fails is reported by the
-worker through `get_block_ids_with_load_errors`; vLLM recomputes from the first failed block.
-With several groups vLLM takes no block-level errors (`Deployment.async_loads`), so loads are
-asynchronous: the request waits for them, a failed one is reported per request
-(`failed_recving`), vLLM frees the request's blocks and asks again, and the next hit stops
-before the first chunk a group failed to load (`_Request.max_hit_chunks`).
+Two load paths, chosen per request when vLLM asks:
+- one group and every hit chunk in host memory: a synchronous load (`is_async=False`) in the
+  same step as the forward pass that needs it, before it. A failed host → device copy (a
+  device fault) is reported through `get_block_ids_with_load_errors`.
+- otherwise (a chunk still to be promoted, or several groups: vLLM 0.32 takes no block-level
+  errors for several groups, `Deployment.async_loads`): an asynchronous load (`is_async=True`).
+  vLLM parks the request in WAITING_FOR_REMOTE_KVS with its blocks allocated while other
+  requests run; each step this side ships the chunks that have landed in host memory
+  (`KVHalMetadata.async_loads`, host → device while the tier reads the rest) and, after the
+  last one or the first failure, tells the workers the load is final
+  (`KVHalMetadata.recv_final`); they report it in `finished_recving` once their copies are done.
+
+A chunk that fails after vLLM was told (file vanished, corrupt, tier or device fault) is never
+reported to vLLM as a failure (`failed_recving`): under vLLM 0.32's default
+`kv_load_failure_policy="fail"` that ends the request with an error. Instead, before vLLM reads
+the request's `finished_recving` (`update_connector_output`), this side cuts the request back:
+- full-attention / MLA groups only: `request.num_computed_tokens` ends at the first chunk some
+  group did not get (what vLLM's "recompute" policy does in
+  `_update_requests_with_invalid_blocks`), vLLM's prefill stats follow, and the blocks are
+  freed when nothing remains (as `_update_waiting_for_remote_kv` does); vLLM computes the rest.
+- with a sliding-window group a shorter hit needs another window, which was not loaded: the
+  request goes back to 0 computed tokens with its blocks freed (what vLLM does for
+  `failed_recving` under "recompute"), vLLM asks again, and the next hit ends before the first
+  chunk a group could not serve (`_Request.max_hit_chunks`).
+Either way the request is answered, correctly, under either policy.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from kvhal.backends.cpu import CpuBackend
 from kvhal.config import EngineConfig
-from kvhal.engine import build_manager, chunks_to_store, leading_hits, needed_chunks
+from kvhal.engine import build_manager, chunks_to_store, needed_chunks
 from kvhal.host import HostRegion, host_layout
 from kvhal.keys import chunk_keys
 from kvhal.layout import Kind
@@ -47,6 +67,25 @@ REGION_NAME_PREFIX = "kvhal-"
 #: Key of the per-request cap in `SamplingParams.extra_args["kv_transfer_params"]`.
 MAX_OFFLOAD_TOKENS = "max_offload_tokens"
 
+#: Seconds a step with nothing to compute waits for a promotion in flight (`_idle_wait`).
+IDLE_WAIT_S = 0.0005
+
+#: Load phases reported by `timeline`, in order.
+PHASES = ("lookup", "alloc", "first_h2d_issue", "landed", "h2d_issue", "recv_done")
+
+
+def timeline(times: dict[str, float], request: Any) -> dict[str, float]:
+    """A request's load phases in ms after its arrival (vLLM's `Request.arrival_time`,
+    time.time() seconds): lookup (first `get_num_new_matched_tokens`), alloc (vLLM allocated
+    its blocks), first_h2d_issue (asynchronous loads: first landed chunks shipped to the
+    device), landed (asynchronous loads: every chunk in host memory, or the first failure
+    found), h2d_issue (last host → device copy issued), recv_done (asynchronous loads: every
+    worker finished). Phases that did not happen are absent."""
+    arrival = getattr(request, "arrival_time", None)
+    if arrival is None:
+        return {}
+    return {p: round((times[p] - arrival) * 1e3, 3) for p in PHASES if p in times}
+
 
 @dataclass(slots=True)
 class _Request:
@@ -62,8 +101,44 @@ class _Request:
     hit_tokens: dict[str, int] = field(default_factory=dict)    # tier label → tokens
     # The last update_state_after_alloc's hit tokens by vLLM cache-hit source.
     hit_sources: dict[str, int] = field(default_factory=dict)
-    # First chunk a group failed to load: later hits end before it (async loads).
+    # First chunk a group failed to load: later hits end before it.
     max_hit_chunks: int | None = None
+    # The last lookup's hit loads asynchronously (vLLM was told is_async=True).
+    async_hit: bool = False
+    # Wall-clock times (time.time(), s) of this request's load phases (`timeline`).
+    times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _GroupLoad:
+    """One group's part of an asynchronous load: request chunks `chunks` (int64, ascending)
+    with keys `keys` into device blocks `block_ids` (n, blocks_per_chunk); the first `issued`
+    have been shipped to the workers, from the tiers `sources` names (`LoadPlan.sources`)."""
+
+    group: int
+    chunks: np.ndarray
+    keys: list
+    block_ids: np.ndarray
+    issued: int = 0
+    sources: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _AsyncLoad:
+    """An asynchronous load of request chunks [start, stop) in every group. `failed_at` is
+    the first request chunk some group will not get (None: none so far); `final`: no more
+    jobs will be shipped (all shipped, a failure, or the request finished: `stopped`)."""
+
+    request: Any
+    start: int
+    stop: int
+    groups: list[_GroupLoad]
+    failed_at: int | None = None
+    final: bool = False
+    stopped: bool = False
+
+    def fail(self, chunk: int) -> None:
+        self.failed_at = chunk if self.failed_at is None else min(self.failed_at, chunk)
 
 
 @dataclass(slots=True)
@@ -130,11 +205,15 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._loads: list[TransferJob] = []
+        self._recving: dict[str, _AsyncLoad] = {}
+        self._asked: set[str] = set()         # looked up this step, not (yet) allocated
         self._report_sending: list[str] = []
         self.counters = {"load_chunks": 0, "load_failed_chunks": 0, "store_chunks": 0,
                          "store_failed_chunks": 0}
         n = len(deployment.groups)
         self.group_counters = {k: [0] * n for k in self.counters}
+        #: Asynchronous loads cut back after a chunk failed (module docstring).
+        self.counters["load_late_failures"] = 0
 
     # -- keys --------------------------------------------------------------------------------
     def _keys(self, request: Any, group: int = 0) -> list:
@@ -162,10 +241,11 @@ class SchedulerSide:
     # -- vLLM scheduler hooks ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Tokens beyond `num_computed_tokens` loadable from kvhal now (whole chunks only, and
-        never the prompt's last token, which vLLM must compute); None asks vLLM to come back
-        next step because a chunk is being promoted from a secondary tier. The flag is
-        `Deployment.async_loads`.
+        """Tokens beyond `num_computed_tokens` kvhal can load (whole chunks only, and never the
+        prompt's last token, which vLLM must compute), and whether the load is asynchronous:
+        True with several groups (`Deployment.async_loads`) or when a chunk of the hit is
+        still on its way into host memory (a promotion from a secondary tier, a store in
+        flight).
 
         With blocks_per_chunk > 1, a local prefix hit that ends inside a chunk gets no external
         hit (loads start at chunk boundaries); vLLM-CPU's 128-token blocks make 1 the default.
@@ -174,6 +254,7 @@ class SchedulerSide:
             check_vllm_hash_seed(self.deployment)
             self._seed_checked = True
         state = self._state(request)
+        state.times.setdefault("lookup", time.time())
         tpc = self.deployment.tokens_per_chunk
         start = -(-num_computed_tokens // tpc)
         end = (request.num_tokens - 1) // tpc
@@ -181,29 +262,29 @@ class SchedulerSide:
             end = min(end, state.max_hit_chunks)
         if start * tpc != num_computed_tokens or start >= end:
             return 0, False
-        hit_end = self._hit_end(request, state, start, end)
-        if hit_end is None:
-            return None, False
+        self._asked.add(request.request_id)
+        hit_end, pending = self._hit_end(request, state, start, end)
         state.load_start, state.load_end = start, hit_end
         if hit_end == start:
             return 0, False
-        return (hit_end - start) * tpc, self.deployment.async_loads
+        state.async_hit = pending or self.deployment.async_loads
+        return (hit_end - start) * tpc, state.async_hit
 
-    def _hit_end(self, request: Any, state: _Request, start: int, end: int) -> int | None:
+    def _hit_end(self, request: Any, state: _Request, start: int, end: int
+                 ) -> tuple[int, bool]:
         """The end chunk of the longest hit in [start, end) every group can serve (pins its
-        chunks), or None if a chunk it needs is on its way into host memory."""
+        resident chunks), and whether a chunk of it is still on its way into host memory."""
         rid, dep = request.request_id, self.deployment
-        limit = end
-        for g in self._prefix_groups:   # whole prefix: the leading hits
+        limit, pending = end, False
+        for g in self._prefix_groups:   # whole prefix: the chunks before the first MISS
             keys = self._keys(request, g.group_id)[start:end]
             answers = self.manager.lookup(keys, request_id=(rid, g.group_id))
             self._describe(request, start, keys, answers)
-            hits = leading_hits(answers)
-            if hits is None:
-                return None
+            hits = _usable(answers)
+            pending = pending or Lookup.RETRY in answers[:hits]
             limit = min(limit, start + hits)
         if not self._window_groups:
-            return limit
+            return limit, pending
         keys = {g.group_id: self._keys(request, g.group_id) for g in self._window_groups}
         probed: dict[tuple[int, int], Lookup] = {}
 
@@ -219,21 +300,15 @@ class SchedulerSide:
             need = [(g.group_id, c) for g in self._window_groups for c in reversed(
                 needed_chunks(g.kind, start, n, dep.tokens_per_chunk, dep.block_size,
                               g.sliding_window))]
-            answers = []
-            for group, chunk in need:
-                answers.append(answer(group, chunk))
-                if answers[-1] is not Lookup.HIT:
-                    break
-            if Lookup.RETRY in answers:
-                return None
-            if answers[-1] is Lookup.HIT:
+            if all(answer(group, chunk) is not Lookup.MISS for group, chunk in need):
                 hit_end = n
+                pending = pending or any(probed[k] is Lookup.RETRY for k in need)
                 break
         for g in self._window_groups:
             rng = needed_chunks(g.kind, start, hit_end, dep.tokens_per_chunk, dep.block_size,
                                 g.sliding_window)
             self.manager.lookup([keys[g.group_id][c] for c in rng], request_id=(rid, g.group_id))
-        return hit_end
+        return hit_end, pending
 
     def _describe(self, request: Any, start: int, keys: list, answers: list) -> None:
         """Describe the chunks being promoted (from chunk `start` on) for their KV events."""
@@ -246,57 +321,158 @@ class SchedulerSide:
                                  ) -> None:
         """Reserve the hit chunks for reading and queue their load into the request's new
         blocks (vLLM has allocated them; a group's null blocks — outside a sliding window —
-        are not loaded)."""
+        are not loaded). An asynchronous load ships its chunks as they land
+        (`build_connector_meta`)."""
         state = self._state(request)
+        rid = request.request_id
+        self._asked.discard(rid)
         state.hit_sources = {}
         if num_external_tokens == 0:
-            self._release(request.request_id)
+            if rid not in self._recving:
+                self._release(rid)
             return
+        state.times["alloc"] = time.time()
         dep = self.deployment
         tpc, bpc = dep.tokens_per_chunk, dep.blocks_per_chunk
         start = state.load_start
         stop = start + num_external_tokens // tpc
         group_blocks = blocks.get_block_ids()
-        sources: tuple[str, ...] = ()      # tier label per chunk, of the fullest group
+        parts = []
         for g in dep.groups:
             ids = np.asarray(group_blocks[g.group_id], dtype=np.int64)
             chunk_blocks = ids[start * bpc:stop * bpc].reshape(-1, bpc)
             wanted = np.flatnonzero((chunk_blocks != self.null_block_id).all(axis=1))
-            if not len(wanted):
-                self.manager.release((request.request_id, g.group_id))
-                continue
             all_keys = self._keys(request, g.group_id)
-            keys = [all_keys[start + c] for c in wanted]
-            plan = self.manager.prepare_load(keys, request_id=(request.request_id, g.group_id))
-            placed = 0 if plan is None else len(plan.keys)
-            slots = np.full(len(keys), -1, dtype=np.int64)  # -1: gone since lookup → fails
-            job_id = -1
-            if plan is not None:
-                slots[:placed] = plan.slots
-                job_id = plan.job_id
-                self._jobs[job_id] = _Job(request.request_id, False, g.group_id,
-                                          (start + wanted[:placed]).astype(np.int64))
-            self._loads.append(TransferJob(job_id, request.request_id, g.group_id, slots,
-                                           chunk_blocks[wanted]))
-            if placed < len(keys):
-                self._cap(state, start + int(wanted[placed]))
-            if plan is not None and placed > len(sources):
-                sources = plan.sources
-        # chunks gone since the lookup fail to load; vLLM still counts them as hits, from host
-        for label in (*sources, *("host",) * (stop - start - len(sources))):
-            state.hit_tokens[label] = state.hit_tokens.get(label, 0) + tpc
-            source = self._hit_source[label]
-            state.hit_sources[source] = state.hit_sources.get(source, 0) + tpc
+            parts.append(_GroupLoad(g.group_id, (start + wanted).astype(np.int64),
+                                    [all_keys[start + c] for c in wanted],
+                                    chunk_blocks[wanted]))
+            if not len(wanted):
+                self.manager.release((rid, g.group_id))
         state.num_stored_chunks = max(state.num_stored_chunks, stop)
+        if state.async_hit:
+            self._recving[rid] = _AsyncLoad(request, start, stop, parts)
+            biggest = max(parts, key=lambda p: len(p.keys))
+            self._credit(state.hit_sources, self.manager.sources(biggest.keys), source=True)
+            return
+        (part,) = parts     # synchronous: one group, every chunk in host memory
+        plan = self.manager.prepare_load(part.keys, request_id=(rid, part.group))
+        placed = 0 if plan is None else len(plan.keys)
+        slots = np.full(len(part.keys), -1, dtype=np.int64)  # -1: gone since lookup → fails
+        job_id = -1
+        if plan is not None:
+            slots[:placed] = plan.slots
+            job_id = plan.job_id
+            self._jobs[job_id] = _Job(rid, False, part.group, part.chunks[:placed])
+        self._loads.append(TransferJob(job_id, rid, part.group, slots, part.block_ids))
+        if placed < len(part.keys):
+            self._cap(state, int(part.chunks[placed]))
+        # chunks gone since the lookup fail to load; vLLM still counts them as hits, from host
+        labels = (*(plan.sources if plan is not None else ()), *("host",) * (len(part.keys)
+                                                                         - placed))
+        self._credit(state.hit_tokens, labels)
+        self._credit(state.hit_sources, labels, source=True)
+        state.times["h2d_issue"] = time.time()
+
+    def _credit(self, into: dict[str, int], labels: Sequence[str], source: bool = False
+                ) -> None:
+        """Add a chunk's tokens to `into` per tier label in `labels` (by vLLM cache-hit
+        source if `source`)."""
+        tpc = self.deployment.tokens_per_chunk
+        for label in labels:
+            name = self._hit_source[label] if source else label
+            into[name] = into.get(name, 0) + tpc
 
     @staticmethod
     def _cap(state: _Request, chunk: int) -> None:
         state.max_hit_chunks = (chunk if state.max_hit_chunks is None
                                 else min(state.max_hit_chunks, chunk))
 
+    # -- asynchronous loads ------------------------------------------------------------------
+    def _advance(self, load: _AsyncLoad) -> list[TransferJob]:
+        """Ship the chunks of `load` that landed since the last step; mark it final after
+        its last chunk, at the first chunk that will not arrive, or once its request
+        finished."""
+        rid = load.request.request_id
+        jobs = []
+        for part in load.groups:
+            if load.stopped or load.failed_at is not None or part.issued == len(part.keys):
+                continue
+            keys = part.keys[part.issued:]
+            answers = self.manager.lookup(keys, request_id=(rid, part.group))
+            ready = next((i for i, a in enumerate(answers) if a is not Lookup.HIT), len(keys))
+            plan = (self.manager.prepare_load(keys[:ready], request_id=(rid, part.group))
+                    if ready else None)
+            n = 0 if plan is None else len(plan.keys)
+            if n:
+                jobs.append(TransferJob(plan.job_id, rid, part.group, plan.slots,
+                                        part.block_ids[part.issued:part.issued + n]))
+                self._jobs[plan.job_id] = _Job(rid, False, part.group,
+                                               part.chunks[part.issued:part.issued + n])
+                part.issued += n
+                part.sources.extend(plan.sources)
+            if part.issued < len(part.keys) and (n < ready or answers[n] is Lookup.MISS):
+                load.fail(int(part.chunks[part.issued]))
+        state = self._requests.get(rid)
+        now = time.time()
+        if jobs and state is not None:
+            state.times.setdefault("first_h2d_issue", now)
+            state.times["h2d_issue"] = now
+        load.final = (load.stopped or load.failed_at is not None
+                      or all(p.issued == len(p.keys) for p in load.groups))
+        if load.final:
+            self._release(rid)
+            if state is not None:
+                state.times["landed"] = now
+        return jobs
+
+    def _idle_wait(self, scheduler_output: Any) -> None:
+        """A step with nothing to compute whose only work is a promotion in flight: give the
+        tier's threads the GIL for a moment instead of spinning (vLLM's engine loop calls
+        `schedule` again at once)."""
+        if scheduler_output.total_num_scheduled_tokens == 0 and any(
+                not load.final for load in self._recving.values()):
+            time.sleep(IDLE_WAIT_S)
+
+    def _settle(self, rid: str) -> None:
+        """A finished asynchronous load: credit the chunks that arrived and, if some did not,
+        cut the request back so vLLM computes the rest (module docstring)."""
+        load = self._recving.pop(rid)
+        request, state = load.request, self._requests.get(rid)
+        if state is not None:
+            state.times["recv_done"] = time.time()
+        if request.is_finished() or state is None:
+            return
+        biggest = max(load.groups, key=lambda p: len(p.keys))
+        if load.failed_at is None:
+            self._credit(state.hit_tokens, biggest.sources)
+            return
+        tpc = self.deployment.tokens_per_chunk
+        arrived = load.failed_at
+        self.counters["load_late_failures"] += 1
+        self._cap(state, arrived)
+        logger.info("request %s: kvhal chunks %d-%d failed to load after lookup; vLLM "
+                    "recomputes from chunk %d", rid, arrived, load.stop - 1,
+                    arrived if not self._window_groups else 0)
+        if self._window_groups:   # another window would be needed: vLLM asks again
+            request.num_computed_tokens = 0
+            self.kv_cache_manager.free(request)
+            return
+        self._credit(state.hit_tokens, [label for label, c in zip(biggest.sources,
+                                                                   biggest.chunks) if c < arrived])
+        request.num_computed_tokens = arrived * tpc
+        stats = getattr(request, "prefill_stats", None)
+        if stats is not None and stats.num_prompt_tokens:   # vLLM's num_cached_tokens
+            stats.set(num_prompt_tokens=stats.num_prompt_tokens,
+                      num_local_cached_tokens=stats.num_local_cached_tokens,
+                      num_external_cached_tokens=(arrived - load.start) * tpc)
+        if request.num_computed_tokens == 0:
+            self.kv_cache_manager.free(request)
+
     def build_connector_meta(self, scheduler_output: Any) -> KVHalMetadata:
-        """This step's loads (queued by `update_state_after_alloc`) and stores (full chunks
-        this step completes), plus preemption flush and delayed-free reports."""
+        """This step's loads (synchronous ones queued by `update_state_after_alloc`, chunks of
+        asynchronous ones that landed), stores (full chunks this step completes), preemption
+        flush and delayed-free reports. Requests looked up but not scheduled this step hold
+        no pins afterwards."""
         stores = []
         scheduled = scheduler_output.num_scheduled_tokens
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
@@ -309,9 +485,20 @@ class SchedulerSide:
         preempted = scheduler_output.preempted_req_ids or ()
         for req_id in preempted:
             self._release(req_id)
+        for req_id in self._asked:   # asked about but not scheduled: hold nothing for them
+            self._release(req_id)
+        self._asked.clear()
+        self._idle_wait(scheduler_output)
+        async_loads, final = [], []
+        for req_id, load in self._recving.items():
+            if not load.final:
+                async_loads.extend(self._advance(load))
+                if load.final:
+                    final.append(req_id)
         self.manager.poll()        # finished cascades, and chunks that left a tier
         meta = KVHalMetadata(self.region_info, self._loads, stores, flush=bool(preempted),
-                             report_sending=tuple(self._report_sending))
+                             report_sending=tuple(self._report_sending),
+                             async_loads=async_loads, recv_final=tuple(final))
         self._loads, self._report_sending = [], []
         return meta
 
@@ -348,8 +535,17 @@ class SchedulerSide:
                                     blocks[plan.indices]))
         return jobs
 
-    def update_connector_output(self, worker_meta: KVHalWorkerMetadata | None) -> None:
-        """Complete every job that all TP ranks have finished."""
+    def update_connector_output(self, worker_meta: KVHalWorkerMetadata | None,
+                                finished_recving: set[str] | None = None) -> None:
+        """Complete every job that all TP ranks have finished, then settle the asynchronous
+        loads vLLM is about to see in `finished_recving` (vLLM calls this before it reads
+        them)."""
+        self._complete_jobs(worker_meta)
+        for req_id in finished_recving or ():
+            if req_id in self._recving:
+                self._settle(req_id)
+
+    def _complete_jobs(self, worker_meta: KVHalWorkerMetadata | None) -> None:
         if worker_meta is None:
             return
         tp = self.deployment.tp_size
@@ -376,20 +572,31 @@ class SchedulerSide:
             state.store_jobs.discard(job_id)
             if not job.is_store and job.num_ok < job.num_chunks:
                 self._cap(state, int(job.chunks[job.num_ok]))
+        load = self._recving.get(job.req_id)
+        if load is not None and not job.is_store and job.num_ok < job.num_chunks:
+            load.fail(int(job.chunks[job.num_ok]))
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Release the request's pins; delay vLLM's free while a store still reads its blocks.
 
         Returns:
             (delay_free, kv_transfer_params): the params carry `{"kvhal": {"hit_tokens":
-            {tier: tokens}, "counters": stats()}}` for the request's output (tier "host" or a
-            secondary tier's metrics label, e.g. "fs", "fs-2"; counters are this connector's totals so far).
+            {tier: tokens}, "counters": stats(), "timeline": timeline(...)}}` for the
+            request's output (tier "host" or a secondary tier's metrics label, e.g. "fs",
+            "fs-2"; counters are this connector's totals so far).
         """
         self._release(request.request_id)
+        self._asked.discard(request.request_id)
+        load = self._recving.get(request.request_id)
+        if load is not None:
+            # vLLM frees the blocks only after finished_recving: ship nothing more; the next
+            # build_connector_meta tells the workers the load is final.
+            load.stopped = True
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
-        params = {"kvhal": {"hit_tokens": dict(state.hit_tokens), "counters": self.stats()}}
+        params = {"kvhal": {"hit_tokens": dict(state.hit_tokens), "counters": self.stats(),
+                            "timeline": timeline(state.times, request)}}
         if state.store_jobs:
             self._report_sending.append(request.request_id)
             return True, params
@@ -432,3 +639,8 @@ class SchedulerSide:
         self.manager.close()
         self.region.close()
 
+
+
+def _usable(answers: list[Lookup]) -> int:
+    """Chunks before the first MISS (HITs now, RETRYs on their way into host memory)."""
+    return next((i for i, a in enumerate(answers) if a is Lookup.MISS), len(answers))

@@ -8,10 +8,11 @@ backend of their device. Jobs arrive in `KVHalMetadata`, each for one group; one
 the host region (the scheduler's shared region, `HostRegion.attach_shared`, attached on first
 use).
 
-Loads are synchronous with one group (the forward waits for them; failed blocks go to
-`take_load_errors`) and asynchronous with several (`Deployment.async_loads`: a request is
-reported in `finished_recving` once all its jobs have ended, and also in `failed_recving` if
-any chunk of any group failed).
+Synchronous loads (`KVHalMetadata.loads`) hold up the forward; their failed blocks go to
+`take_load_errors`. Asynchronous loads (`KVHalMetadata.async_loads`) run beside it; a request
+is reported in `finished_recving` once the scheduler said its load is final and all its jobs
+have ended on this rank. Their outcome (`num_ok` per job) reaches the scheduler side through
+the worker metadata, which cuts the request back if a chunk failed (never `failed_recving`).
 """
 from __future__ import annotations
 
@@ -59,10 +60,8 @@ class WorkerSide:
         self._report: set[str] = set()
         self._loads_waiting: list[tuple[int, int]] = []   # (group, job id) of sync loads
         self._load_errors: set[int] = set()
-        self._async_jobs: dict[int, str] = {}       # in-flight async load job → request id
-        self._recving: dict[str, int] = {}          # request → its async load jobs in flight
-        self._failed: set[str] = set()              # requests with a failed async load
-        self._recv_done: set[str] = set()
+        self._async_jobs: dict[int, tuple[int, str]] = {}   # in-flight → (group, request)
+        self._recv_final: set[str] = set()          # no more jobs will come for these
         self._meta = KVHalWorkerMetadata()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -113,33 +112,24 @@ class WorkerSide:
                 worker.wait()
 
     def start_load_kv(self, meta: KVHalMetadata) -> None:
-        """Issue this step's loads. Chunks the scheduler could not hold (slot -1) and every
-        chunk after them fail at once: their blocks are reported as load errors (one group)
-        or their request as failed (several groups)."""
+        """Issue this step's loads. Chunks of a synchronous load the scheduler could not hold
+        (slot -1) and every chunk after them fail at once: their blocks are reported as load
+        errors. Asynchronous loads are issued without being waited for."""
         workers = self._attach(meta.region)
         self._report.update(meta.report_sending)
-        is_async = self.deployment.async_loads
+        for job in meta.async_loads:
+            workers[job.group].submit_load(job.job_id, job.block_ids,
+                                           job.slots - self._first_slots[job.group])
+            self._async_jobs[job.job_id] = (job.group, job.req_id)
+        self._recv_final.update(meta.recv_final)
         for job in meta.loads:
             valid = int(np.argmin(job.slots >= 0)) if (job.slots < 0).any() else len(job.slots)
-            if is_async:
-                self._recving.setdefault(job.req_id, 0)
-                if valid < len(job.slots):
-                    self._failed.add(job.req_id)
-            else:
-                self._load_errors.update(job.block_ids[valid:].ravel().tolist())
+            self._load_errors.update(job.block_ids[valid:].ravel().tolist())
             if job.job_id < 0:
                 continue
             local = job.slots[:valid] - self._first_slots[job.group]
             workers[job.group].submit_load(job.job_id, job.block_ids[:valid], local)
-            if is_async:
-                self._async_jobs[job.job_id] = job.req_id
-                self._recving[job.req_id] += 1
-            else:
-                self._loads_waiting.append((job.group, job.job_id))
-        if is_async:  # requests none of whose jobs could be submitted are done (failed)
-            self._recv_done.update(r for r, n in self._recving.items() if n == 0)
-            for req in self._recv_done:
-                self._recving.pop(req, None)
+            self._loads_waiting.append((job.group, job.job_id))
 
     def wait_for_layer_load(self) -> None:
         """Block until this step's synchronous loads have landed (the first layer's attention
@@ -160,41 +150,35 @@ class WorkerSide:
                                             job.slots - self._first_slots[job.group])
             self._store_reqs[job.job_id] = job.req_id
 
-    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+    def get_finished(self) -> tuple[set[str], set[str]]:
         """Collect finished jobs into the worker metadata.
 
         Returns:
-            (sending, recving, failed): delayed-free requests with no store of this rank still
-            reading their blocks (vLLM's `finished_sending`); requests whose async loads have
-            all ended on this rank (`finished_recving`); those of them with a failed chunk
-            (`failed_recving`).
+            (sending, recving): delayed-free requests with no store of this rank still
+            reading their blocks (vLLM's `finished_sending`); asynchronous loads that got
+            their last job and whose jobs on this rank have all ended (`finished_recving`;
+            waiting for them here is a host → device copy, never disk or network I/O).
         """
+        final = self._recv_final
+        for job_id, (group, req_id) in list(self._async_jobs.items()):
+            if req_id in final:
+                self.workers[group].wait(job_id)
         for worker in self.workers:
             for result in worker.get_finished():
                 self._meta.ranks_done[result.job_id] = 1
                 self._meta.num_ok[result.job_id] = result.num_ok
                 self._store_reqs.pop(result.job_id, None)
-                if result.direction is not Direction.H2D:
-                    continue
-                req = self._async_jobs.pop(result.job_id, None)
-                if req is None:
-                    if not result.ok:
-                        self._load_errors.update(result.block_ids[result.num_ok:].ravel()
-                                                 .tolist())
-                    continue
-                if not result.ok:
-                    self._failed.add(req)
-                self._recving[req] -= 1
-                if self._recving[req] == 0:
-                    del self._recving[req]
-                    self._recv_done.add(req)
+                if self._async_jobs.pop(result.job_id, None) is not None:
+                    continue   # the scheduler side judges an async load's num_ok
+                if result.direction is Direction.H2D and not result.ok:
+                    self._load_errors.update(result.block_ids[result.num_ok:].ravel().tolist())
         busy = set(self._store_reqs.values())
         sending = {r for r in self._report if r not in busy}
         self._report -= sending
-        recving, self._recv_done = self._recv_done, set()
-        failed = recving & self._failed
-        self._failed -= failed
-        return sending, recving, failed
+        loading = {r for _, r in self._async_jobs.values()}
+        recving = {r for r in final if r not in loading}
+        self._recv_final -= recving
+        return sending, recving
 
     def take_load_errors(self) -> set[int]:
         """Device block ids whose synchronous load failed since the last call (vLLM

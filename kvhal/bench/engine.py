@@ -5,6 +5,12 @@ per chunk, a lookup of a `--chunks`-chunk prefix that all hits (with a request's
 prepare + complete store of `--chunks` new chunks (evicting as many old ones once full), and a
 prepare + complete load of `--chunks` chunks. Target: ≤ 2 µs per chunk for each.
 
+Busy fs (`--busy-fs`): the same bookkeeping again while an fs tier (its own host buffer of
+64 × 2 MiB chunks, a temporary folder) stores and reads back chunks as fast as its threads can,
+driven from another thread: the scheduler's per-chunk cost under GIL contention from the
+tier's I/O threads, measured, next to the idle figure of the same run. Target (issue 13):
+busy ≤ 2 × idle for each operation.
+
 Round trip: `--rt-chunks` chunks of `--chunk-mib` MiB (each `--blocks-per-chunk` device blocks,
 `BlockPlanner` layout) are stored device → host through manager + worker + cpu backend, then
 loaded back host → device into other blocks. The device blocks are a seeded random permutation
@@ -20,6 +26,8 @@ must restore every block exactly.
 from __future__ import annotations
 
 import argparse
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -35,16 +43,21 @@ from kvhal.report import print_json, print_table, progress
 
 TARGET_US_PER_CHUNK = 2.0
 TARGET_RATIO = 0.9
+TARGET_BUSY_RATIO = 2.0
 
 
 @dataclass(frozen=True, slots=True)
 class BookkeepingResult:
-    """Microseconds per chunk of each manager operation pair."""
+    """Microseconds per chunk of each manager operation pair: best and median of the
+    repeats."""
 
     chunks: int
     lookup_us: float
     store_us: float
     load_us: float
+    lookup_median_us: float
+    store_median_us: float
+    load_median_us: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +80,10 @@ def _keys(n: int, tag: int) -> list[ChunkKey]:
     return [ChunkKey(ns, 0, (tag << 40 | i).to_bytes(16, "big")) for i in range(n)]
 
 
-def _best(fn, repeats: int) -> float:
+def _best_and_median(fn, repeats: int) -> tuple[float, float]:
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        best = min(best, fn())
-    return best
+    times = sorted(fn() for _ in range(repeats))
+    return times[0], float(np.median(times))
 
 
 def _best_alternating(a, b, repeats: int) -> tuple[float, float]:
@@ -113,9 +124,64 @@ def bookkeeping(chunks: int = 1000, capacity: int = 4000, repeats: int = 20) -> 
         manager.complete_load(p.job_id)
         return time.perf_counter() - t0
 
-    us = {name: _best(fn, repeats) / chunks * 1e6
+    us = {name: [t / chunks * 1e6 for t in _best_and_median(fn, repeats)]
           for name, fn in (("lookup", lookup), ("load", load), ("store", store))}
-    return BookkeepingResult(chunks, us["lookup"], us["store"], us["load"])
+    return BookkeepingResult(chunks, us["lookup"][0], us["store"][0], us["load"][0],
+                             us["lookup"][1], us["store"][1], us["load"][1])
+
+
+class BusyFsTier:
+    """An fs tier kept storing and loading 2 MiB chunks at full speed on a background thread
+    (context manager; entering returns once the tier has moved its first bytes);
+    `bytes_moved()` counts the bytes it stored and loaded so far."""
+
+    def __init__(self, root: str, chunks: int = 64, chunk_bytes: int = 2 << 20):
+        from kvhal.tiers.fs import FsTier
+
+        self._host = bytearray(chunks * chunk_bytes)
+        self._tier = FsTier({"root_dir": root}, memoryview(self._host), bytes(NAMESPACE_BYTES))
+        self._ids = iter(range(1, 1 << 62))
+        self._chunks, self._chunk_bytes = chunks, chunk_bytes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drive, name="bench-busy-fs", daemon=True)
+
+    def _job(self, i: int, tag: int, kind):
+        from kvhal.tiers.base import TierJob
+
+        return TierJob(next(self._ids), kind, _keys(1, tag << 8 | i)[0], i * self._chunk_bytes,
+                       self._chunk_bytes)
+
+    def _drive(self) -> None:
+        from kvhal.tiers.base import JobKind
+
+        tag = 1 << 20
+        while not self._stop.is_set():
+            tag += 1
+            for i in range(self._chunks):
+                self._tier.submit_store(self._job(i, tag, JobKind.STORE))
+            self._tier.drain()
+            self._tier.get_finished_jobs()
+            for i in range(self._chunks):
+                self._tier.submit_load(self._job(i, tag, JobKind.LOAD))
+            self._tier.drain()
+            self._tier.get_finished_jobs()
+
+    def bytes_moved(self) -> int:
+        """Bytes the tier stored plus bytes it loaded so far."""
+        stats = self._tier.stats()
+        return int(stats.get("bytes_stored", 0)) + int(stats.get("bytes_loaded", 0))
+
+    def __enter__(self) -> "BusyFsTier":
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while self.bytes_moved() == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._tier.close()
 
 
 def round_trip(backend_name: str | None = None, chunk_bytes: int = 2 << 20, chunks: int = 64,
@@ -189,19 +255,49 @@ def run(args: argparse.Namespace) -> int:
         rt = round_trip(args.backend, args.chunk_mib << 20, args.rt_chunks, args.blocks_per_chunk,
                         args.repeats)
         bar.advance(task)
+        busy = None
+        if args.busy_fs:
+            with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp, BusyFsTier(tmp) as fs:
+                start, before = time.perf_counter(), fs.bytes_moved()
+                busy = bookkeeping(args.chunks, repeats=args.repeats * 4)
+                seconds = time.perf_counter() - start
+                moved = fs.bytes_moved() - before
+            idle = bookkeeping(args.chunks, repeats=args.repeats * 4)  # after, same load
+            busy = {"idle": asdict(idle), "busy": asdict(busy),
+                    "ratio": {op: getattr(busy, f"{op}_us") / getattr(idle, f"{op}_us")
+                              for op in ("lookup", "store", "load")},
+                    "median_ratio": {op: getattr(busy, f"{op}_median_us")
+                                     / getattr(idle, f"{op}_median_us")
+                                     for op in ("lookup", "store", "load")},
+                    "fs_bytes_moved": moved, "seconds": seconds,
+                    "fs_gbps": moved / seconds / 1e9}
     if args.json:
         print_json({"bookkeeping": asdict(book), "round_trip": asdict(rt) | {"ratio": rt.ratio},
-                    "targets": {"us_per_chunk": TARGET_US_PER_CHUNK, "ratio": TARGET_RATIO}})
+                    **({"busy_fs": busy} if busy else {}),
+                    "targets": {"us_per_chunk": TARGET_US_PER_CHUNK, "ratio": TARGET_RATIO,
+                                "busy_ratio": TARGET_BUSY_RATIO}})
         return 0
     print_table(f"kvhal bench engine — manager bookkeeping, µs per chunk ({book.chunks}-chunk "
-                f"prefix; target ≤ {TARGET_US_PER_CHUNK})", ["operation", "µs/chunk"],
-                [["lookup (all hit, pinned)", round(book.lookup_us, 3)],
-                 ["prepare + complete store", round(book.store_us, 3)],
-                 ["prepare + complete load", round(book.load_us, 3)]])
+                f"prefix; target ≤ {TARGET_US_PER_CHUNK})", ["operation", "best", "median"],
+                [[name, round(getattr(book, f"{op}_us"), 3),
+                  round(getattr(book, f"{op}_median_us"), 3)]
+                 for name, op in (("lookup (all hit, pinned)", "lookup"),
+                                  ("prepare + complete store", "store"),
+                                  ("prepare + complete load", "load"))])
     print_table(f"host-tier round trip, {rt.chunks} × {rt.chunk_bytes >> 20} MiB chunks (GB/s; "
                 f"target ratio ≥ {TARGET_RATIO})", ["path", "GB/s", "ratio"],
                 [["store + load (engine)", round(rt.engine_gbps, 2), round(rt.ratio, 3)],
                  ["memcpy (np.copyto)", round(rt.memcpy_gbps, 2), 1.0]])
+    if busy:
+        print_table(f"bookkeeping while an fs tier moves chunks at full speed "
+                    f"({busy['fs_gbps']:.2f} GB/s during the {busy['seconds']:.1f} s; target "
+                    f"busy ≤ {TARGET_BUSY_RATIO} × idle; best and median of the repeats)",
+                    ["operation", "idle best", "busy best", "ratio", "idle median",
+                     "busy median", "median ratio"],
+                    [[op, round(busy["idle"][f"{op}_us"], 3), round(busy["busy"][f"{op}_us"], 3),
+                      round(busy["ratio"][op], 2), round(busy["idle"][f"{op}_median_us"], 3),
+                      round(busy["busy"][f"{op}_median_us"], 3),
+                      round(busy["median_ratio"][op], 2)] for op in ("lookup", "store", "load")])
     return 0
 
 
@@ -217,5 +313,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="device blocks per chunk")
     p.add_argument("--repeats", type=positive_int, default=20,
                    help="timed passes per round-trip figure (best; bookkeeping: 4x)")
+    p.add_argument("--busy-fs", action="store_true",
+                   help="also time bookkeeping while an fs tier reads and writes at full speed")
+    p.add_argument("--tmp-dir", default=None, help="folder for --busy-fs (default $TMPDIR)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

@@ -34,6 +34,8 @@ from .types import EngineError, LoadPlan, StorePlan
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
 _HOST = metrics.HOST
+#: Owner of a promotion whose request was released before it landed.
+_RELEASED = object()
 
 
 def _locked(method):
@@ -58,16 +60,33 @@ class Manager:
             `slots` cut with the same capacities); None: one pool of `slot_bytes` slots.
         emit_events: Deliver KV events to `kvhal_kv_event` hooks (they also queue for
             `take_events`).
+        max_promotions: Host slots promotions may hold at once (None: a quarter of the
+            slots, at least min(capacity, 8)): slots being filled from a secondary tier, plus
+            promoted chunks pinned for the request that asked until it looks them up again,
+            loads them or is released. A lookup beyond the bound answers RETRY without
+            starting the promotion (a later lookup starts it), and a promotion whose request
+            was released lands at the cold end of the cache policy, so a long queue of
+            waiting requests with tier hits cannot flush the host tier's hot chunks.
+
 
     Attributes:
         metrics: This engine's figures per tier (`kvhal.metrics.EngineMetrics`).
         tier_labels: The `tier` label of each secondary tier, in order.
+        promotions_deferred: Tier hits answered RETRY without a promotion because
+            `max_promotions` slots were held.
+
+    Raises:
+        ValueError: `max_promotions` < 1.
     """
 
     def __init__(self, slots: SlotTable, *, slot_bytes: int, chunk_nbytes: int,
                  tiers: Sequence[SecondaryTier] = (), emit_events: bool = True,
-                 layout: HostLayout | None = None):
+                 layout: HostLayout | None = None, max_promotions: int | None = None):
+        if max_promotions is not None and max_promotions < 1:
+            raise ValueError(f"max_promotions must be ≥ 1, got {max_promotions}")
         self.slots = slots
+        self.max_promotions = (max(min(slots.capacity, 8), slots.capacity // 4)
+                               if max_promotions is None else max_promotions)
         self.slot_bytes = slot_bytes
         self.chunk_nbytes = chunk_nbytes
         # (byte offset in the host view, payload bytes) of a slot: pools of a layout have
@@ -83,6 +102,10 @@ class Manager:
         self._pins: dict[Hashable, list[int]] = {}
         # (tier index, tier job id) -> (kind, slot, key); LOAD = promotion, STORE = cascade.
         self._tier_jobs: dict[tuple[int, int], tuple[JobKind, int, ChunkKey]] = {}
+        # Slots held by promotions (in flight, or landed and pinned) -> the request that asked
+        # (None: nobody asked; _RELEASED: its request went away, the chunk lands cold).
+        self._promo: dict[int, Hashable | None] = {}
+        self.promotions_deferred = 0
         self._failed_promotions: set[ChunkKey] = set()
         # Chunks a promotion put into host memory and nobody has loaded since: key → tier.
         self._promoted: dict[ChunkKey, int] = {}
@@ -109,15 +132,18 @@ class Manager:
 
         A miss in host memory asks the secondary tiers in order; the first that has the chunk
         starts a promotion into a reserved host slot (never evicting a chunk of `keys`) and the
-        answer is RETRY until it lands; a failed promotion answers MISS once. Keys after the
-        first MISS answer MISS without being looked at (a chunk is usable only after its whole
-        prefix).
+        answer is RETRY until it lands; a failed promotion answers MISS once. While
+        `max_promotions` slots are held by promotions, a tier hit answers RETRY without
+        starting one (a later lookup starts it). Keys after the first MISS answer MISS without
+        being looked at (a chunk is usable only after its whole prefix).
 
         Args:
             keys: Chunk keys of one prefix, in order (may be empty).
             request_id: If given, every HIT before the first MISS is pinned (not evictable)
                 for this request until `prepare_load` or `release(request_id)`; a new lookup
-                for the same request replaces its pins.
+                for the same request replaces its pins. A promotion this lookup starts is
+                pinned for the request when it lands (until its next lookup, `prepare_load`
+                or `release`).
 
         Returns:
             One answer per key.
@@ -125,7 +151,7 @@ class Manager:
         if self._tier_jobs:
             self.poll()
         if request_id is not None:
-            self.release(request_id)
+            self._unpin(request_id)
         index, state = self.slots.index, self.slots.state
         out: list[Lookup] = []
         pins: list[int] = []
@@ -141,7 +167,7 @@ class Manager:
                 continue
             if protect is None and self.tiers:
                 protect = frozenset(keys)
-            answer = self._promote(key, protect)
+            answer = self._promote(key, protect, request_id)
             out.append(answer)
             if answer is _MISS:
                 break
@@ -158,7 +184,8 @@ class Manager:
         count("chunk_lookups", _HOST, len(out) - len(pins) - retries, "miss")
         return out
 
-    def _promote(self, key: ChunkKey, protect: frozenset | None) -> Lookup:
+    def _promote(self, key: ChunkKey, protect: frozenset | None, owner: Hashable | None
+                 ) -> Lookup:
         if not self.tiers:
             return _MISS
         if key in self._failed_promotions:
@@ -171,11 +198,15 @@ class Manager:
             if found is _RETRY:
                 answer = _RETRY
             elif found is _HIT:
+                if len(self._promo) >= self.max_promotions:
+                    self.promotions_deferred += 1
+                    return _RETRY
                 placed, evicted = self.slots.reserve([key], protect)
                 self._removed(evicted)
                 if not placed:
                     return _MISS
                 job_id = next(self._ids)
+                self._promo[placed[0]] = owner
                 self._tier_jobs[(t, job_id)] = (JobKind.LOAD, placed[0], key)
                 tier.submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(placed[0])))
                 return _RETRY
@@ -183,12 +214,30 @@ class Manager:
 
     @_locked
     def release(self, request_id: Hashable) -> None:
-        """Drop every lookup pin of `request_id` (finished, aborted or preempted). Idempotent."""
+        """Drop every lookup pin of `request_id` (finished, aborted, preempted or not
+        scheduled); its promotions still in flight land unpinned. Idempotent."""
+        self._unpin(request_id)
+        for slot, owner in self._promo.items():
+            if owner == request_id:
+                self._promo[slot] = _RELEASED
+
+    def _unpin(self, request_id: Hashable, only: Iterable[int] | None = None) -> None:
+        """Drop `request_id`'s pins (those on `only`, if given) and stop counting its landed
+        promotions against `max_promotions`."""
         pins = self._pins.pop(request_id, None)
-        if pins:
-            release = self.slots.release
-            for slot in pins:
-                release(slot)
+        if not pins:
+            return
+        drop = pins
+        if only is not None:
+            taken = set(only)
+            drop = [s for s in pins if s in taken]
+            if len(drop) < len(pins):
+                self._pins[request_id] = [s for s in pins if s not in taken]
+        release, promo = self.slots.release, self._promo
+        for slot in drop:
+            release(slot)
+            if slot in promo and promo[slot] == request_id:
+                del promo[slot]
 
     # -- stores ------------------------------------------------------------------------------
     @_locked
@@ -266,7 +315,8 @@ class Manager:
     def prepare_load(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
                      ) -> LoadPlan | None:
         """Hold the longest prefix of `keys` that is in host memory for reading (readers + 1
-        per slot), then drop `request_id`'s lookup pins.
+        per slot), then drop `request_id`'s lookup pins on those slots (pins on later chunks
+        stay until its next lookup or `release`).
 
         Returns:
             The plan (its keys may be fewer than asked if a chunk is not resident), or None if
@@ -282,7 +332,7 @@ class Manager:
             touch(key)
             slots.append(slot)
         if request_id is not None:
-            self.release(request_id)
+            self._unpin(request_id, slots)
         if not slots:
             return None
         job_id = next(self._ids)
@@ -293,6 +343,23 @@ class Manager:
         sources = tuple(labels[t] if (t := self._promoted.pop(k, None)) is not None else _HOST
                         for k in placed) if self._promoted else (_HOST,) * len(placed)
         return LoadPlan(job_id, placed, np.array(slots, dtype=np.int64), sources)
+
+    @_locked
+    def sources(self, keys: Sequence[ChunkKey]) -> tuple[str, ...]:
+        """The tier label each chunk of `keys` will be loaded from, as a `LoadPlan.sources`
+        would say: the secondary tier promoting it (landed, in flight, or the first tier
+        holding it while `max_promotions` defers it), else the host tier. Starts nothing."""
+        flying = {key: t for (t, _), (kind, _, key) in self._tier_jobs.items()
+                  if kind is JobKind.LOAD}
+        index, state, labels = self.slots.index, self.slots.state, self.tier_labels
+        out = []
+        for key in keys:
+            t = self._promoted.get(key, flying.get(key))
+            if t is None and (key not in index or state[index[key]] < IDLE):
+                t = next((i for i, tier in enumerate(self.tiers)
+                          if tier.lookup(key) is _HIT), None)
+            out.append(_HOST if t is None else labels[t])
+        return tuple(out)
 
     @_locked
     def complete_load(self, job_id: int, num_ok: int | None = None) -> None:
@@ -348,15 +415,20 @@ class Manager:
                 if not result.ok:
                     count("failed_chunks", label, 1, kind.value)
                 if kind is JobKind.LOAD:
+                    owner = self._promo.pop(slot, None)
                     if not result.ok:
                         self.slots.abort(slot)
                         self._failed_promotions.add(key)
                     else:
                         count("loaded_chunks", label)
                         count("load_bytes", label, self._span(slot)[1])
-                        if self.slots.commit(slot):
+                        if self.slots.commit(slot, cold=owner is _RELEASED):
                             self._promoted[key] = t
                             landed[-1].append(key)
+                            if owner is not None and owner is not _RELEASED:   # pinned for it
+                                self.slots.acquire(slot)
+                                self._pins.setdefault(owner, []).append(slot)
+                                self._promo[slot] = owner
                 else:
                     self.slots.release(slot)
                     if result.ok:
@@ -461,13 +533,13 @@ class Manager:
     @_locked
     def stats(self) -> dict[str, int]:
         """Counts: resident chunks, free slots, slots with readers / being written, lookup
-        pins, open store/load jobs, secondary-tier jobs in flight."""
+        pins, open store/load jobs, secondary-tier jobs in flight, slots held by promotions."""
         return {"resident": len(self.slots.index), "free_slots": self.slots.num_free,
                 "reading_slots": self.slots.num_in_state(readers=True),
                 "writing_slots": self.slots.num_in_state(writing=True),
                 "lookup_pins": sum(len(p) for p in self._pins.values()),
                 "open_stores": len(self._stores), "open_loads": len(self._loads),
-                "tier_jobs": len(self._tier_jobs)}
+                "tier_jobs": len(self._tier_jobs), "promotion_slots": len(self._promo)}
 
     def close(self) -> None:
         """Drain and close every secondary tier."""

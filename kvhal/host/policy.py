@@ -22,8 +22,9 @@ class CachePolicy(Protocol):
     than eviction, and `evict` to choose victims.
     """
 
-    def insert(self, key: Key) -> None:
-        """`key` became resident (it was not resident before)."""
+    def insert(self, key: Key, cold: bool = False) -> None:
+        """`key` became resident (it was not resident before); `cold`: nobody is waiting for
+        it (a promotion whose request went away), put it first in line for eviction."""
 
     def touch(self, key: Key) -> None:
         """`key` was used (a lookup hit or a load). Unknown keys are ignored."""
@@ -60,9 +61,11 @@ class LRUPolicy:
         self.capacity = capacity
         self._order: OrderedDict[Key, None] = OrderedDict()
 
-    def insert(self, key: Key) -> None:
+    def insert(self, key: Key, cold: bool = False) -> None:
         """See `CachePolicy.insert`."""
         self._order[key] = None
+        if cold:
+            self._order.move_to_end(key, last=False)
 
     def touch(self, key: Key) -> None:
         """See `CachePolicy.touch`."""
@@ -95,18 +98,22 @@ class ARCPolicy:
         self._b1: OrderedDict[Key, None] = OrderedDict()
         self._b2: OrderedDict[Key, None] = OrderedDict()
 
-    def insert(self, key: Key) -> None:
-        """See `CachePolicy.insert`: a ghost hit adapts `p` and enters T2, else T1."""
+    def insert(self, key: Key, cold: bool = False) -> None:
+        """See `CachePolicy.insert`: a ghost hit adapts `p` and enters T2, else T1; `cold`
+        puts it at its list's LRU end."""
         if key in self._b1:
             self.p = min(float(self.capacity), self.p + max(len(self._b2) / len(self._b1), 1.0))
             del self._b1[key]
-            self._t2[key] = None
+            into = self._t2
         elif key in self._b2:
             self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0))
             del self._b2[key]
-            self._t2[key] = None
+            into = self._t2
         else:
-            self._t1[key] = None
+            into = self._t1
+        into[key] = None
+        if cold:
+            into.move_to_end(key, last=False)
 
     def touch(self, key: Key) -> None:
         """See `CachePolicy.touch`: a second use moves a key from T1 to T2."""

@@ -112,8 +112,9 @@ class SlotTable:
             slots.append(slot)
         return slots, evicted
 
-    def commit(self, slot: int) -> bool:
-        """A write into `slot` finished well: state -1 → 0, the policy learns the key.
+    def commit(self, slot: int, cold: bool = False) -> bool:
+        """A write into `slot` finished well: state -1 → 0, the policy learns the key (at
+        its cold end, first in line for eviction, if `cold`).
 
         Returns:
             False if the chunk was discarded while being written (the slot is freed instead).
@@ -123,7 +124,11 @@ class SlotTable:
             self._drop(slot)
             return False
         self.state[slot] = IDLE
-        self.policies[self.slot_pool[slot]].insert(self.keys[slot])
+        policy = self.policies[self.slot_pool[slot]]
+        if cold:
+            policy.insert(self.keys[slot], cold=True)
+        else:
+            policy.insert(self.keys[slot])
         return True
 
     def touch(self, key: Hashable) -> None:

@@ -19,6 +19,15 @@ def prompt(seed: int, num_tokens: int = PROMPT_TOKENS) -> list[int]:
     return np.random.default_rng(seed).integers(3, 1024, num_tokens).tolist()
 
 
+def flip_last_byte(path: str) -> None:
+    """Corrupt a file in place: invert its last byte (an fs chunk's last payload byte)."""
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([last ^ 0xFF]))
+
+
 def run_engines(tmp_path: Path, name: str, tp: int, engines: list[dict],
                 model: str = "tiny") -> list[list]:
     """Run `engines` on a tiny model (`kvhal.integrations.vllm.runner.MODELS`) at TP size

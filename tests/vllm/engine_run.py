@@ -1,4 +1,4 @@
-"""The package's scenario runner plus the tests' fault injection (`noise`, `fault_loads`).
+"""The package's scenario runner plus the tests' fault injection (see the ops below).
 
 Usage: python engine_run.py SCENARIO.json OUT.json (see `kvhal.integrations.vllm.runner`).
 Extra steps (TP=1 in-process engines):
@@ -15,6 +15,8 @@ Extra steps (TP=1 in-process engines):
         sha256 block hashes seeded "0") faults on the device (`FaultyReadBackend`) → the slot.
     {"op": "drop_chunk", "tokens": [ids], "group": int, "chunk": int}: discard that chunk from
         the host tier (that group can no longer serve it) → true if it was resident.
+    {"op": "unlink", "paths": [...]}: delete files (an fs chunk vanishing after the tier
+        indexed it) → number deleted.
     {"op": "drain"}: wait for every secondary-tier job (stores cascaded to fs land) → null.
     {"op": "await_tier", "tokens": [ids], "tier": name, "timeout_s": s}: poll that secondary
         tier's lookup until every full chunk of `tokens` in every group is a HIT (files another
@@ -185,9 +187,17 @@ def fault_loads(llm, step: dict) -> int:
     return slot
 
 
+def unlink_files(llm, step: dict) -> int:
+    """Delete `step["paths"]`."""
+    for path in step["paths"]:
+        os.unlink(path)
+    return len(step["paths"])
+
+
 if __name__ == "__main__":
     runner.OPS.update(noise=noise_host_region, track_preemptions=track_preemptions,
                       preempted=preempted, poison_report=poison_report, fault_loads=fault_loads,
-                      drop_chunk=drop_chunk, drain=drain, await_tier=await_tier)
+                      drop_chunk=drop_chunk, unlink=unlink_files, drain=drain,
+                      await_tier=await_tier)
     worker.plugins.select_backend = _select_backend
     runner.main(sys.argv[1:])

@@ -49,3 +49,11 @@ def test_state_group_is_refused_naming_its_layer_and_spec_type():
                        match=r"^kv_cache_groups\[1\] \(layer model.layers.1.mixer, MambaSpec\): "
                              r"MambaSpec is not supported"):
         group_spec(1, group, model=None)
+
+
+def test_kvhal_leaves_vllms_load_failure_policy_at_its_default():
+    from kvhal.integrations.vllm.engine import kv_transfer_config
+
+    config = kv_transfer_config({"cpu_bytes_to_use": 1 << 20})
+    assert "kv_load_failure_policy" not in config
+    assert config["kv_role"] == "kv_both"

@@ -6,7 +6,9 @@ One engine process, TP=1. The reference is vLLM's own prefix cache at the same r
 a conversation under a cache salt runs turn after turn without a reset (vLLM hits its own
 blocks). The same conversation unsalted runs with `reset_prefix_cache()` before every turn, so
 every reused token comes from kvhal. Then the failure paths: a sliding-window chunk missing in
-the host, and a device fault while loading a full-attention chunk.
+the host, and a device fault while loading a full-attention chunk, found after vLLM was told
+of the hit, under vLLM's default `kv_load_failure_policy` ("fail"): kvhal sends the request
+back to vLLM's lookup and the next hit ends before the failed chunk.
 """
 from __future__ import annotations
 
@@ -108,6 +110,9 @@ def test_a_chunk_missing_in_one_group_ends_the_hit_where_every_group_can_serve(s
 def test_failed_load_of_one_group_recomputes_from_the_failed_chunk(steps):
     got = steps["f"]
     assert steps["reff"]["num_cached_tokens"] == FAULTED * 128
+    assert got["num_cached_tokens"] == FAULTED * 128
+    assert got["hit_tokens"] == {"host": FAULTED * 128}
+    assert got["counters"]["load_late_failures"] == 1
     _same(got, steps["reff"])
     groups = got["counters"]["groups"]
     assert groups[FULL]["load_failed_chunks"] == 7 - FAULTED

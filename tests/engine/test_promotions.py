@@ -1,0 +1,98 @@
+"""Promotions from a secondary tier are bounded: a long waiting queue cannot flush the host tier."""
+from __future__ import annotations
+
+import numpy as np
+
+from kvhal.tiers.base import Lookup
+
+from .rig import chunk_blocks, make_rig, synthetic_keys
+
+HIT, RETRY = Lookup.HIT, Lookup.RETRY
+
+
+def test_a_queue_of_100_requests_with_disk_hits_keeps_the_hot_chunks(tmp_path):
+    """100 waiting requests, 2 chunks each on disk only, all looked up in one scheduler step
+    (and released: none was scheduled): promotions never hold more than `max_promotions`
+    host slots, the rest answer RETRY without I/O, and the 8 hot chunks stay resident."""
+    rig = make_rig(capacity=24, blocks_per_chunk=1, block_bytes=1024, num_blocks=256,
+                   tiers=[{"type": "fs", "root_dir": str(tmp_path)}])
+    m = rig.manager
+    try:
+        queued = [synthetic_keys(2, tag=r + 1) for r in range(100)]
+        for keys in queued:                        # written once, now only on disk
+            rig.store(keys, chunk_blocks(0, 2, 1))
+            m.drain()
+        m.clear()
+        hot = synthetic_keys(8, tag=0)
+        rig.dev[100:108] = np.arange(8)[:, None]
+        rig.store(hot, chunk_blocks(100, 8, 1))
+        m.drain()
+        assert m.max_promotions == 8
+        answers, held = [], []
+        for r, keys in enumerate(queued):
+            answers.append(m.lookup(keys, request_id=r))
+            held.append(m.stats()["promotion_slots"])
+        for r in range(100):
+            m.release(r)
+        assert [a for a in answers if a != [RETRY, RETRY]] == []
+        assert max(held) == 8
+        started = 200 - m.promotions_deferred
+        assert 8 <= started <= 16                    # more only as earlier ones landed
+        m.drain()
+        assert m.lookup(hot) == [HIT] * 8
+        assert m.stats()["resident"] == 8 + started and m.stats()["promotion_slots"] == 0
+    finally:
+        rig.close()
+
+
+def test_a_landed_promotion_is_pinned_for_its_request_until_it_loads(tmp_path):
+    """A chunk promoted for request r is not evictable between landing and r's load, even
+    if other stores need the slot; once loaded it is an ordinary idle chunk."""
+    rig = make_rig(capacity=2, blocks_per_chunk=1, block_bytes=1024, num_blocks=64,
+                   tiers=[{"type": "fs", "root_dir": str(tmp_path)}])
+    m = rig.manager
+    try:
+        (key,) = synthetic_keys(1, tag=1)
+        rig.dev[0] = 5
+        rig.store([key], chunk_blocks(0, 1, 1))
+        m.drain()
+        m.clear()
+        assert m.lookup([key], request_id="r") == [RETRY]
+        m.drain()                                   # lands: pinned for "r"
+        others = synthetic_keys(2, tag=2)
+        plan = m.prepare_store(others)              # room for one, the pinned chunk stays
+        assert plan is not None and len(plan.keys) == 1
+        m.complete_store(plan.job_id, 0)
+        assert rig.load([key], chunk_blocks(10, 1, 1), request_id="r").num_ok == 1
+        assert rig.dev[10, 0] == 5 and m.stats()["lookup_pins"] == 0
+        assert m.stats()["promotion_slots"] == 0
+    finally:
+        rig.close()
+
+
+def test_a_promotion_landing_after_its_request_left_is_evicted_first(tmp_path):
+    """A chunk promoted for a request released before it landed is nobody's hot chunk: it
+    lands at the cold end of the LRU, so the next eviction takes it, not the host tier's
+    oldest chunk."""
+    rig = make_rig(capacity=3, blocks_per_chunk=1, block_bytes=1024, num_blocks=64,
+                   tiers=[{"type": "fs", "root_dir": str(tmp_path)}])
+    m = rig.manager
+    try:
+        (promoted,) = synthetic_keys(1, tag=1)
+        rig.store([promoted], chunk_blocks(0, 1, 1))
+        m.drain()
+        m.clear()
+        hot = synthetic_keys(2, tag=2)
+        rig.store(hot, chunk_blocks(1, 2, 1))
+        m.drain()
+        assert m.lookup([promoted], request_id="r") == [RETRY]
+        m.release("r")                              # not scheduled: nobody waits for it
+        m.drain()
+        assert promoted in m.slots.index and m.stats()["promotion_slots"] == 0   # landed
+        plan = m.prepare_store(synthetic_keys(1, tag=3))
+        assert plan is not None
+        m.complete_store(plan.job_id, 1)
+        assert m.lookup(hot) == [HIT, HIT]
+        assert promoted not in m.slots.index
+    finally:
+        rig.close()
