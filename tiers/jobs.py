@@ -14,7 +14,10 @@ import time
 from concurrent.futures import Executor
 from typing import Callable
 
-from .base import JobResult, SecondaryTier, TierJob
+from kvhal.keys import ChunkKey
+
+from .base import JobResult, Lookup, SecondaryTier, TierJob
+from .index import ChunkIndex
 
 JobFn = Callable[[TierJob], "str | None"]
 
@@ -139,3 +142,31 @@ class BoardedTier(SecondaryTier):
             TimeoutError: jobs remain after `timeout_s` seconds.
         """
         self._jobs.drain(timeout_s)
+
+
+class IndexedTier(BoardedTier):
+    """Base of tiers that answer lookups from a `ChunkIndex` in `self._index` and run stores and
+    loads on `self._store_pool` / `self._load_pool` (fs, obj): implements `lookup`,
+    `submit_store`, `submit_load` and `take_removed` from them; subclasses define
+    `_store(job)` and `_load(job)` (None or an error string)."""
+
+    _index: ChunkIndex
+    _store_pool: Executor
+    _load_pool: Executor
+
+    def lookup(self, key: ChunkKey) -> Lookup:
+        """HIT if the index holds `key` (no I/O; a HIT's load may still fail)."""
+        return Lookup.HIT if not self._jobs.closed and key in self._index else Lookup.MISS
+
+    def submit_store(self, job: TierJob) -> None:
+        """Queue a store on the store pool (see `SecondaryTier.submit_store`)."""
+        self._jobs.submit(self._store_pool, self._store, job)
+
+    def submit_load(self, job: TierJob) -> None:
+        """Queue a load on the load pool (see `SecondaryTier.submit_load`)."""
+        self._jobs.submit(self._load_pool, self._load, job)
+
+    def take_removed(self) -> list[ChunkKey]:
+        """Keys that left the index since the last call, each once: evicted, found corrupt or
+        missing by a load, or gone from a listing (deleted by another process)."""
+        return self._index.take_removed()

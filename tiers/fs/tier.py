@@ -29,10 +29,10 @@ import numpy as np
 
 from kvhal.keys import ChunkKey
 
-from ..base import Lookup, TierError, TierJob, job_problem
+from ..base import TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex
-from ..jobs import BoardedTier, JobBoard
+from ..jobs import IndexedTier, JobBoard
 from .config import parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      write_chunk)
@@ -55,7 +55,7 @@ def _errno_text(exc: OSError) -> str:
     return f"{name}: {exc.strerror or exc}"
 
 
-class FsTier(BoardedTier):
+class FsTier(IndexedTier):
     """The fs tier (see module docstring; config keys in `config.py`).
 
     Args:
@@ -105,8 +105,8 @@ class FsTier(BoardedTier):
                             f"({_errno_text(exc)})") from None
         self.max_bytes = cfg.max_bytes or self._default_max_bytes()
         self._scratch = threading.local()
-        self._readers = ThreadPoolExecutor(cfg.n_read_threads, "kvhal-fs-read")
-        self._writers = ThreadPoolExecutor(cfg.n_write_threads, "kvhal-fs-write")
+        self._load_pool = ThreadPoolExecutor(cfg.n_read_threads, "kvhal-fs-read")
+        self._store_pool = ThreadPoolExecutor(cfg.n_write_threads, "kvhal-fs-write")
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvhal-fs-refresh",
                                            daemon=True)
@@ -180,31 +180,13 @@ class FsTier(BoardedTier):
                                                  self.config.refresh_interval_s)
 
     # -- SecondaryTier ------------------------------------------------------------------------
-    def lookup(self, key: ChunkKey) -> Lookup:
-        """HIT if the index holds `key` (no disk I/O; a HIT's load may still fail)."""
-        return Lookup.HIT if not self._jobs.closed and key in self._index else Lookup.MISS
-
-    def submit_store(self, job: TierJob) -> None:
-        """Queue a store on the write pool (see `SecondaryTier.submit_store`)."""
-        self._jobs.submit(self._writers, self._store, job)
-
-    def submit_load(self, job: TierJob) -> None:
-        """Queue a load on the read pool (see `SecondaryTier.submit_load`)."""
-        self._jobs.submit(self._readers, self._load, job)
-
-
-    def take_removed(self) -> list[ChunkKey]:
-        """Keys whose chunk files left the tier since the last call: evicted, found corrupt
-        or missing, or deleted by another process (seen by a refresh)."""
-        return self._index.take_removed()
-
     def close(self) -> None:
         """Finish pending jobs, stop the pools and the refresh thread. Idempotent."""
         if not self._jobs.close():
             return
         self._stop.set()
-        self._readers.shutdown(wait=True)
-        self._writers.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
+        self._store_pool.shutdown(wait=True)
         self._refresher.join()
 
     def stats(self) -> Mapping[str, Any]:

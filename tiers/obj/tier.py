@@ -29,12 +29,12 @@ from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
 
-from ..base import Lookup, TierError, TierJob, job_problem
+from ..base import TierError, TierJob, job_problem
 from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)
 from ..index import ChunkIndex
-from ..jobs import BoardedTier, JobBoard
+from ..jobs import IndexedTier, JobBoard
 from .client import S3Client, StoreFailure
 from .config import parse_config
 from .names import key_from_object, namespace_prefix, object_name
@@ -53,7 +53,7 @@ def start_error(failure: StoreFailure, describe: str) -> TierError:
     return TierError(f"store_config.endpoint_override: cannot list {describe} ({failure})")
 
 
-class ObjTier(BoardedTier):
+class ObjTier(IndexedTier):
     """The obj tier (see module docstring; config keys in `config.py`).
 
     Args:
@@ -90,8 +90,8 @@ class ObjTier(BoardedTier):
         except StoreFailure as failure:
             raise start_error(failure, cfg.store.describe()) from None
         self._scratch = threading.local()
-        self._loaders = ThreadPoolExecutor(cfg.io_threads, "kvhal-obj-load")
-        self._storers = ThreadPoolExecutor(cfg.io_threads, "kvhal-obj-store")
+        self._load_pool = ThreadPoolExecutor(cfg.io_threads, "kvhal-obj-load")
+        self._store_pool = ThreadPoolExecutor(cfg.io_threads, "kvhal-obj-store")
         self._deleter = ThreadPoolExecutor(1, "kvhal-obj-delete")
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvhal-obj-refresh",
@@ -135,33 +135,14 @@ class ObjTier(BoardedTier):
                 _log.debug("obj tier %s: refresh failed: %s", self.ns_prefix, failure)
 
     # -- SecondaryTier ------------------------------------------------------------------------
-    def lookup(self, key: ChunkKey) -> Lookup:
-        """HIT if the index holds `key` (no request; a HIT's load may still fail)."""
-        return Lookup.HIT if not self._jobs.closed and key in self._index else Lookup.MISS
-
-    def submit_store(self, job: TierJob) -> None:
-        """Queue a store on the store pool (see `SecondaryTier.submit_store`)."""
-        self._jobs.submit(self._storers, self._store, job)
-
-    def submit_load(self, job: TierJob) -> None:
-        """Queue a load on the load pool (see `SecondaryTier.submit_load`)."""
-        self._jobs.submit(self._loaders, self._load, job)
-
-
-    def take_removed(self) -> list[ChunkKey]:
-        """Keys whose objects left the tier since the last call, each once: evicted by
-        `max_bytes`, found corrupt or missing by a load, or gone from a listing (deleted by
-        another instance)."""
-        return self._index.take_removed()
-
     def close(self) -> None:
         """Finish pending jobs and deletes (each bounded by `timeout_s`), stop the pools and
         the refresh thread. Idempotent."""
         if not self._jobs.close():
             return
         self._stop.set()
-        self._loaders.shutdown(wait=True)
-        self._storers.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
+        self._store_pool.shutdown(wait=True)
         self._deleter.shutdown(wait=True)
         self._refresher.join(self.config.timeout_s + 1.0)
 
