@@ -6,10 +6,12 @@ prepare + complete store of `--chunks` new chunks (evicting as many old ones onc
 prepare + complete load of `--chunks` chunks. Target: ≤ 2 µs per chunk for each.
 
 Busy fs (`--busy-fs`): the same bookkeeping again while an fs tier (its own host buffer of
-64 × 2 MiB chunks, a temporary folder) stores and reads back chunks as fast as its threads can,
-driven from another thread: the scheduler's per-chunk cost under GIL contention from the
-tier's I/O threads, measured, next to the idle figure of the same run. Target (issue 13):
-busy ≤ 2 × idle for each operation.
+16 × 2 MiB chunks, a temporary folder) stores and reads back batches of chunks as fast as its
+threads can, driven from another thread: the scheduler's per-chunk cost under GIL contention
+from the tier's I/O threads. Busy and idle passes alternate (the tier is paused between
+batches for the idle ones), so both figures see the same machine load. Target (issue 13):
+busy ≤ 2 × idle for each operation. `fs_gbps` is the tier's throughput over the whole
+measurement, idle passes included.
 
 Round trip: `--rt-chunks` chunks of `--chunk-mib` MiB (each `--blocks-per-chunk` device blocks,
 `BlockPlanner` layout) are stored device → host through manager + worker + cpu backend, then
@@ -95,8 +97,8 @@ def _best_alternating(a, b, repeats: int) -> tuple[float, float]:
     return best_a, best_b
 
 
-def bookkeeping(chunks: int = 1000, capacity: int = 4000, repeats: int = 20) -> BookkeepingResult:
-    """Measure manager bookkeeping (see module docstring)."""
+def _operations(chunks: int, capacity: int):
+    """The three timed operations (name → function returning seconds) over one manager."""
     manager = Manager(SlotTable(capacity, LRUPolicy(capacity)), slot_bytes=1 << 21,
                       chunk_nbytes=1 << 21)
     resident = _keys(chunks, 0)
@@ -124,18 +126,52 @@ def bookkeeping(chunks: int = 1000, capacity: int = 4000, repeats: int = 20) -> 
         manager.complete_load(p.job_id)
         return time.perf_counter() - t0
 
-    us = {name: [t / chunks * 1e6 for t in _best_and_median(fn, repeats)]
-          for name, fn in (("lookup", lookup), ("load", load), ("store", store))}
+    return {"lookup": lookup, "load": load, "store": store}  # store last: it evicts
+
+
+def _result(chunks: int, seconds: dict[str, list[float]]) -> BookkeepingResult:
+    us = {op: [min(ts) / chunks * 1e6, float(np.median(ts)) / chunks * 1e6]
+          for op, ts in seconds.items()}
     return BookkeepingResult(chunks, us["lookup"][0], us["store"][0], us["load"][0],
                              us["lookup"][1], us["store"][1], us["load"][1])
 
 
+def bookkeeping(chunks: int = 1000, capacity: int = 4000, repeats: int = 20) -> BookkeepingResult:
+    """Measure manager bookkeeping (see module docstring): best and median of `repeats`
+    passes of each operation after one warm-up pass."""
+    ops = _operations(chunks, capacity)
+    seconds: dict[str, list[float]] = {op: [] for op in ops}
+    for op, fn in ops.items():
+        fn()
+        seconds[op] = [fn() for _ in range(repeats)]
+    return _result(chunks, seconds)
+
+
+def bookkeeping_busy_idle(fs: "BusyFsTier", chunks: int = 1000, capacity: int = 4000,
+                          repeats: int = 20) -> tuple[BookkeepingResult, BookkeepingResult]:
+    """Bookkeeping with `fs` moving chunks and with `fs` paused, in alternating passes (each
+    pass times every operation once), so both figures see the same machine load. Returns
+    (busy, idle)."""
+    ops = _operations(chunks, capacity)
+    for fn in ops.values():
+        fn()
+    runs = {phase: {op: [] for op in ops} for phase in ("busy", "idle")}
+    for _ in range(repeats):
+        for phase in ("busy", "idle"):
+            fs.resume() if phase == "busy" else fs.pause()
+            for op, fn in ops.items():
+                runs[phase][op].append(fn())
+    fs.pause()
+    return _result(chunks, runs["busy"]), _result(chunks, runs["idle"])
+
+
 class BusyFsTier:
     """An fs tier kept storing and loading 2 MiB chunks at full speed on a background thread
-    (context manager; entering returns once the tier has moved its first bytes);
+    (context manager; entering returns once the tier has moved its first bytes); `pause()`
+    and `resume()` stop and restart it between batches of `chunks` stores and loads.
     `bytes_moved()` counts the bytes it stored and loaded so far."""
 
-    def __init__(self, root: str, chunks: int = 64, chunk_bytes: int = 2 << 20):
+    def __init__(self, root: str, chunks: int = 16, chunk_bytes: int = 2 << 20):
         from kvhal.tiers.fs import FsTier
 
         self._host = bytearray(chunks * chunk_bytes)
@@ -143,6 +179,10 @@ class BusyFsTier:
         self._ids = iter(range(1, 1 << 62))
         self._chunks, self._chunk_bytes = chunks, chunk_bytes
         self._stop = threading.Event()
+        self._go = threading.Event()
+        self._go.set()
+        self._parked = threading.Event()
+        self._running = threading.Event()
         self._thread = threading.Thread(target=self._drive, name="bench-busy-fs", daemon=True)
 
     def _job(self, i: int, tag: int, kind):
@@ -151,20 +191,38 @@ class BusyFsTier:
         return TierJob(next(self._ids), kind, _keys(1, tag << 8 | i)[0], i * self._chunk_bytes,
                        self._chunk_bytes)
 
+    def _batch(self, tag: int, kind) -> None:
+        submit = self._tier.submit_store if kind.value == "store" else self._tier.submit_load
+        for i in range(self._chunks):
+            submit(self._job(i, tag, kind))
+        self._tier.drain()
+        self._tier.get_finished_jobs()
+
     def _drive(self) -> None:
         from kvhal.tiers.base import JobKind
 
         tag = 1 << 20
         while not self._stop.is_set():
+            if not self._go.is_set():
+                self._running.clear()
+                self._parked.set()
+                self._go.wait()
+                continue
+            self._parked.clear()
+            self._running.set()
             tag += 1
-            for i in range(self._chunks):
-                self._tier.submit_store(self._job(i, tag, JobKind.STORE))
-            self._tier.drain()
-            self._tier.get_finished_jobs()
-            for i in range(self._chunks):
-                self._tier.submit_load(self._job(i, tag, JobKind.LOAD))
-            self._tier.drain()
-            self._tier.get_finished_jobs()
+            self._batch(tag, JobKind.STORE)
+            self._batch(tag, JobKind.LOAD)
+
+    def pause(self) -> None:
+        """Stop after the current batch; returns once no job is in flight."""
+        self._go.clear()
+        self._parked.wait()
+
+    def resume(self) -> None:
+        """Start moving chunks again; returns once a batch has begun."""
+        self._go.set()
+        self._running.wait()
 
     def bytes_moved(self) -> int:
         """Bytes the tier stored plus bytes it loaded so far."""
@@ -180,7 +238,9 @@ class BusyFsTier:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        self._go.set()
         self._thread.join()
+        self._running.set()
         self._tier.close()
 
 
@@ -259,10 +319,9 @@ def run(args: argparse.Namespace) -> int:
         if args.busy_fs:
             with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp, BusyFsTier(tmp) as fs:
                 start, before = time.perf_counter(), fs.bytes_moved()
-                busy = bookkeeping(args.chunks, repeats=args.repeats * 4)
+                busy, idle = bookkeeping_busy_idle(fs, args.chunks, repeats=args.repeats * 4)
                 seconds = time.perf_counter() - start
                 moved = fs.bytes_moved() - before
-            idle = bookkeeping(args.chunks, repeats=args.repeats * 4)  # after, same load
             busy = {"idle": asdict(idle), "busy": asdict(busy),
                     "ratio": {op: getattr(busy, f"{op}_us") / getattr(idle, f"{op}_us")
                               for op in ("lookup", "store", "load")},
