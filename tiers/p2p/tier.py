@@ -139,7 +139,8 @@ class P2PTier(BoardedTier):
     def stats(self) -> Mapping[str, Any]:
         """Counters (absent while 0): bytes_stored, bytes_loaded, store_failed, load_failed,
         load_missing, chunks_served, serve_missing, serve_busy, serve_corrupt,
-        checksum_mismatch, malformed, auth_failed, connections_refused, peer_lost,
+        checksum_mismatch, malformed, auth_failed, connections_refused, handshakes_dropped,
+        handshake_timeouts, peer_lost,
         feed_resyncs; plus served_chunks, directory_chunks, peers, peers_synced,
         connections (served + pooled data connections) and attached (bool)."""
         served = self._feed.snapshot()[1]
