@@ -15,8 +15,8 @@ connecting peer, whose handshake takes two round trips, from getting in. Then by
   `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). The chunk is held
   (`Source.acquire`: host slot pinned) for the whole transfer and released after it; `sum` is
   the xxh3-128 digest the bytes had when stored (own store: bytes damaged since then fail the
-  puller's check), or the digest of the pinned host slot taken just before sending (its bytes
-  cannot change while pinned). The three go out as one write (`Connection.send_parts`).
+  puller's check), or the digest of the pinned host slot taken at its first serve
+  (`source.HostSource`: its bytes cannot change while the key stays resident). The three go out as one write (`Connection.send_parts`).
 Anything unexpected (malformed frame, wrong key, deadline, reset) drops that connection only
 and bumps a counter; the listener and every other connection carry on. `close` stops the
 listener, closes every connection and joins every thread.
@@ -26,8 +26,6 @@ from __future__ import annotations
 import threading
 import time
 from typing import Callable, Protocol
-
-import xxhash
 
 from kvhal.keys import ChunkKey
 
@@ -186,9 +184,8 @@ class Server:
             if len(served.payload) != nbytes:
                 conn.send(encode("miss", why=f"holds {len(served.payload)} bytes"), deadline)
                 return
-            digest = served.checksum or xxhash.xxh3_128_digest(served.payload)
             conn.send_parts((encode("chunk", key=key, n=nbytes), served.payload,
-                             encode("end", sum=digest)), deadline)
+                             encode("end", sum=served.checksum)), deadline)
             self._count("chunks_served")
         finally:
             served.release()
