@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import queue
 import random
 import signal
 import time
@@ -44,6 +45,20 @@ def _reaped(procs):
                 p.join(30)
 
 
+def _collect(out, procs, count: int, timeout_s: float = 120.0) -> list:
+    """`count` reports from `out`; fails at once, naming the exit codes, when one of `procs`
+    exits non-zero first (a crashed worker sends none), and after `timeout_s` otherwise."""
+    reports, deadline = [], time.monotonic() + timeout_s
+    while len(reports) < count:
+        try:
+            reports.append(out.get(timeout=0.2))
+        except queue.Empty:
+            crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not crashed, f"worker(s) exited with {crashed} before reporting"
+            assert time.monotonic() < deadline, f"{count - len(reports)} report(s) missing"
+    return reports
+
+
 def test_concurrent_writers_of_one_key_and_a_looping_reader(harness, shared_store, namespace):
     if not harness.shared_by_processes:
         pytest.skip(f"{harness.name} is not shared by processes: {harness.why_not}")
@@ -60,9 +75,9 @@ def test_concurrent_writers_of_one_key_and_a_looping_reader(harness, shared_stor
         reader.start()
         for w in writers:
             w.start()
-        reports = [out.get(timeout=120) for _ in writers]
+        reports = _collect(out, writers, WRITERS)
         done.set()
-        reports.append(out.get(timeout=120))
+        reports += _collect(out, [reader], 1)
         for p in writers + [reader]:
             p.join(30)
 

@@ -10,7 +10,11 @@ for the chunk key `tier_fixtures.chunk_key(namespace, i)`, so every process agre
 from __future__ import annotations
 
 import mmap
+import multiprocessing
+import multiprocessing.connection
+import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -24,7 +28,21 @@ from .tier_harness import harnesses
 READER_GRACE_S = 30.0
 
 
+def _exit_with_the_test() -> None:
+    """End this worker at once if the test process dies (a killed test run must not leave
+    workers behind). Its parent is the forkserver, which lives as long as any worker does, so
+    `PR_SET_PDEATHSIG` would not do; multiprocessing gives the worker a sentinel of the process
+    that asked for it, which turns readable when that process is gone."""
+    test = multiprocessing.parent_process()
+
+    def watch() -> None:
+        multiprocessing.connection.wait([test.sentinel])
+        os._exit(1)
+    threading.Thread(target=watch, name="kvhal-worker-watchdog", daemon=True).start()
+
+
 def _open(tier_name: str, config: dict, namespace: bytes, nbytes: int):
+    _exit_with_the_test()
     region = mmap.mmap(-1, nbytes)
     host = memoryview(region)
     tier = harnesses()[tier_name].make(config, host, namespace)
