@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import select
 import socket
 import subprocess
@@ -167,7 +168,7 @@ def damage(tier, config, key, kind, seed) -> None:
     if kind == "delete":
         del store._data[key]
         return
-    rng = __import__("random").Random(seed)
+    rng = random.Random(seed)
     if kind == "truncate":
         store._data[key] = (data[:rng.randrange(len(data))], checksum)
         return
