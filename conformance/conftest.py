@@ -12,8 +12,10 @@ import pytest
 from kvhal import plugins
 
 from .s3 import s3_server  # noqa: F401
-from .tier_fixtures import cpu_backend, harness, host, namespace, open_tier  # noqa: F401
+from .tier_fixtures import (cpu_backend, harness, host, namespace, open_tier,  # noqa: F401
+                            shared_store)
 from .tier_fixtures import selected_tiers
+from .tier_harness import harnesses
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,7 +44,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         names = metafunc.config.getoption("--kvhal-backend") or list(plugins.backends())
         metafunc.parametrize("backend_name", names, scope="session")
     if "tier_name" in metafunc.fixturenames:
-        metafunc.parametrize("tier_name", selected_tiers(metafunc.config))
+        # a test of chunks outliving their instance starts processes where the harness runs
+        # services (p2p's keeper): slow for that tier
+        slow = "shared_store" in metafunc.fixturenames
+        metafunc.parametrize("tier_name", [
+            pytest.param(name, marks=pytest.mark.slow if slow and harnesses()[name].services
+                         else ()) for name in selected_tiers(metafunc.config)])
 
 
 _instances: dict[str, object] = {}

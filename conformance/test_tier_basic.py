@@ -117,7 +117,7 @@ def test_many_concurrent_jobs_are_each_reported_exactly_once(open_tier, namespac
     assert sorted(i for i, r in results.items() if not r.ok) == list(range(100, 108))
 
 
-def test_restart_finds_every_stored_chunk(harness, open_tier, namespace, host):
+def test_restart_finds_every_stored_chunk(harness, shared_store, open_tier, namespace, host):
     if not harness.persistent:
         pytest.skip(f"{harness.name} is not persistent: {harness.why_not}")
     array = np.frombuffer(host, dtype=np.uint8)
@@ -127,6 +127,7 @@ def test_restart_finds_every_stored_chunk(harness, open_tier, namespace, host):
     for i, key in enumerate(keys):
         array[:n] = payload(i, n)
         assert store(first, key, 0, n, job_id=i).ok
+        harness.after_store(first, harness.config(shared_store, 0), key, n)
     first.close()
 
     second = open_tier(host)

@@ -3,8 +3,10 @@ process reads in a loop, and writers killed with SIGKILL at seeded points
 (`TierHarness.kill_points`: 100 for fs)."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import queue
 import random
 import signal
 import time
@@ -30,11 +32,38 @@ def _context():
     return ctx
 
 
-def test_concurrent_writers_of_one_key_and_a_looping_reader(harness, tmp_path, namespace):
+@contextlib.contextmanager
+def _reaped(procs):
+    """SIGKILL and join whichever of `procs` still runs when the block is left (a failed
+    assertion must not leave writers or readers behind)."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                p.kill()
+                p.join(30)
+
+
+def _collect(out, procs, count: int, timeout_s: float = 120.0) -> list:
+    """`count` reports from `out`; fails at once, naming the exit codes, when one of `procs`
+    exits non-zero first (a crashed worker sends none), and after `timeout_s` otherwise."""
+    reports, deadline = [], time.monotonic() + timeout_s
+    while len(reports) < count:
+        try:
+            reports.append(out.get(timeout=0.2))
+        except queue.Empty:
+            crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not crashed, f"worker(s) exited with {crashed} before reporting"
+            assert time.monotonic() < deadline, f"{count - len(reports)} report(s) missing"
+    return reports
+
+
+def test_concurrent_writers_of_one_key_and_a_looping_reader(harness, shared_store, namespace):
     if not harness.shared_by_processes:
         pytest.skip(f"{harness.name} is not shared by processes: {harness.why_not}")
     ctx = _context()
-    config = harness.config(str(tmp_path), 1 << 30)
+    config = harness.config(shared_store, 1 << 30)
     nbytes = (1 << 20) + 4099
     out, barrier, done = ctx.Queue(), ctx.Barrier(WRITERS), ctx.Event()
     args = (harness.name, config, namespace, ROUNDS, nbytes)
@@ -42,14 +71,15 @@ def test_concurrent_writers_of_one_key_and_a_looping_reader(harness, tmp_path, n
     writers = [ctx.Process(target=tier_workers.same_key_writer, args=args + (barrier, out))
                for _ in range(WRITERS)]
 
-    reader.start()
-    for w in writers:
-        w.start()
-    reports = [out.get(timeout=120) for _ in writers]
-    done.set()
-    reports.append(out.get(timeout=120))
-    for p in writers + [reader]:
-        p.join(30)
+    with _reaped(writers + [reader]):
+        reader.start()
+        for w in writers:
+            w.start()
+        reports = _collect(out, writers, WRITERS)
+        done.set()
+        reports += _collect(out, [reader], 1)
+        for p in writers + [reader]:
+            p.join(30)
 
     assert [p.exitcode for p in writers + [reader]] == [0] * (WRITERS + 1)
     assert sorted(r for r in reports if r[0] == "writer") == [("writer", [])] * WRITERS
@@ -70,17 +100,18 @@ def _kill_at(ctx, harness, config, namespace, first, nbytes,
     proc = ctx.Process(target=tier_workers.crash_writer,
                        args=(harness.name, config, namespace, first, CHUNKS_PER_WRITER, nbytes,
                              child))
-    proc.start()
-    child.close()
-    assert parent.poll(DRAIN_TIMEOUT_S) and parent.recv() == "ready"
-    t0 = time.perf_counter()
-    stored = []
-    if delay_s is None:
-        while (msg := parent.recv()) != "done":
-            stored.append(msg)
-    else:
-        time.sleep(delay_s)  # the seeded kill point
-    os.kill(proc.pid, signal.SIGKILL)
+    with _reaped([proc]):
+        proc.start()
+        child.close()
+        assert parent.poll(DRAIN_TIMEOUT_S) and parent.recv() == "ready"
+        t0 = time.perf_counter()
+        stored = []
+        if delay_s is None:
+            while (msg := parent.recv()) != "done":
+                stored.append(msg)
+        else:
+            time.sleep(delay_s)  # the seeded kill point
+        os.kill(proc.pid, signal.SIGKILL)
     elapsed = time.perf_counter() - t0
     proc.join(DRAIN_TIMEOUT_S)
     assert proc.exitcode == -signal.SIGKILL
@@ -94,11 +125,11 @@ def _kill_at(ctx, harness, config, namespace, first, nbytes,
     return stored, elapsed
 
 
-def test_sigkilled_writers_never_leave_a_torn_chunk(harness, tmp_path, namespace, host):
+def test_sigkilled_writers_never_leave_a_torn_chunk(harness, shared_store, namespace, host):
     if not harness.persistent:
         pytest.skip(f"{harness.name} is not persistent: {harness.why_not}")
     ctx = _context()
-    config = harness.config(str(tmp_path), 1 << 30)
+    config = harness.config(shared_store, 1 << 30)
     nbytes = (256 << 10) + 3
     first = harness.kill_points * CHUNKS_PER_WRITER  # the calibration run's chunks come after
     stored_all, span_s = _kill_at(ctx, harness, config, namespace, first, nbytes, None)

@@ -2,10 +2,12 @@
 
 `tier_name` is parametrized over the selected harnesses (`tier_harness.py`); `open_tier`
 builds the tier under test on a pinned host region from the cpu backend and closes it after
-the test.
+the test; `shared_store` runs the harness's services (p2p: a keeper peer process) for tests
+whose chunks must outlive the instance that stored them.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Callable, Iterable
 
@@ -69,6 +71,15 @@ def host(cpu_backend) -> Iterable[memoryview]:
 def namespace(tier_name: str) -> bytes:
     """A 16-byte namespace digest."""
     return hashlib.sha256(b"kvhal conformance " + tier_name.encode()).digest()[:16]
+
+
+@pytest.fixture
+def shared_store(harness, tmp_path, namespace) -> Iterable[str]:
+    """This test's store folder, for a test whose chunks must outlive the instance or process
+    that stored them: `harness.services` run (p2p: the keeper peer process) until teardown."""
+    services = harness.services or (lambda tmp, ns: contextlib.nullcontext())
+    with services(str(tmp_path), namespace):
+        yield str(tmp_path)
 
 
 @pytest.fixture

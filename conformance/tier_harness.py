@@ -24,6 +24,8 @@ from kvhal import plugins
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import SecondaryTier
 
+from . import p2p
+
 #: Damage kinds of `TierHarness.damage`: flip one payload bit, flip one header bit (fs-like
 #: tiers with a header), cut the stored object short, delete it.
 DAMAGE_KINDS = ("bitflip-payload", "bitflip-header", "truncate", "delete")
@@ -36,6 +38,11 @@ Damage = Callable[[SecondaryTier, Config, ChunkKey, str, int], None]
 #: faulty(tmp_dir, err, direction, host, namespace): a context manager yielding a tier whose
 #: `direction` ("store" or "load") I/O fails with `err` (jobs for that direction only).
 Faulty = Callable[[str, int, str, memoryview, bytes], ContextManager[SecondaryTier]]
+#: services(tmp_dir, namespace): a context manager running what instances storing under
+#: `tmp_dir` need beyond themselves for chunks to outlive them (p2p: the keeper peer process).
+Services = Callable[[str, bytes], ContextManager[Any]]
+#: settle(tier, config, key, nbytes): make a chunk stored ok through `tier` outlive it.
+Settle = Callable[[SecondaryTier, Config, ChunkKey, int], None]
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,14 @@ class TierHarness:
         config: `config(tmp_dir, max_bytes)` → this tier's config dict, storing under
             `tmp_dir` (a fresh folder per test). Must set any polling interval small (≤ 0.1 s)
             so that other processes' chunks become visible quickly.
-        persistent: Chunks survive `close()` and a new instance on the same config.
+        persistent: Chunks survive `close()` and a new instance on the same config (once
+            settled, with `services` running, where the harness has them).
         shared_by_processes: Instances in separate processes with the same config see each
-            other's chunks.
+            other's chunks (likewise).
+        services: Runs what `persistent` and `shared_by_processes` rely on (see `Services`;
+            the `shared_store` fixture enters it), or None.
+        settle: Called after a store that must outlive its instance (see `Settle`), or None.
+        ready: `ready(tier)` waits until a new instance sees the chunks others hold, or None.
         damage: Damages a stored chunk (see `Damage`), or None.
         damage_kinds: The `DAMAGE_KINDS` `damage` supports.
         faulty: Builds a tier with injected I/O errors (see `Faulty`), or None.
@@ -68,11 +80,28 @@ class TierHarness:
     faulty: Faulty | None = None
     stored_objects: Callable[[Config], tuple[list[str], list[str]]] | None = None
     kill_points: int = 100
+    services: Services | None = None
+    settle: Settle | None = None
+    ready: Callable[[SecondaryTier], None] | None = None
     why_not: str = ""
 
     def make(self, config: Config, host: memoryview, namespace: bytes) -> SecondaryTier:
-        """Construct the tier through its registered factory."""
-        return plugins.tiers()[self.name].factory(config, host, namespace)
+        """Construct the tier through its registered factory (and wait until it is `ready`)."""
+        tier = plugins.tiers()[self.name].factory(config, host, namespace)
+        if self.ready is not None:
+            try:
+                self.ready(tier)
+            except BaseException:
+                tier.close()
+                raise
+        return tier
+
+    def after_store(self, tier: SecondaryTier, config: Config, key: ChunkKey,
+                    nbytes: int) -> None:
+        """Call after a store job that must outlive `tier`: `settle`s it where the harness
+        has to."""
+        if self.settle is not None:
+            self.settle(tier, config, key, nbytes)
 
 
 _HARNESSES: dict[str, TierHarness] = {}
@@ -279,35 +308,11 @@ register_harness(TierHarness(
 
 
 # -- p2p ------------------------------------------------------------------------------------
-#: The shared secret of the suite's p2p instances (a test value, not a real secret).
-P2P_TEST_KEY = "kvhal-conformance-p2p-key"
-
-
-def _p2p_config(tmp: str, max_bytes: int) -> Config:
-    return {"type": "p2p", "auth_key": P2P_TEST_KEY, "max_bytes": max_bytes or 1 << 30,
-            "timeout_s": 10.0}
-
-
-def _p2p_damage(tier, config, key, kind, seed):
-    # An unattached p2p tier serves its own store (tiers/p2p/source.py OwnStore); the damage
-    # is done behind the feed's back, so the directory keeps a now-stale entry.
-    store = tier._source
-    data, checksum = store._data[key]
-    if kind == "delete":
-        del store._data[key]
-        return
-    rng = __import__("random").Random(seed)
-    if kind == "truncate":
-        store._data[key] = (data[:rng.randrange(len(data))], checksum)
-        return
-    pos = rng.randrange(len(data))
-    flipped = bytearray(data)
-    flipped[pos] ^= 1 << rng.randrange(8)
-    store._data[key] = (bytes(flipped), checksum)
-
-
 register_harness(TierHarness(
-    "p2p", config=_p2p_config, damage=_p2p_damage,
+    "p2p", config=p2p.config, persistent=True, shared_by_processes=True,
+    services=p2p.keeper, settle=p2p.settle, ready=p2p.ready, damage=p2p.damage,
     damage_kinds=("bitflip-payload", "truncate", "delete"),
-    why_not="p2p chunks live in the memory of the instance serving them (no files, no restart "
-            "survival, no errno-level I/O to inject)"))
+    # each kill point starts a writer process and the keeper pulls each chunk it reports
+    kill_points=12,
+    why_not="p2p chunks live in the memory of the instances serving them (no files, no "
+            "errno-level I/O to inject)"))

@@ -1,31 +1,51 @@
 """Child-process bodies of the multi-process tier conformance tests.
 
 Each runs in a separate process (multiprocessing "forkserver": a clean single-threaded parent
-per child), builds the tier through the kvhal plugin registry from `(tier_name, config,
-namespace)`, and reports over a queue or pipe. Payloads are `tier_fixtures.payload(i, n)`
+per child), builds the tier through its harness (`TierHarness.make`: the kvhal plugin registry,
+then `ready`) from `(tier_name, config, namespace)`, hands each chunk stored ok to
+`TierHarness.after_store` before reporting it (p2p: the keeper peer then holds it), and reports
+over a queue or pipe. Payloads are `tier_fixtures.payload(i, n)`
 for the chunk key `tier_fixtures.chunk_key(namespace, i)`, so every process agrees on them.
 """
 from __future__ import annotations
 
 import mmap
+import multiprocessing
+import multiprocessing.connection
+import os
 import signal
+import threading
 import time
 
 import numpy as np
 
-from kvhal import plugins
 from kvhal.tiers.base import JobKind, Lookup, TierJob
 
 from .tier_fixtures import DRAIN_TIMEOUT_S, chunk_key, payload
+from .tier_harness import harnesses
 
 #: Seconds a reader keeps looping after the writers finished, waiting to see every chunk.
 READER_GRACE_S = 30.0
 
 
+def _exit_with_the_test() -> None:
+    """End this worker at once if the test process dies (a killed test run must not leave
+    workers behind). Its parent is the forkserver, which lives as long as any worker does, so
+    `PR_SET_PDEATHSIG` would not do; multiprocessing gives the worker a sentinel of the process
+    that asked for it, which turns readable when that process is gone."""
+    test = multiprocessing.parent_process()
+
+    def watch() -> None:
+        multiprocessing.connection.wait([test.sentinel])
+        os._exit(1)
+    threading.Thread(target=watch, name="kvhal-worker-watchdog", daemon=True).start()
+
+
 def _open(tier_name: str, config: dict, namespace: bytes, nbytes: int):
+    _exit_with_the_test()
     region = mmap.mmap(-1, nbytes)
     host = memoryview(region)
-    tier = plugins.tiers()[tier_name].factory(config, host, namespace)
+    tier = harnesses()[tier_name].make(config, host, namespace)
     return tier, np.frombuffer(host, dtype=np.uint8), region
 
 
@@ -39,7 +59,10 @@ def same_key_writer(tier_name, config, namespace, rounds, nbytes, barrier, out) 
         barrier.wait(DRAIN_TIMEOUT_S)
         tier.submit_store(TierJob(r, JobKind.STORE, chunk_key(namespace, r), 0, nbytes))
         tier.drain(DRAIN_TIMEOUT_S)
-        errors += [res.error for res in tier.get_finished_jobs() if not res.ok]
+        failed = [res.error for res in tier.get_finished_jobs() if not res.ok]
+        if not failed:
+            harnesses()[tier_name].after_store(tier, config, chunk_key(namespace, r), nbytes)
+        errors += failed
     tier.close()
     out.put(("writer", errors))
 
@@ -83,11 +106,12 @@ def crash_writer(tier_name, config, namespace, first, count, nbytes, conn) -> No
     for i in range(count):
         tier.submit_store(TierJob(first + i, JobKind.STORE, chunk_key(namespace, first + i),
                                   i * nbytes, nbytes))
-    reported = 0
+    reported, harness = 0, harnesses()[tier_name]
     while reported < count:
         for res in tier.get_finished_jobs():
             reported += 1
             if res.ok:
+                harness.after_store(tier, config, res.key, nbytes)
                 conn.send(res.job_id)
         time.sleep(0.0005)
     conn.send("done")

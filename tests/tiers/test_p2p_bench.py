@@ -22,3 +22,4 @@ def test_bench_p2p_json_reports_medians_ratio_and_cpu():
     assert result["p2p_p50_ms"] <= result["p2p_p99_ms"]
     assert set(result["cpu_ms_per_chunk"]) == {"p2p", "raw", "zmq"}
     assert set(result["cpu_ms_per_chunk"]["p2p"]) == {"client", "server"}
+    assert result["hash_ms_per_chunk"] > 0

@@ -98,3 +98,35 @@ def test_host_losses_leave_the_peers_directory(pair):
     wait_for(lambda: b_tier.lookup(keys[1]) is Lookup.MISS, what="loss")
     assert b_tier.lookup(keys[0]) is Lookup.HIT
     assert keys[1] in a_tier.take_removed()
+
+
+def test_a_host_slot_is_hashed_once_per_residence(pair):
+    (a, a_tier, a_array), (b, b_tier, b_array) = pair
+    (key,) = _store(a, a_array, 0, 1)
+
+    def pull_into_b() -> np.ndarray:
+        b.discard([key])
+        wait_for(lambda: b_tier.lookup(key) is Lookup.HIT, what="a's chunk in b's directory")
+        b.lookup([key])
+        wait_for(lambda: b.lookup([key]) == [Lookup.HIT], what="promotion")
+        slot = b.slots.index[key]
+        return b_array[slot * SLOT:(slot + 1) * SLOT].copy()
+
+    first, second = pull_into_b(), pull_into_b()
+    digests_while_resident = a_tier.stats()["serve_digests"]
+    _store(a, a_array, 100, CAPACITY - 1)  # A full: the chunk's slot is the one freed next
+    old_slot = a.slots.index[key]
+    a.discard([key])                       # A loses the chunk, then holds new bytes under it
+    plan = a.prepare_store([key])
+    slot = int(plan.slots[0])
+    assert slot == old_slot                # same key, same slot, other bytes
+    a_array[slot * SLOT:(slot + 1) * SLOT] = payload(7, SLOT)
+    a.complete_store(plan.job_id)
+    a.drain(10)
+    third = pull_into_b()
+
+    np.testing.assert_array_equal(first, payload(0, SLOT))
+    np.testing.assert_array_equal(second, payload(0, SLOT))
+    np.testing.assert_array_equal(third, payload(7, SLOT))
+    assert (digests_while_resident, a_tier.stats()["serve_digests"],
+            a_tier.stats()["chunks_served"]) == (1, 2, 3)

@@ -12,6 +12,7 @@ import pytest
 
 from kvhal.tiers.base import JobKind, Lookup, TierJob
 from kvhal.tiers.p2p import P2PTier
+from kvhal.tiers.p2p.server import MAX_CONNECTIONS, MAX_HANDSHAKING
 from kvhal.tiers.p2p.wire import encode
 
 from .helpers import NAMESPACE, chunk_key, host_region, load, payload
@@ -123,6 +124,35 @@ def test_malformed_or_unauthenticated_requests_are_dropped_and_counted(peers, ti
     assert tier.wait_synced(20)
     assert load(tier, chunk_key(NAMESPACE, 0), 0, 4096).ok  # the peer is unharmed
     np.testing.assert_array_equal(array[:4096], payload(0, 4096))
+
+
+#: Silent unauthenticated connections of the flood test: more than a listener serves at once.
+FLOOD = MAX_CONNECTIONS + 44
+
+
+def test_silent_unauthenticated_clients_cannot_starve_a_peer(peers, tiers):
+    peer = peers(config(), count=1)
+    tier, array = tiers(config(peers=[peer.identity]))
+    assert tier.wait_synced(20)
+    flood = []
+    try:
+        flood += [socket.create_connection(peer.address, timeout=10) for _ in range(FLOOD)]
+
+        result, elapsed = _timed_load(tier, 0, 0, 4096)
+        # the silent ones still pending time out; the tier's feed and data connections stay
+        wait_for(lambda: peer.stats()["connections"] == 2, what="pending handshakes ended")
+    finally:
+        for s in flood:
+            s.close()
+
+    assert result.ok, result.error
+    assert elapsed < tier.config.timeout_s + DEADLINE_SLACK_S
+    np.testing.assert_array_equal(array[:4096], payload(0, 4096))
+    stats = peer.stats()
+    # every silent connection was dropped for a newer one or timed out; none of the peer's
+    assert stats.get("handshakes_dropped", 0) + stats.get("handshake_timeouts", 0) == FLOOD
+    assert stats["handshake_timeouts"] <= MAX_HANDSHAKING
+    assert (stats.get("connections_refused", 0), stats["chunks_served"]) == (0, 1)
 
 
 def test_stale_directory_entry_costs_one_failed_load_then_a_miss(tiers):

@@ -7,9 +7,7 @@ buckets. The child gets SIGKILL when the process that started it dies (Linux
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,9 +16,10 @@ import time
 import urllib.error
 import urllib.request
 
+from kvhal.procs import die_with_parent
+
 #: Seconds to wait for a fresh server to answer.
 START_TIMEOUT_S = 60.0
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -28,13 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 class LocalS3Server:
@@ -83,7 +75,7 @@ class LocalS3Server:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=self._log, env=self._env,
-            preexec_fn=_die_with_parent)
+            preexec_fn=die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

@@ -14,7 +14,9 @@ chunk calls, same machine: lookup 0.25 / store 1.9 / load 0.76 µs per chunk wit
 served and ends inline (`JobBoard.finish`), still a few µs per chunk of job bookkeeping. Without a host tier
 (the conformance suite, benches) a store copies the slot into the tier's own LRU store
 (`max_bytes`) and that instance serves itself like any peer, so the suite's loads travel the
-real network path (listener, HMAC challenge, pull, checksum).
+real network path (listener, HMAC challenge, pull, checksum); its restart and multi-process
+tests add a keeper peer process (`conformance/p2p.py`) that pulls each stored chunk from the
+storing process and serves it to the test's other instances and processes.
 
 Directory, not probing. Every instance publishes what it serves as a feed: a snapshot, then
 events numbered within a random per-start epoch (attached: exactly the host tier's gains and

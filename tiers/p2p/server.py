@@ -1,7 +1,12 @@
 """The serving side of a p2p instance: one listener, one thread per authenticated connection.
 
-A connection first passes the HMAC challenge (`auth.py`) within `timeout_s`; until then it is
-served nothing. Then by its role:
+A connection first passes the HMAC challenge (`auth.py`) within `timeout_s`, at most
+`HANDSHAKE_S`; until then it is served nothing. At most `MAX_HANDSHAKING` connections are in
+the handshake at once: a new one over that drops the oldest of them (counted
+`handshakes_dropped`; a missed handshake deadline counts `handshake_timeouts`). So clients
+that connect and stay silent hold at most that many connections and threads, each for at most
+`HANDSHAKE_S`: they can neither fill the `MAX_CONNECTIONS` of authenticated peers nor keep a
+connecting peer, whose handshake takes two round trips, from getting in. Then by its role:
 - "feed": the feed's snapshot in pages (`snap`, the last with `last=True`), then every event
   (`ev`) as it happens, and a heartbeat (`hb`, with the last event number) whenever
   `heartbeat_s` passes without one, so the subscriber notices a silent or lost peer and any
@@ -10,8 +15,8 @@ served nothing. Then by its role:
   `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). The chunk is held
   (`Source.acquire`: host slot pinned) for the whole transfer and released after it; `sum` is
   the xxh3-128 digest the bytes had when stored (own store: bytes damaged since then fail the
-  puller's check), or the digest of the pinned host slot taken just before sending (its bytes
-  cannot change while pinned). The three go out as one write (`Connection.send_parts`).
+  puller's check), or the digest of the pinned host slot taken at its first serve
+  (`source.HostSource`: its bytes cannot change while the key stays resident). The three go out as one write (`Connection.send_parts`).
 Anything unexpected (malformed frame, wrong key, deadline, reset) drops that connection only
 and bumps a counter; the listener and every other connection carry on. `close` stops the
 listener, closes every connection and joins every thread.
@@ -21,8 +26,6 @@ from __future__ import annotations
 import threading
 import time
 from typing import Callable, Protocol
-
-import xxhash
 
 from kvhal.keys import ChunkKey
 
@@ -35,6 +38,10 @@ from .wire import MAX_KEYS_PER_FRAME, WireError, encode
 IDLE_S = 60.0
 #: Connections served at once; further ones are closed at accept.
 MAX_CONNECTIONS = 256
+#: Connections in the HMAC handshake at once; a new one over it drops the oldest of them.
+MAX_HANDSHAKING = 16
+#: Longest handshake (seconds; shorter if `timeout_s` is): two round trips and two HMACs.
+HANDSHAKE_S = 2.0
 
 
 class Source(Protocol):
@@ -51,7 +58,7 @@ class Server:
         host, port: Where to listen (port 0: ephemeral; see `address`).
         key: The shared auth key.
         feed, source: What to serve (`source` may be replaced later: the `source` attribute).
-        timeout_s: Deadline of a handshake and of each transfer.
+        timeout_s: Deadline of each transfer and (at most `HANDSHAKE_S`) of a handshake.
         heartbeat_s: Longest silence on a feed connection.
         max_inflight: Transfers served at once.
         count: `count(name)` bumps a tier counter (e.g. "auth_failed").
@@ -74,6 +81,7 @@ class Server:
         self._count = count
         self._lock = threading.Lock()
         self._conns: dict[Connection, threading.Thread] = {}
+        self._handshaking: dict[Connection, None] = {}  # insertion order: oldest first
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvhal-p2p-accept",
                                           daemon=True)
@@ -87,19 +95,38 @@ class Server:
 
     def _accept_loop(self) -> None:
         while (conn := self._listener.accept()) is not None:
+            dropped = None
             with self._lock:
                 if self._closed or len(self._conns) >= MAX_CONNECTIONS:
                     conn.close()
                     self._count("connections_refused")
                     continue
+                if len(self._handshaking) >= MAX_HANDSHAKING:
+                    dropped = next(iter(self._handshaking))
+                    del self._handshaking[dropped]
+                self._handshaking[conn] = None
                 thread = threading.Thread(target=self._serve, args=(conn,),
                                           name="kvhal-p2p-serve", daemon=True)
                 self._conns[conn] = thread
+            if dropped is not None:
+                dropped.close()  # its thread's pending recv fails and the thread ends
+                self._count("handshakes_dropped")
             thread.start()
+
+    def _handshake(self, conn: Connection) -> dict:
+        deadline = time.monotonic() + min(self._timeout_s, HANDSHAKE_S)
+        try:
+            return server_handshake(conn, self._key, deadline)
+        except TimeoutError:
+            self._count("handshake_timeouts")
+            raise
+        finally:
+            with self._lock:
+                self._handshaking.pop(conn, None)
 
     def _serve(self, conn: Connection) -> None:
         try:
-            hello = server_handshake(conn, self._key, time.monotonic() + self._timeout_s)
+            hello = self._handshake(conn)
             if hello["role"] == "feed":
                 self._serve_feed(conn)
             else:
@@ -157,9 +184,8 @@ class Server:
             if len(served.payload) != nbytes:
                 conn.send(encode("miss", why=f"holds {len(served.payload)} bytes"), deadline)
                 return
-            digest = served.checksum or xxhash.xxh3_128_digest(served.payload)
             conn.send_parts((encode("chunk", key=key, n=nbytes), served.payload,
-                             encode("end", sum=digest)), deadline)
+                             encode("end", sum=served.checksum)), deadline)
             self._count("chunks_served")
         finally:
             served.release()

@@ -97,7 +97,7 @@ class P2PTier(BoardedTier):
         store job then only confirms the chunk is served), and stop pulling from ourselves."""
         self._attached = True
         self._directory.drop_peer(self._self_peer)
-        self._source = HostSource(access, self._host, self._feed)
+        self._source = HostSource(access, self._host, self._feed, self._jobs.count)
         self._server.source = self._source
 
     def lookup(self, key: ChunkKey) -> Lookup:
@@ -138,10 +138,11 @@ class P2PTier(BoardedTier):
 
     def stats(self) -> Mapping[str, Any]:
         """Counters (absent while 0): bytes_stored, bytes_loaded, store_failed, load_failed,
-        load_missing, chunks_served, serve_missing, serve_busy, serve_corrupt,
-        checksum_mismatch, malformed, auth_failed, connections_refused, peer_lost,
-        feed_resyncs; plus served_chunks, directory_chunks, peers, peers_synced,
-        connections (served + pooled data connections) and attached (bool)."""
+        load_missing, chunks_served, serve_digests, serve_missing, serve_busy, serve_corrupt,
+        checksum_mismatch, malformed, auth_failed, connections_refused, handshakes_dropped,
+        handshake_timeouts, peer_lost, feed_resyncs; plus served_chunks, directory_chunks,
+        peers, peers_synced, connections (served + pooled data connections) and attached
+        (bool)."""
         served = self._feed.snapshot()[1]
         return self._jobs.counters() | {
             "served_chunks": len(served), "directory_chunks": self._directory.count(),

@@ -1,0 +1,24 @@
+"""Child processes that do not outlive the process that started them.
+
+`die_with_parent` asks Linux to SIGKILL the calling process when its parent thread exits
+(`PR_SET_PDEATHSIG`, prctl(2)), so a crashed or killed test run leaves no server or peer
+process behind: as a `subprocess.Popen(preexec_fn=...)` hook (between fork and exec) or first
+thing in a multiprocessing child. (vLLM's engine core, a
+multiprocessing child that must shut down cleanly, uses `integrations.vllm.lifetime` instead.)
+"""
+from __future__ import annotations
+
+import ctypes
+import signal
+
+#: prctl(2) option: signal delivered to this process when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Arm SIGKILL-on-parent-death for the calling (child) process; a no-op where prctl is
+    missing (not Linux). Safe between fork and exec: no allocation-heavy work, no raising."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
