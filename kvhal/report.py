@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any, Sequence
 
 from rich.console import Console
@@ -37,8 +38,67 @@ def print_json(payload: Any) -> None:
 
 
 def progress(disable: bool = False):
-    """A rich progress bar (transient, on stderr); disabled for `--json` runs if asked."""
+    """Progress of a long command on stderr, disabled for `--json` runs if asked: a rich
+    progress bar (transient) on a terminal; elsewhere (a log, a pipe, CI), where rich draws
+    nothing until the end, one line per change of task and at most one per
+    `LineProgress.EVERY_S` seconds while a task advances."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
+    if not disable and not console.is_terminal:
+        return LineProgress(sys.stderr)
     return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True, disable=disable)
+                    console=console, transient=True, disable=disable)
+
+
+class LineProgress:
+    """The subset of `rich.progress.Progress` the commands use (context manager, `add_task`,
+    `update`, `advance`), printing plain lines `"[12 s] description: 3/40"` to `stream`."""
+
+    #: Least seconds between two lines of one task that only advanced.
+    EVERY_S = 10.0
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._tasks: list[dict[str, Any]] = []
+        self._start = time.monotonic()
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, **_) -> int:
+        """Start a task; returns its id."""
+        self._tasks.append({"description": description, "total": total, "completed": 0,
+                            "printed": 0.0})
+        self._print(len(self._tasks) - 1)
+        return len(self._tasks) - 1
+
+    def update(self, task: int, *, description: str | None = None, total: float | None = None,
+               completed: float | None = None, advance: float = 0, **_) -> None:
+        """Change a task's description, total or completed count (as rich's `update`)."""
+        state = self._tasks[task]
+        changed = description is not None and description != state["description"]
+        for key, value in (("description", description), ("total", total),
+                           ("completed", completed)):
+            if value is not None:
+                state[key] = value
+        state["completed"] += advance
+        self._print(task, force=changed)
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        """Advance a task by `advance` steps."""
+        self.update(task, advance=advance)
+
+    def _print(self, task: int, force: bool = True) -> None:
+        state, now = self._tasks[task], time.monotonic()
+        done = state["total"] is not None and state["completed"] >= state["total"]
+        if not (force or done or now - state["printed"] >= self.EVERY_S):
+            return
+        state["printed"] = now
+        count = (f": {state['completed']:g}/{state['total']:g}" if state["total"] is not None
+                 else "")
+        self._stream.write(f"[{now - self._start:.0f} s] {state['description']}{count}\n")
+        self._stream.flush()

@@ -132,7 +132,7 @@ def run_demo(args: argparse.Namespace) -> int:
                    total=len(turns), completed=0)
         for turn in turns:
             step = {"op": "generate", "max_tokens": turn.max_tokens,
-                    "prompts": {f"{turn.conversation}.{turn.turn}": list(turn.prompt)}}
+                    "prompts": {request_name(turn): list(turn.prompt)}}
             for name, proc in engines.items():
                 runs[name].append(proc.step(step))
             bar.advance(task)
@@ -144,6 +144,12 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         print_report(report, workdir)
     return 0
+
+
+def request_name(turn) -> str:
+    """The name of a turn's request in the steps and the report: "c<conversation>/t<turn>"
+    (not "3.2", which reads like a number)."""
+    return f"c{turn.conversation}/t{turn.turn}"
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -158,7 +164,7 @@ def build_report(turns: list, runs: dict, kvhal_config: dict, wall_s: float) -> 
     """Per-turn rows and totals from the three engines' step results (`RUNS`)."""
     rows = []
     for i, turn in enumerate(turns):
-        name = f"{turn.conversation}.{turn.turn}"
+        name = request_name(turn)
         base, kv, ref = (runs[run][i][name] for run in RUNS)
         hits = kv["hit_tokens"]
         loaded = sum(hits.values())
@@ -177,7 +183,7 @@ def build_report(turns: list, runs: dict, kvhal_config: dict, wall_s: float) -> 
             "max_logprob_diff_vs_recompute": {"kvhal": _max_diff(kv, base),
                                               "unlimited": _max_diff(ref, base)},
         })
-    counters = runs["kvhal"][-1][f"{turns[-1].conversation}.{turns[-1].turn}"]["counters"]
+    counters = runs["kvhal"][-1][request_name(turns[-1])]["counters"]
     total = lambda key, run, rs=rows: sum(r[key][run] for r in rs)  # noqa: E731
     served = [r for r in rows if 2 * sum(r["kvhal_hit_tokens"].values()) >= r["prompt_tokens"]]
     tiers: dict[str, int] = {}

@@ -5,8 +5,12 @@ loops are S3 clients against the same bucket (`tier_obj.py`).
 
 `--count` chunks of `--chunk-bytes` from one page-aligned host region are stored by each
 contender (one job per chunk, all submitted, then drained), then loaded back into the zeroed
-region after the page cache is emptied with `posix_fadvise(DONTNEED)` on every file, and the
-loaded bytes are compared with the stored ones. Contenders:
+region after the page cache is emptied (`sync()`, then `posix_fadvise(DONTNEED)` on every
+file: only clean pages can be dropped), and the loaded bytes are compared with the stored ones.
+Every timed write starts after a `sync()`, so no contender pays for the writeback of another's
+files; a write through the page cache is timed until the tier reports it stored (what a store
+costs the engine), and its writeback is not (the kernel throttles a sustained stream to device
+speed). Contenders:
 
 - the kvhal tier, with `--config` merged into its defaults (checksums verified on every read);
 - a raw loop on as many threads as the tier has (fs: `n_write_threads` / `n_read_threads`;
@@ -96,7 +100,9 @@ class TierBenchResult:
 
 
 def drop_page_cache(folder: str) -> None:
-    """posix_fadvise(DONTNEED) every file under `folder` (clean pages leave the page cache)."""
+    """Empty the page cache of every file under `folder`: `sync()` first (dirty pages, such as
+    those of buffered writes, cannot be dropped), then posix_fadvise(DONTNEED) on each file."""
+    os.sync()
     for dirpath, _, files in os.walk(folder):
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
@@ -274,6 +280,7 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
         for rep in range(repeats):
             order = contenders[rep % len(contenders):] + contenders[:rep % len(contenders)]
             for c in order:
+                os.sync()
                 times[c.name][0].append(_timed(c.write, rep))
             drop_page_cache(root)
             for c in order:

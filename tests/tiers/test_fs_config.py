@@ -53,7 +53,7 @@ def test_bad_config_names_the_key(config, message):
 def test_defaults():
     cfg = parse_config({"type": "fs", "root_dir": "/data/kv"})
     assert (cfg.root_dir, cfg.max_bytes, cfg.n_read_threads, cfg.n_write_threads, cfg.o_direct,
-            cfg.refresh_interval_s, cfg.durability) == ("/data/kv", None, 16, 16, "auto", 1.0,
+            cfg.refresh_interval_s, cfg.durability) == ("/data/kv", None, 16, 16, False, 1.0,
                                                         "process")
 
 

@@ -1,0 +1,138 @@
+"""The fs tier's C chunk I/O (`tiers/fs/_chunkio.c`) against its Python path (`fileio.py`):
+the same files, the same errors, with and without O_DIRECT."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from kvhal.tiers.chunk_format import ALIGN, CorruptChunk, SizeMismatch
+from kvhal.tiers.fs import fileio
+from kvhal.tiers.fs.fileio import Scratch, probe_o_direct, read_chunk, write_chunk
+from kvhal.tiers.fs.format import TEMP_DIR, chunk_path
+
+from .helpers import NAMESPACE, chunk_key, host_region, payload
+
+needs_c = pytest.mark.skipif(not fileio.FAST_IO, reason="kvhal.tiers.fs._chunkio was not "
+                                "built (no C compiler at install time); the Python path runs")
+
+
+class PassThroughOs:
+    """The real `os` module behind another object: `fileio` then takes its Python path (one
+    system call per step), the reference the C path is compared with. Injects nothing."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+@pytest.fixture
+def ns_dir(tmp_path):
+    for sub in (TEMP_DIR, "chunks/00"):
+        os.makedirs(tmp_path / sub)
+    for i in range(256):
+        os.makedirs(tmp_path / "chunks" / f"{i:02x}", exist_ok=True)
+    return str(tmp_path)
+
+
+def _directs(folder: str) -> list[bool]:
+    return [False] + ([True] if probe_o_direct(folder) else [])
+
+
+def test_the_extension_is_built_where_a_c_compiler_is():
+    # setup.py builds it as optional: a machine with a compiler must not silently lose it
+    assert shutil.which("cc") or shutil.which("gcc")
+    assert fileio.FAST_IO
+
+
+@needs_c
+@pytest.mark.parametrize("nbytes", [ALIGN, 3 * ALIGN + 100, 5000, 1])
+def test_c_and_python_paths_write_identical_files_and_read_each_other(ns_dir, nbytes):
+    host, array = host_region(1 << 20)
+    for direct in _directs(ns_dir):
+        written = {}
+        for name, osm in (("c", os), ("python", PassThroughOs())):
+            key = chunk_key(NAMESPACE, 7)
+            array[:nbytes] = payload(7, nbytes)
+            write_chunk(osm, ns_dir, key, host[:nbytes], direct, Scratch(), sync=name == "c")
+            with open(chunk_path(ns_dir, key), "rb") as f:
+                written[name] = f.read()
+            for reader in (os, PassThroughOs()):
+                array[:] = 0
+                read_chunk(reader, chunk_path(ns_dir, key), key, host[ALIGN:ALIGN + nbytes],
+                           NAMESPACE, direct, Scratch())
+                assert np.array_equal(array[ALIGN:ALIGN + nbytes], payload(7, nbytes))
+        assert written["c"] == written["python"]
+        assert len(written["c"]) % ALIGN == 0 and len(written["c"]) > nbytes
+        assert os.listdir(os.path.join(ns_dir, TEMP_DIR)) == []
+
+
+def _both(fn):
+    """Run `fn(osm)` with the C path and the Python path; return both exceptions."""
+    out = []
+    for osm in (os, PassThroughOs()):
+        with pytest.raises(Exception) as info:
+            fn(osm)
+        out.append(info.value)
+    return out
+
+
+@needs_c
+def test_read_errors_are_the_same_on_both_paths(ns_dir):
+    host, array = host_region(1 << 20)
+    key = chunk_key(NAMESPACE, 1)
+    path = chunk_path(ns_dir, key)
+
+    def read(osm, nbytes=5000):
+        read_chunk(osm, path, key, host[:nbytes], NAMESPACE, False, Scratch())
+
+    missing = _both(read)
+    assert [type(e) for e in missing] == [FileNotFoundError] * 2
+    assert [e.errno for e in missing] == [errno.ENOENT] * 2
+    assert missing[0].filename == path
+
+    os.mkfifo(path)
+    fifo = _both(read)
+    assert [type(e) for e in fifo] == [CorruptChunk] * 2
+    assert str(fifo[0]) == str(fifo[1])
+    assert str(fifo[0]).startswith("not a regular file (mode p")
+    os.unlink(path)
+
+    array[:5000] = payload(1, 5000)
+    write_chunk(os, ns_dir, key, host[:5000], False, Scratch(), sync=False)
+    other_size = _both(lambda osm: read(osm, 9000))
+    assert [type(e) for e in other_size] == [SizeMismatch] * 2
+    assert str(other_size[0]) == str(other_size[1])
+
+    with open(path, "r+b") as f:
+        f.truncate(2 * ALIGN)
+    truncated = _both(read)
+    assert [type(e) for e in truncated] == [CorruptChunk] * 2
+    assert str(truncated[0]) == str(truncated[1]) == (
+        f"file size {2 * ALIGN} != expected {3 * ALIGN}")
+
+
+@needs_c
+def test_a_failed_write_leaves_no_temp_file_on_both_paths(ns_dir):
+    host, array = host_region(1 << 20)
+    key = chunk_key(NAMESPACE, 2)
+    os.makedirs(os.path.join(chunk_path(ns_dir, key), "in-the-way"))  # rename onto a folder
+    errors = _both(lambda osm: write_chunk(osm, ns_dir, key, host[:ALIGN], False, Scratch(),
+                                           sync=False))
+    assert [e.errno for e in errors] == [errno.EISDIR] * 2
+    assert os.listdir(os.path.join(ns_dir, TEMP_DIR)) == []
+
+
+@needs_c
+def test_more_buffers_than_the_helper_takes_is_a_value_error(tmp_path):
+    from kvhal.tiers.fs import _chunkio
+
+    bufs = [bytearray(1)] * 5
+    with pytest.raises(ValueError, match="bufs: at most 4 buffers, got 5"):
+        _chunkio.write_file(str(tmp_path / "t"), str(tmp_path / "f"), bufs, False, False,
+                            str(tmp_path))
+    with pytest.raises(BufferError):
+        _chunkio.read_file(str(tmp_path / "f"), [b"read-only"], False, 9)
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,263 @@
+/* kvhal.tiers.fs._chunkio: one chunk file written or read in a single GIL-free call.
+ *
+ * The fs tier's Python path (fileio.py) makes four or five system calls per chunk (open,
+ * pwritev/preadv, fstat, close, rename), and each one hands the GIL back and forth; with 16+16
+ * tier threads on a few cores those handoffs, not the disk, bound throughput (profiled in issue
+ * 13). These two functions make the same calls, in the same order and with the same flags, with
+ * the GIL released once around all of them. fileio.py stays the single description of the
+ * file format and its checks; this module only moves bytes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef O_DIRECT
+#define O_DIRECT 0
+#endif
+
+#define MAX_BUFS 4
+
+/* Buffers of a Python sequence of at most MAX_BUFS writable (or readable) buffer objects.
+ * Empty buffers are skipped. Returns the count, or -1 with a Python exception set. */
+static int get_buffers(PyObject *seq, Py_buffer *views, struct iovec *iov, int writable) {
+    PyObject *fast = PySequence_Fast(seq, "bufs must be a sequence of buffers");
+    if (fast == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > MAX_BUFS) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "bufs: at most %d buffers, got %zd", MAX_BUFS, n);
+        return -1;
+    }
+    int count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer *view = &views[count];
+        int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), view, flags) < 0) {
+            for (int j = 0; j < count; j++) PyBuffer_Release(&views[j]);
+            Py_DECREF(fast);
+            return -1;
+        }
+        if (view->len == 0) {
+            PyBuffer_Release(view);
+            continue;
+        }
+        iov[count].iov_base = view->buf;
+        iov[count].iov_len = (size_t)view->len;
+        count++;
+    }
+    Py_DECREF(fast);
+    return count;
+}
+
+static void release_buffers(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++) PyBuffer_Release(&views[i]);
+}
+
+/* Advance iov past n bytes; returns the new count of iovecs left (iov is compacted). */
+static int advance(struct iovec *iov, int count, size_t n) {
+    int i = 0;
+    while (i < count && n >= iov[i].iov_len) {
+        n -= iov[i].iov_len;
+        i++;
+    }
+    if (i < count && n) {
+        iov[i].iov_base = (char *)iov[i].iov_base + n;
+        iov[i].iov_len -= n;
+    }
+    for (int j = i; j < count; j++) iov[j - i] = iov[j];
+    return count - i;
+}
+
+static PyObject *raise_errno(int err, const char *step, PyObject *path) {
+    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", err, strerror(err), path);
+    if (exc == NULL) return NULL;
+    PyObject *note = PyUnicode_FromString(step);
+    if (note != NULL) {
+        PyObject_SetAttrString(exc, "kvhal_step", note);
+        Py_DECREF(note);
+    }
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+PyDoc_STRVAR(write_file_doc,
+"write_file(tmp, final, bufs, direct, sync, folder) -> None\n\n"
+"Create `tmp` (O_WRONLY|O_CREAT|O_EXCL|O_CLOEXEC, plus O_DIRECT if `direct`, mode 0644), write\n"
+"the buffers in `bufs` (at most 4, in order, from offset 0; short writes are continued), with\n"
+"`sync` fdatasync it, close it and rename it to `final`; with `sync` also fsync the folder\n"
+"`folder` afterwards. The GIL is released for all of it. On any error `tmp` is unlinked.\n\n"
+"Raises:\n"
+"    OSError: errno and `tmp` (or `folder`) of the failing step; its `kvhal_step` attribute\n"
+"        names the step (open, pwritev, fdatasync, close, rename, fsync_dir).\n"
+"    ValueError: more than 4 buffers.");
+
+static PyObject *write_file(PyObject *self, PyObject *args) {
+    PyObject *tmp_arg, *final_arg, *folder_arg, *bufs;
+    PyObject *tmp_obj = NULL, *final_obj = NULL, *folder_obj = NULL;
+    int direct, sync;
+    if (!PyArg_ParseTuple(args, "OOOppO", &tmp_arg, &final_arg, &bufs, &direct, &sync,
+                          &folder_arg))
+        return NULL;
+    if (!PyUnicode_FSConverter(tmp_arg, &tmp_obj) || !PyUnicode_FSConverter(final_arg, &final_obj)
+        || !PyUnicode_FSConverter(folder_arg, &folder_obj)) {
+        Py_XDECREF(tmp_obj);
+        Py_XDECREF(final_obj);
+        return NULL;
+    }
+    Py_buffer views[MAX_BUFS];
+    struct iovec iov[MAX_BUFS];
+    PyObject *result = NULL;
+    int count = get_buffers(bufs, views, iov, 0);
+    if (count < 0) goto out;
+    const char *tmp = PyBytes_AS_STRING(tmp_obj);
+    const char *final = PyBytes_AS_STRING(final_obj);
+    const char *folder = PyBytes_AS_STRING(folder_obj);
+    const char *step = NULL;
+    int err = 0, failed_on_folder = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0);
+    int fd = open(tmp, flags, 0644);
+    if (fd < 0) {
+        err = errno;
+        step = "open";
+    } else {
+        off_t offset = 0;
+        struct iovec *cur = iov;
+        int left = count;
+        while (left > 0) {
+            ssize_t n = pwritev(fd, cur, left, offset);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                err = n < 0 ? errno : EIO;
+                step = "pwritev";
+                break;
+            }
+            offset += n;
+            left = advance(cur, left, (size_t)n);
+        }
+        if (!err && sync && fdatasync(fd) != 0) {
+            err = errno;
+            step = "fdatasync";
+        }
+        if (close(fd) != 0 && !err) {
+            err = errno;
+            step = "close";
+        }
+        if (!err && rename(tmp, final) != 0) {
+            err = errno;
+            step = "rename";
+        }
+        if (err) unlink(tmp);
+        if (!err && sync) {
+            int dfd = open(folder, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+            if (dfd < 0 || fsync(dfd) != 0) {
+                err = errno;
+                step = "fsync_dir";
+                failed_on_folder = 1;
+            }
+            if (dfd >= 0) close(dfd);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        raise_errno(err, step, failed_on_folder ? folder_arg : tmp_arg);
+    } else {
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    release_buffers(views, count);
+out:
+    Py_DECREF(tmp_obj);
+    Py_DECREF(final_obj);
+    Py_DECREF(folder_obj);
+    return result;
+}
+
+PyDoc_STRVAR(read_file_doc,
+"read_file(path, bufs, direct, expected) -> (status, value)\n\n"
+"Open `path` (O_RDONLY|O_CLOEXEC|O_NONBLOCK, plus O_DIRECT if `direct`), fstat it and, when it\n"
+"is a regular file of exactly `expected` bytes, preadv it from offset 0 into the writable\n"
+"buffers `bufs` (at most 4, in order; one call, as the Python path does). The GIL is released\n"
+"for all of it. Returns (0, bytes read), (1, st_mode) for a file that is not regular, or\n"
+"(2, size) for a regular file of another size (nothing read).\n\n"
+"Raises:\n"
+"    OSError: errno and `path` of the failing open, fstat or preadv (ENOENT, EACCES, EIO...).\n"
+"    ValueError: more than 4 buffers.");
+
+static PyObject *read_file(PyObject *self, PyObject *args) {
+    PyObject *path_arg, *path_obj = NULL, *bufs;
+    int direct;
+    long long expected;
+    if (!PyArg_ParseTuple(args, "OOpL", &path_arg, &bufs, &direct, &expected))
+        return NULL;
+    if (!PyUnicode_FSConverter(path_arg, &path_obj)) return NULL;
+    Py_buffer views[MAX_BUFS];
+    struct iovec iov[MAX_BUFS];
+    PyObject *result = NULL;
+    int count = get_buffers(bufs, views, iov, 1);
+    if (count < 0) goto out;
+    const char *path = PyBytes_AS_STRING(path_obj);
+    const char *step = NULL;
+    int err = 0, status = 0;
+    long long value = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | (direct ? O_DIRECT : 0));
+    if (fd < 0) {
+        err = errno;
+        step = "open";
+    } else {
+        struct stat st;
+        if (fstat(fd, &st) != 0) {
+            err = errno;
+            step = "fstat";
+        } else if (!S_ISREG(st.st_mode)) {
+            status = 1;
+            value = (long long)st.st_mode;
+        } else if ((long long)st.st_size != expected) {
+            status = 2;
+            value = (long long)st.st_size;
+        } else {
+            ssize_t n;
+            do {
+                n = preadv(fd, iov, count, 0);
+            } while (n < 0 && errno == EINTR);
+            if (n < 0) {
+                err = errno;
+                step = "preadv";
+            } else {
+                value = (long long)n;
+            }
+        }
+        close(fd);
+    }
+    Py_END_ALLOW_THREADS
+    if (err)
+        raise_errno(err, step, path_arg);
+    else
+        result = Py_BuildValue("iL", status, value);
+    release_buffers(views, count);
+out:
+    Py_DECREF(path_obj);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"write_file", write_file, METH_VARARGS, write_file_doc},
+    {"read_file", read_file, METH_VARARGS, read_file_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_chunkio",
+    "One chunk file written or read in a single GIL-free call (see fileio.py).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__chunkio(void) { return PyModule_Create(&module); }
