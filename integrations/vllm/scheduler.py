@@ -235,6 +235,8 @@ class SchedulerSide:
         self.group_counters = {k: [0] * n for k in self.counters}
         #: Asynchronous loads cut back after a chunk failed (module docstring).
         self.counters["load_late_failures"] = 0
+        #: Steps whose forward waited for state stores reading a block vLLM gave to new use.
+        self.counters["state_block_fences"] = 0
 
     # -- keys --------------------------------------------------------------------------------
     def _keys(self, request: Any, group: int = 0) -> list:
@@ -554,6 +556,7 @@ class SchedulerSide:
                     final.append(req_id)
         self.manager.poll()        # finished cascades, and chunks that left a tier
         reused = self._state_blocks_reused(scheduler_output, [*self._loads, *async_loads])
+        self.counters["state_block_fences"] += reused
         meta = KVHalMetadata(self.region_info, self._loads, stores,
                              flush=bool(preempted) or reused,
                              report_sending=tuple(self._report_sending),

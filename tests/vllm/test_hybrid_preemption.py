@@ -45,8 +45,16 @@ def test_every_request_completes_and_some_were_preempted(out):
 def test_no_store_read_a_block_vllm_had_handed_out_again(out):
     poison = out["poison"]
     assert poison["reused"] > 0
-    assert poison["checked_chunks"] > 0
+    assert poison["checked_chunks"] == 8 + 16   # every stored state and attention chunk
     assert poison["poisoned_chunks"] == 0
+
+
+def test_state_blocks_given_to_new_use_while_stored_were_fenced(out):
+    # The fence is real work here: vLLM handed a block out again while a state store could
+    # still read it, and the step waited for the store before its forward.
+    counters = max((out["second"][n]["counters"] for n in PROMPTS),
+                   key=lambda c: c["state_block_fences"])
+    assert counters["state_block_fences"] > 0
 
 
 def test_second_round_reuses_prompts_and_states_from_kvhal(out):
