@@ -15,7 +15,9 @@ was told of the hit, under vLLM's default `kv_load_failure_policy` ("fail"): a d
 loading the state of chunk 6, then one loading attention chunk 5. Either way the request goes
 back to vLLM's lookup and the next hit ends before the first chunk some group could not
 serve: at chunk 5, whose state a 641-token prompt left (the state of chunk 5 (768 tokens)
-was never materialised, so 640 tokens). Each prompt runs in its own step (vLLM-CPU numerics
+was never materialised, so 640 tokens). Last, every state block vLLM allocates looks shared
+with another request (`share_blocks`): kvhal writes into none of them, and every hit fails at
+its state until vLLM computes the prompt from the start. Each prompt runs in its own step (vLLM-CPU numerics
 depend on batch composition and prefill shape), and each fault's reference has its own salt
 whose cached attention prefix ends where its state does: vLLM stops a prefill at a deeper
 attention hit ("shared-prefix junction", `Scheduler._mamba_block_aligned_split`) to keep a
@@ -33,8 +35,8 @@ from .conftest import (assert_same, assert_turn_reused, by_name, conversation,  
 pytestmark = pytest.mark.slow
 
 STATE, FULL = 0, 1
-A, X2, X3, X4, X5, Y = (prompt(31), prompt(32, 500), prompt(33, 500), prompt(34, 500),
-                        prompt(35, 500), prompt(36))
+A, X2, X3, X4, X5, X6, Y = (prompt(31), prompt(32, 500), prompt(33, 500), prompt(34, 500),
+                            prompt(35, 500), prompt(37, 500), prompt(36))
 TURNS = [A, A + X2, A + X2 + X3]
 #: Tokens each turn reuses: the previous turn's prompt up to its last full block (vLLM keeps
 #: a state there, and kvhal stores prompt chunks only).
@@ -63,6 +65,9 @@ STEPS = [
     gen("s", A + X4),                                                            # 18
     {"op": "fault_loads", "tokens": A, "group": FULL, "chunk": FULL_FAULT}, RESET,  # 19-20
     gen("f", A + X5),                                                            # 21
+    # vLLM shares every state block with another request: kvhal loads nothing into one
+    gen("refn", A + X6, "n"), {"op": "share_blocks", "group": STATE}, RESET,    # 22-24
+    gen("n", A + X6),                                                            # 25
 ]
 
 
@@ -127,3 +132,14 @@ def test_failed_loads_are_counted_per_group(steps):
     # "s": the state of chunk 6 faults. "f": attention chunks 5-6 and that state fault.
     assert state_failed[1] - state_failed[0] == 2
     assert full_failed[1] - full_failed[0] == 2
+
+
+def test_no_load_writes_a_block_vllm_shares(steps):
+    # Every state block kvhal would load into has another reference: each hit fails at its
+    # state (896, then 640 tokens), nothing is written, and vLLM computes the prompt itself.
+    before, got = steps["f"]["counters"], steps["n"]["counters"]
+    assert got["load_late_failures"] - before["load_late_failures"] == 2
+    assert got["groups"][STATE]["load_chunks"] == before["groups"][STATE]["load_chunks"]
+    assert steps["refn"]["num_cached_tokens"] == steps["n"]["num_cached_tokens"] == 0
+    assert steps["n"]["hit_tokens"] == {}
+    assert_same(steps["n"], steps["refn"])
