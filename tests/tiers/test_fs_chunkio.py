@@ -41,9 +41,10 @@ def _directs(folder: str) -> list[bool]:
     return [False] + ([True] if probe_o_direct(folder) else [])
 
 
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
+                    reason="no C compiler here: the Python path is the one to test")
 def test_the_extension_is_built_where_a_c_compiler_is():
     # setup.py builds it as optional: a machine with a compiler must not silently lose it
-    assert shutil.which("cc") or shutil.which("gcc")
     assert fileio.FAST_IO
 
 

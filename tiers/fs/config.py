@@ -10,13 +10,14 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
         GIL is released for the I/O of a chunk (one call, `_chunkio.c`) and its checksum).
     o_direct ("auto" | true | false): false (default) reads and writes through the page
         cache; "auto" uses O_DIRECT where the filesystem supports it; true refuses to start
-        without it. Buffered is the default because it measured faster on both sides here
-        (issue 13, `kvhal bench tier`, same run: buffered writes 1.6 GB/s and cold reads
-        1.3 GB/s against 0.6 and 1.0 with O_DIRECT, which is device speed): the page cache
-        takes a burst of stores at memory speed and writes it back behind them (a sustained
-        stream is throttled to device speed by the kernel), and read-ahead keeps the disk
-        busier than one 2 MiB request per thread. O_DIRECT keeps chunk files out of the page
-        cache (no second copy of chunks the host tier may still hold) at device speed.
+        without it. Buffered is the default because it measured faster on both sides on an
+        otherwise idle machine (issue 13, `kvhal bench tier`): the page cache takes a burst
+        of stores at memory speed and writes it back behind them (a sustained stream is
+        throttled to device speed by the kernel), and read-ahead keeps the disk busier.
+        O_DIRECT costs no CPU copy and keeps chunk files out of the page cache (no second
+        copy of chunks the host tier may still hold), at device speed: prefer "auto" when
+        CPU is scarce (on a 2-core machine at load 20-35 buffered I/O measured 0.26 GB/s
+        against 0.48-1.68 with O_DIRECT) or the disks are faster than the memory copy.
     refresh_interval_s (number in [0.001, 86400]): how often the index picks up files other
         processes wrote or deleted (default 1.0 s); stretched to 20x the last scan's duration
         when a folder is so big that scanning it takes longer than 1/20 of the interval.
