@@ -9,7 +9,8 @@ entry point registers the name) or add `"kv_connector_module_path":
 vLLM builds one instance per role: SCHEDULER in the engine core (`SchedulerSide`) and WORKER in
 each worker process (`WorkerSide`); this class only routes vLLM's hooks to them. It implements
 vLLM's `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on: models with several KV cache
-groups (interleaved sliding-window + full attention, ...) run with per-group block ids.
+groups (interleaved sliding-window + full attention, attention + Mamba / linear-attention state,
+...) run with per-group block ids.
 """
 from __future__ import annotations
 

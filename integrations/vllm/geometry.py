@@ -4,8 +4,10 @@ Read from vLLM's `VllmConfig` and `KVCacheConfig` (vLLM 0.32: `ModelConfig.get_h
 `get_total_num_kv_heads`; `KVCacheConfig.kv_cache_groups[i]` has `layer_names` and a
 `kv_cache_spec`: `FullAttentionSpec`, `SlidingWindowSpec` (`sliding_window` tokens) or
 `MLAAttentionSpec` (one latent row per token), each with `block_size`, `dtype`, `num_kv_heads`
-(per rank), `head_size`; `KVCacheConfig.hash_block_size` is the token span of one entry of
-`request.block_hashes`). Both connector roles compute the same values from the same configs, so
+(per rank), `head_size`, or `MambaSpec` (a recurrent state per block: `shapes`/`dtypes` of its
+parts, `real_page_size_bytes` = the state's bytes, `page_size_bytes` = the page padded to the
+attention page, `mamba_cache_mode`); `KVCacheConfig.hash_block_size` is the token span of one
+entry of `request.block_hashes`). Both connector roles compute the same values from the same configs, so
 the scheduler (which sizes the host region) and every worker (which maps its KV tensors into
 it) agree without talking.
 
@@ -28,12 +30,10 @@ class UnsupportedModelError(ValueError):
 
 
 #: vLLM spec class name → the kvhal kind it maps to. Every other spec is refused by name.
+#: vLLM 0.32's recurrent-state spec: Mamba, Mamba2, gated delta net (Qwen3-Next), linear
+#: attention and short conv layers all register a `MambaSpec`.
 SPEC_KINDS = {"FullAttentionSpec": Kind.FULL, "SlidingWindowSpec": Kind.SLIDING_WINDOW,
-              "MLAAttentionSpec": Kind.MLA}
-
-#: vLLM 0.32's recurrent-state spec: Mamba, Mamba2, gated delta net (Qwen3-Next), linear attention
-#: and short conv layers all register a `MambaSpec`.
-_STATE_SPECS = frozenset({"MambaSpec"})
+              "MLAAttentionSpec": Kind.MLA, "MambaSpec": Kind.MAMBA}
 
 #: torch dtype names (as `str(torch.dtype)` without "torch.") → `kvhal.layout.ELEMENT_BYTES` keys.
 _DTYPES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
@@ -101,8 +101,10 @@ class Deployment:
         """True with several KV cache groups: vLLM 0.32 cannot map a failed block id back to
         a request then (`Scheduler._handle_invalid_blocks` refuses block-level errors for more
         than one group), so every load runs asynchronously and a failed chunk cuts the request
-        back on the scheduler side (`scheduler` module docstring)."""
-        return len(self.groups) > 1
+        back on the scheduler side (`scheduler` module docstring). Also True with a state
+        group: a failed state leaves no shorter prefix to resume from, which only the
+        scheduler side's cut-back handles."""
+        return len(self.groups) > 1 or any(g.kind is Kind.MAMBA for g in self.groups)
 
     @property
     def chunk_nbytes(self) -> tuple[int, ...]:
@@ -120,20 +122,24 @@ def _refuse(gi: int, group: Any, reason: str) -> UnsupportedModelError:
 def group_spec(gi: int, group: Any, model: Any) -> LayerGroup:
     """The kvhal `LayerGroup` (at TP=1) of vLLM KV cache group `gi`.
 
+    A `MambaSpec` group becomes a `Kind.MAMBA` group whose state is the layer's
+    `real_page_size_bytes` (every state part, e.g. conv + recurrent, back to back as vLLM
+    packs them at the start of each page; `MambaBase.bind_kv_cache`): the padding vLLM adds to
+    make its page as large as an attention page is never copied or kept.
+
     Raises:
-        UnsupportedModelError: a spec type kvhal does not map (Mamba/linear-attention state,
-            chunked local attention, cross attention, ...), K and V of different head sizes,
-            a quantised or padded page; the message names the group, its first layer and its
-            spec type.
+        UnsupportedModelError: a spec type kvhal does not map (chunked local attention, cross
+            attention, ...), K and V of different head sizes, a quantised or padded attention
+            page, a state group outside vLLM's "align" cache mode or with speculative state
+            blocks; the message names the group, its first layer and its spec type.
     """
     spec = group.kv_cache_spec
     name = type(spec).__name__
     kind = SPEC_KINDS.get(name)
     if kind is None:
-        why = (" (an attention + state hybrid: kvhal has no rule yet for which states a chunk "
-               "keeps)") if name in _STATE_SPECS else ""
-        raise _refuse(gi, group, f"{name} is not supported{why}; kvhal maps "
-                                 f"{', '.join(SPEC_KINDS)}")
+        raise _refuse(gi, group, f"{name} is not supported; kvhal maps {', '.join(SPEC_KINDS)}")
+    if kind is Kind.MAMBA:
+        return _state_group(gi, group)
     if getattr(spec, "page_size_padded", None) is not None:
         raise _refuse(gi, group, f"padded pages (page_size_padded={spec.page_size_padded}) "
                                  "are not supported")
@@ -164,13 +170,45 @@ def group_spec(gi: int, group: Any, model: Any) -> LayerGroup:
     return out
 
 
+def _state_group(gi: int, group: Any) -> LayerGroup:
+    """`group_spec` of a `MambaSpec` group (see there)."""
+    spec = group.kv_cache_spec
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise _refuse(gi, group, f"mamba_cache_mode {mode!r}: vLLM keeps no state at block "
+                                 "boundaries (prefix caching is off), so no prefix's state can "
+                                 "be stored or resumed; kvhal needs mamba_cache_mode 'align' "
+                                 "(--enable-prefix-caching)")
+    if getattr(spec, "num_speculative_blocks", 0):
+        raise _refuse(gi, group, f"num_speculative_blocks={spec.num_speculative_blocks} "
+                                 "(speculative decoding relocates state blocks) is not supported")
+    try:
+        dtype = str(spec.dtypes[0]).removeprefix("torch.")   # opaque; `state_format` keys it
+        out = LayerGroup(Kind.MAMBA, len(group.layer_names), 1, 0, _DTYPES.get(dtype, dtype),
+                         spec.block_size, state_bytes=int(spec.real_page_size_bytes))
+        out.validate()
+    except LayoutError as exc:
+        raise _refuse(gi, group, str(exc)) from None
+    return out
+
+
+def state_format(spec: Any) -> str:
+    """The parts of one layer's state of a vLLM `MambaSpec`, e.g.
+    "state[(3, 512) bfloat16, (4, 64, 64) bfloat16]": enters the namespace, so states of another
+    shape or dtype never share keys."""
+    parts = ", ".join(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+                      for shape, dtype in zip(spec.shapes, spec.dtypes))
+    return f"state[{parts}]"
+
+
 def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) -> Deployment:
     """Describe the deployment from vLLM's configs.
 
     Raises:
         UnsupportedModelError: a group `group_spec` refuses, groups of different block sizes,
-            a sliding window with blocks_per_chunk > 1, MLA on an engine without prefix
-            caching (vLLM-CPU), or block hashes that do not span exactly one block.
+            a sliding window or a state group with blocks_per_chunk > 1, a state group at
+            TP > 1, MLA on an engine without prefix caching (vLLM-CPU), or block hashes that
+            do not span exactly one block.
     """
     model = vllm_config.model_config
     groups = kv_cache_config.kv_cache_groups
@@ -186,6 +224,16 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
             raise _refuse(gi, group, f"a sliding window needs blocks_per_chunk 1, got "
                                      f"{blocks_per_chunk} (the window's first block may sit "
                                      "inside a chunk)")
+        if spec.kind is Kind.MAMBA and blocks_per_chunk != 1:
+            raise _refuse(gi, group, f"a state group needs blocks_per_chunk 1, got "
+                                     f"{blocks_per_chunk}: vLLM keeps a state only at the block "
+                                     "boundaries where a step ended (mamba_cache_mode 'align'), "
+                                     "which are rarely chunk boundaries of several blocks")
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if spec.kind is Kind.MAMBA and tp != 1:
+            raise _refuse(gi, group, f"tensor_parallel_size {tp}: vLLM shards the state over "
+                                     "TP ranks in a layout kvhal has no TP-independent page for "
+                                     "(kvhal.layout.rank_share); state groups run at TP 1")
     if any(s.kind is Kind.MLA for s in specs) and not vllm_config.cache_config.enable_prefix_caching:
         gi = next(i for i, s in enumerate(specs) if s.kind is Kind.MLA)
         raise _refuse(gi, groups[gi], "this engine runs MLA without prefix caching, so it cannot "
@@ -198,7 +246,8 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
                                     f"block hash, but blocks hold {block_size}; kvhal keys a "
                                     "chunk by the hash of its last block")
     tokens = block_size * blocks_per_chunk
-    dtypes = sorted({s.dtype for s in specs})
+    dtypes = sorted({state_format(g.kv_cache_spec) if s.kind is Kind.MAMBA else s.dtype
+                     for g, s in zip(groups, specs)})
     hash_name = vllm_config.cache_config.prefix_caching_hash_algo
     seed = resolve_hash_seed(hash_name)
     namespace = namespace_digest(
@@ -256,14 +305,22 @@ def device_layout_name(tensor: Any, kind: Kind) -> str:
 
     vLLM-CPU registers attention as `(num_blocks, heads, block_size, 2*head_size)` with K rows
     then V rows per (block, head) tile ("vllm-cpu") and MLA as `(num_blocks, block_size,
-    latent)` or, on vLLM-CPU, `(num_blocks, 1, block_size, latent)` ("mla"); vLLM's GPU backends register `(num_blocks, 2, block_size, heads,
-    head_size)` ("split-nhd") or `(2, num_blocks, block_size, heads, head_size)`
-    ("separate-kv").
+    latent)` or, on vLLM-CPU, `(num_blocks, 1, block_size, latent)` ("mla"); vLLM's GPU
+    backends register `(num_blocks, 2, block_size, heads, head_size)` ("split-nhd") or
+    `(2, num_blocks, block_size, heads, head_size)` ("separate-kv"). A state layer gets the
+    raw int8 page view `(num_blocks, 1, 1, state bytes)`, blocks a padded page apart
+    (`vllm.v1.kv_cache_interface.create_kv_cache_views`, unpacked by `MambaBase.bind_kv_cache`):
+    "mamba".
 
     Raises:
         UnsupportedModelError: a tensor rank this function does not know (names the shape).
     """
     shape = tuple(tensor.shape)
+    if kind is Kind.MAMBA:
+        if len(shape) >= 2 and all(n == 1 for n in shape[1:-1]):
+            return "mamba"
+        raise UnsupportedModelError(f"state tensor of shape {shape} on {tensor.device} is not "
+                                    "vLLM's (num_blocks, 1, 1, state bytes) page view")
     if kind is Kind.MLA and (len(shape) == 3 or (len(shape) == 4 and shape[1] == 1)):
         return "mla"  # vLLM-CPU's MLA backend adds a head dim of 1: (num_blocks, 1, T, D)
     if kind is not Kind.MLA:

@@ -5,10 +5,27 @@ you load" from `Manager.lookup`, reserves host slots for stores and loads, and s
 to the workers in `KVHalMetadata`. Workers answer in `KVHalWorkerMetadata`; a job completes in
 the manager once every TP rank has finished it.
 
-Every KV cache group of vLLM (hybrid models: full attention, sliding window, MLA) has its own
-chunk keys (`ChunkKey.group`), its own host pool and its own lookup rule
-(`kvhal.engine.needed_chunks`): a hit is the longest chunk prefix every group can serve (a
-chunk being promoted from a secondary tier counts: it is on its way).
+Every KV cache group of vLLM (hybrid models: full attention, sliding window, MLA, Mamba /
+linear-attention state) has its own chunk keys (`ChunkKey.group`), its own host pool and its
+own lookup rule (`kvhal.engine.needed_chunks`): a hit is the longest chunk prefix every group
+can serve (a chunk being promoted from a secondary tier counts: it is on its way).
+
+State groups (vLLM `MambaSpec`, mamba_cache_mode "align", vLLM 0.32): chunk c of a state group
+is the state after the request's first (c + 1) * tokens_per_chunk tokens, one state per layer.
+vLLM materialises such a state only where a step ended on a block boundary (the scheduler's
+`_mamba_block_aligned_split` ends every prefill step at the prompt's last full block) and hands
+each one to the connector with its exact block in
+`SchedulerOutput.kv_connector_block_state.boundary_state_offloads` ({request id: [(group,
+block id, boundary tokens)]}, drained by `KVCacheManager.take_boundary_state_offloads` in the
+step whose forward writes it); kvhal stores exactly those (never a block found by position).
+The state block leaves the request's table two steps later (`MambaManager.
+remove_skipped_blocks`) and vLLM may hand it to any request then: a step that allocates, loads
+into or copies into a block a state store still reads waits for the stores first
+(`KVHalMetadata.flush`, before the forward). A hit of chunks [start, end) needs the state of
+chunk end - 1 only; vLLM allocates one fresh block for it (index end - 1 of the group's
+blocks, the ones before are null) and reads it as the initial state of the next step.
+Loads only ever write blocks vLLM allocated for them (`BlockPool.is_block_writable`: sole
+owner, not in vLLM's prefix cache), never a block vLLM shares.
 
 Two load paths, chosen per request when vLLM asks:
 - one group and every hit chunk in host memory: a synchronous load (`is_async=False`) in the
@@ -30,8 +47,8 @@ the request's `finished_recving` (`update_connector_output`), this side cuts the
   group did not get (what vLLM's "recompute" policy does in
   `_update_requests_with_invalid_blocks`), vLLM's prefill stats follow, and the blocks are
   freed when nothing remains (as `_update_waiting_for_remote_kv` does); vLLM computes the rest.
-- with a sliding-window group a shorter hit needs another window, which was not loaded: the
-  request goes back to 0 computed tokens with its blocks freed (what vLLM does for
+- with a sliding-window or a state group a shorter hit needs another window or another state,
+  which was not loaded: the request goes back to 0 computed tokens with its blocks freed (what vLLM does for
   `failed_recving` under "recompute"), vLLM asks again, and the next hit ends before the first
   chunk a group could not serve (`_Request.max_hit_chunks`).
 Either way the request is answered, correctly, under either policy.
@@ -200,8 +217,12 @@ class SchedulerSide:
         self.null_block_id = 0
         self._prefix_groups = [g for g in deployment.groups
                                if g.kind in (Kind.FULL, Kind.MLA)]
-        self._window_groups = [g for g in deployment.groups
-                               if g.kind not in (Kind.FULL, Kind.MLA)]
+        # groups that need only part of a hit's prefix: a window, or the state at its end
+        self._partial_groups = [g for g in deployment.groups
+                                if g.kind not in (Kind.FULL, Kind.MLA)]
+        self._state_groups = {g.group_id for g in deployment.groups if g.kind is Kind.MAMBA}
+        # in-flight state store job → the vLLM block it reads (freed mid-request by vLLM)
+        self._state_store_blocks: dict[int, int] = {}
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._loads: list[TransferJob] = []
@@ -214,6 +235,8 @@ class SchedulerSide:
         self.group_counters = {k: [0] * n for k in self.counters}
         #: Asynchronous loads cut back after a chunk failed (module docstring).
         self.counters["load_late_failures"] = 0
+        #: Steps whose forward waited for state stores reading a block vLLM gave to new use.
+        self.counters["state_block_fences"] = 0
 
     # -- keys --------------------------------------------------------------------------------
     def _keys(self, request: Any, group: int = 0) -> list:
@@ -283,9 +306,9 @@ class SchedulerSide:
             hits = _usable(answers)
             pending = pending or Lookup.RETRY in answers[:hits]
             limit = min(limit, start + hits)
-        if not self._window_groups:
+        if not self._partial_groups:
             return limit, pending
-        keys = {g.group_id: self._keys(request, g.group_id) for g in self._window_groups}
+        keys = {g.group_id: self._keys(request, g.group_id) for g in self._partial_groups}
         probed: dict[tuple[int, int], Lookup] = {}
 
         def answer(group: int, chunk: int) -> Lookup:
@@ -297,14 +320,14 @@ class SchedulerSide:
 
         hit_end = start
         for n in range(limit, start, -1):  # window and state groups: from the longest down
-            need = [(g.group_id, c) for g in self._window_groups for c in reversed(
+            need = [(g.group_id, c) for g in self._partial_groups for c in reversed(
                 needed_chunks(g.kind, start, n, dep.tokens_per_chunk, dep.block_size,
                               g.sliding_window))]
             if all(answer(group, chunk) is not Lookup.MISS for group, chunk in need):
                 hit_end = n
                 pending = pending or any(probed[k] is Lookup.RETRY for k in need)
                 break
-        for g in self._window_groups:
+        for g in self._partial_groups:
             rng = needed_chunks(g.kind, start, hit_end, dep.tokens_per_chunk, dep.block_size,
                                 g.sliding_window)
             self.manager.lookup([keys[g.group_id][c] for c in rng], request_id=(rid, g.group_id))
@@ -320,9 +343,10 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
         """Reserve the hit chunks for reading and queue their load into the request's new
-        blocks (vLLM has allocated them; a group's null blocks — outside a sliding window —
-        are not loaded). An asynchronous load ships its chunks as they land
-        (`build_connector_meta`)."""
+        blocks (vLLM has allocated them; a group's null blocks — outside a sliding window, or
+        before a state group's last chunk — are not loaded, and neither is a chunk whose block
+        vLLM shares with another request, nor anything after it: those fail, `_shared_from`).
+        An asynchronous load ships its chunks as they land (`build_connector_meta`)."""
         state = self._state(request)
         rid = request.request_id
         self._asked.discard(rid)
@@ -337,11 +361,25 @@ class SchedulerSide:
         start = state.load_start
         stop = start + num_external_tokens // tpc
         group_blocks = blocks.get_block_ids()
-        parts = []
+        parts, shared = [], None
         for g in dep.groups:
             ids = np.asarray(group_blocks[g.group_id], dtype=np.int64)
             chunk_blocks = ids[start * bpc:stop * bpc].reshape(-1, bpc)
             wanted = np.flatnonzero((chunk_blocks != self.null_block_id).all(axis=1))
+            if g.group_id in self._state_groups:   # the state at the hit's end only
+                wanted = wanted[wanted == stop - 1 - start]
+                if not len(wanted):    # vLLM gave it no block: the state group serves nothing
+                    logger.warning("request %s: no block for the state of group %d chunk %d",
+                                   rid, g.group_id, stop - 1)
+                    shared = start if shared is None else min(shared, start)
+            cut = self._shared_from(blocks.blocks[g.group_id], start + wanted)
+            if cut < len(wanted):
+                c = int(start + wanted[cut])
+                logger.warning("request %s: vLLM shares the block of group %d chunk %d; kvhal "
+                               "loads nothing into it or after it", rid, g.group_id, c)
+                shared = c if shared is None else min(shared, c)
+                if state.async_hit:
+                    wanted = wanted[:cut]
             all_keys = self._keys(request, g.group_id)
             parts.append(_GroupLoad(g.group_id, (start + wanted).astype(np.int64),
                                     [all_keys[start + c] for c in wanted],
@@ -350,12 +388,16 @@ class SchedulerSide:
                 self.manager.release((rid, g.group_id))
         state.num_stored_chunks = max(state.num_stored_chunks, stop)
         if state.async_hit:
-            self._recving[rid] = _AsyncLoad(request, start, stop, parts)
+            load = self._recving[rid] = _AsyncLoad(request, start, stop, parts)
+            if shared is not None:
+                load.fail(shared)
             biggest = max(parts, key=lambda p: len(p.keys))
             self._credit(state.hit_sources, self.manager.sources(biggest.keys), source=True)
             return
         (part,) = parts     # synchronous: one group, every chunk in host memory
-        plan = self.manager.prepare_load(part.keys, request_id=(rid, part.group))
+        safe = len(part.keys) if shared is None else int(np.searchsorted(part.chunks, shared))
+        plan = (self.manager.prepare_load(part.keys[:safe], request_id=(rid, part.group))
+                if safe else None)
         placed = 0 if plan is None else len(plan.keys)
         slots = np.full(len(part.keys), -1, dtype=np.int64)  # -1: gone since lookup → fails
         job_id = -1
@@ -381,6 +423,17 @@ class SchedulerSide:
         for label in labels:
             name = self._hit_source[label] if source else label
             into[name] = into.get(name, 0) + tpc
+
+    def _shared_from(self, group_blocks: Sequence[Any], chunks: np.ndarray) -> int:
+        """Index into `chunks` (request chunk indices, ascending) of the first chunk with a
+        block vLLM shares with another request (`KVCacheBlock.ref_cnt` > 1; a load must never
+        write it), else `len(chunks)`. `group_blocks` are the request's `KVCacheBlock`s of
+        one group (vLLM's `KVCacheBlocks.blocks[group]`)."""
+        bpc = self.deployment.blocks_per_chunk
+        for i, c in enumerate(chunks.tolist()):
+            if any(b.ref_cnt != 1 for b in group_blocks[c * bpc:(c + 1) * bpc]):
+                return i
+        return len(chunks)
 
     @staticmethod
     def _cap(state: _Request, chunk: int) -> None:
@@ -452,8 +505,8 @@ class SchedulerSide:
         self._cap(state, arrived)
         logger.info("request %s: kvhal chunks %d-%d failed to load after lookup; vLLM "
                     "recomputes from chunk %d", rid, arrived, load.stop - 1,
-                    arrived if not self._window_groups else 0)
-        if self._window_groups:   # another window would be needed: vLLM asks again
+                    arrived if not self._partial_groups else 0)
+        if self._partial_groups:   # another window would be needed: vLLM asks again
             request.num_computed_tokens = 0
             self.kv_cache_manager.free(request)
             return
@@ -482,6 +535,12 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is not None:
                 stores.extend(self._plan_store(state, computed[req_id] + num_scheduled))
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        for req_id, entries in (getattr(block_state, "boundary_state_offloads", None)
+                                or {}).items():
+            state = self._requests.get(req_id)
+            if state is not None and self._state_groups:
+                stores.extend(self._plan_state_stores(state, entries))
         preempted = scheduler_output.preempted_req_ids or ()
         for req_id in preempted:
             self._release(req_id)
@@ -496,7 +555,10 @@ class SchedulerSide:
                 if load.final:
                     final.append(req_id)
         self.manager.poll()        # finished cascades, and chunks that left a tier
-        meta = KVHalMetadata(self.region_info, self._loads, stores, flush=bool(preempted),
+        reused = self._state_blocks_reused(scheduler_output, [*self._loads, *async_loads])
+        self.counters["state_block_fences"] += reused
+        meta = KVHalMetadata(self.region_info, self._loads, stores,
+                             flush=bool(preempted) or reused,
                              report_sending=tuple(self._report_sending),
                              async_loads=async_loads, recv_final=tuple(final))
         self._loads, self._report_sending = [], []
@@ -516,6 +578,8 @@ class SchedulerSide:
         group_blocks = self.kv_cache_manager.get_block_ids(request.request_id)
         jobs = []
         for g in dep.groups:
+            if g.group_id in self._state_groups:   # stored as vLLM hands states over
+                continue
             keys = self._keys(request, g.group_id)
             ids = np.asarray(group_blocks[g.group_id], dtype=np.int64)
             chunks = np.arange(due.start, due.stop, dtype=np.int64)
@@ -534,6 +598,57 @@ class SchedulerSide:
             jobs.append(TransferJob(plan.job_id, request.request_id, g.group_id, plan.slots,
                                     blocks[plan.indices]))
         return jobs
+
+    def _plan_state_stores(self, state: _Request, entries: Sequence[tuple[int, int, int]]
+                           ) -> list[TransferJob]:
+        """Store jobs for the states vLLM handed over this step (`entries`: (group, block id,
+        boundary tokens) from `boundary_state_offloads`): a state at a chunk boundary within
+        what the request may offload (its prompt with `offload_prompt_only`, its
+        `max_offload_tokens`) becomes that chunk of its group; others are skipped."""
+        request, dep = state.request, self.deployment
+        tpc = dep.tokens_per_chunk
+        limit = (request.num_prompt_tokens if self.config.offload_prompt_only
+                 else request.num_tokens)
+        if state.max_offload_tokens is not None:
+            limit = min(limit, state.max_offload_tokens)
+        limit = min(limit, len(request.block_hashes) * dep.block_size)
+        jobs = []
+        for group, block_id, boundary in entries:
+            if (group not in self._state_groups or block_id == self.null_block_id
+                    or boundary <= 0 or boundary % tpc or boundary > limit):
+                continue
+            chunk = boundary // tpc - 1
+            key = self._keys(request, group)[chunk]
+            plan = self.manager.prepare_store([key])
+            if plan is None:
+                continue
+            if self.chunk_events is not None:
+                self.chunk_events.record(key, request, chunk)
+            self._jobs[plan.job_id] = _Job(request.request_id, True, group,
+                                           np.array([chunk], np.int64))
+            self._state_store_blocks[plan.job_id] = block_id
+            state.store_jobs.add(plan.job_id)
+            jobs.append(TransferJob(plan.job_id, request.request_id, group, plan.slots,
+                                    np.array([[block_id]], np.int64)))
+        return jobs
+
+    def _state_blocks_reused(self, scheduler_output: Any, loads: Sequence[TransferJob]
+                             ) -> bool:
+        """True if this step gives a block that a state store still reads to new use: vLLM
+        allocated it (a new request's blocks, a running one's new blocks), copies into it
+        (`kv_cache_block_copies`), or a load of this step writes it. The workers then wait for
+        their stores before the forward (`KVHalMetadata.flush`)."""
+        if not self._state_store_blocks:
+            return False
+        reading = set(self._state_store_blocks.values())
+        ids = [b for r in scheduler_output.scheduled_new_reqs for g in r.block_ids for b in g]
+        for groups in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            ids.extend(b for g in groups or () for b in g)
+        ids.extend(c.dst_block_id for c in getattr(scheduler_output, "kv_cache_block_copies",
+                                                   None) or ())
+        for job in loads:
+            ids.extend(job.block_ids.ravel().tolist())
+        return not reading.isdisjoint(ids)
 
     def update_connector_output(self, worker_meta: KVHalWorkerMetadata | None,
                                 finished_recving: set[str] | None = None) -> None:
@@ -560,6 +675,7 @@ class SchedulerSide:
             self._finish_job(job_id, job)
 
     def _finish_job(self, job_id: int, job: _Job) -> None:
+        self._state_store_blocks.pop(job_id, None)
         state = self._requests.get(job.req_id)
         kind = "store" if job.is_store else "load"
         (self.manager.complete_store if job.is_store else self.manager.complete_load)(

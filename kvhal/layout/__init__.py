@@ -15,7 +15,7 @@ Pure functions, no I/O. What other layers consume:
 
 3. Canonical format `FORMAT_ID = "kvhal-hnd-v1"`: one layer's chunk page is
    `[global_head][chunk_token][K ‖ V ‖ extra]` (MLA `[chunk_token][latent ‖ extra]`, Mamba
-   `[block][state]`); extra bytes sit at the end of each (head, token) row. A chunk's host slot
+   `[state]`: the one state after the chunk's last token; it maps with blocks_per_chunk 1); extra bytes sit at the end of each (head, token) row. A chunk's host slot
    is every layer's page back to back in global layer order (`[group][layer][page]`, no padding;
    `chunk_layout(spec, N)`). `map_group(...)` gives one rank's coalesced `CopyRun`s and its
    writer flag (lowest rank of each replica set writes; MLA: rank 0); `verify_tiling(...)`

@@ -2,7 +2,7 @@
 
 Format `kvhal-hnd-v1`. The canonical page of one layer and one chunk (N = blocks_per_chunk
 blocks of T tokens) is `[global_head][chunk_token][row]`, row = `K ‖ V ‖ extra` (MLA: `latent ‖
-extra`, one head; Mamba: one opaque state per block, `[block][state]`), where chunk_token = j*T + t
+extra`, one head; Mamba: the one opaque state after the chunk's last token), where chunk_token = j*T + t
 for token t of the chunk's j-th block. It is the byte image of a packed-HND page at TP = 1 with
 N*T tokens, so it depends on tokens per chunk, never on TP size, block size or device layout.
 Per-token extra bytes sit at the end of each (head, token) row, right after V.
@@ -93,7 +93,10 @@ class ChunkLayout:
 
 
 def canonical_page_bytes(group: LayerGroup, blocks_per_chunk: int) -> int:
-    """Exact bytes of one layer's canonical page for one chunk, extra bytes included."""
+    """Exact bytes of one layer's canonical page for one chunk, extra bytes included. A Mamba
+    page is the one state at the chunk's end, whatever `blocks_per_chunk`."""
+    if group.kind is Kind.MAMBA:
+        return group.state_bytes
     return group.num_kv_heads * blocks_per_chunk * group.tokens_per_page * group.row_bytes
 
 
@@ -188,8 +191,9 @@ def map_group(spec: KVCacheSpec, gi: int, layout_name: str, tp_size: int, tp_ran
     Pure and cached per argument tuple.
 
     Raises:
-        LayoutError: an unknown layout, or an unmappable combination; the message names the
-            group's layers and the reason (`.reason`, `.layer`).
+        LayoutError: an unknown layout, or an unmappable combination (a Mamba group with
+            blocks_per_chunk > 1 among them); the message names the group's layers and the
+            reason (`.reason`, `.layer`).
     """
     _check_positive(blocks_per_chunk, "blocks_per_chunk", MAX_BLOCKS_PER_CHUNK)
     if not isinstance(gi, int) or isinstance(gi, bool) or not 0 <= gi < len(spec.groups):
@@ -198,6 +202,10 @@ def map_group(spec: KVCacheSpec, gi: int, layout_name: str, tp_size: int, tp_ran
     layout = get_layout(layout_name)
     check_layout(spec, gi, layout)
     group = spec.groups[gi]
+    if group.kind is Kind.MAMBA and blocks_per_chunk != 1:
+        raise _refuse(spec, gi, f"a state chunk is the one state at the chunk's end, not one "
+                                f"per block: map it with blocks_per_chunk 1, got "
+                                f"{blocks_per_chunk}")
     try:
         share = rank_share(group, tp_size, tp_rank)
     except LayoutError as exc:

@@ -56,7 +56,8 @@ class Kind(enum.Enum):
     FULL: full attention, K and V per KV head per token. SLIDING_WINDOW: the same pages, but the
     model only attends to the last `sliding_window` tokens (the page geometry is identical).
     MLA: one latent vector per token, shared by all heads, replicated on every TP rank.
-    MAMBA: an opaque recurrent state per sequence (one state per block slot), no token axis.
+    MAMBA: an opaque recurrent state per sequence, no token axis: a device block holds the state
+    after the block's last token, a chunk the one state after the chunk's last token.
     """
 
     FULL = "full"

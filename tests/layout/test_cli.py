@@ -78,3 +78,14 @@ def test_layout_prints_per_group_chunk_and_host_bytes_of_a_hybrid_geometry():
          "slot_bytes": 131072, "slots": slots, "host_bytes": slots * 131072},
         {"group": 2, "kind": "mamba", "layers": 1, "chunk_bytes": 5000, "slot_bytes": 8192,
          "slots": slots, "host_bytes": slots * 8192}]
+
+
+def test_layout_refuses_a_state_group_with_chunks_of_several_blocks():
+    # A state chunk is the one state at the chunk's end (vLLM keeps states per block boundary).
+    out = kvhal("layout", "--layers", "2", "--kv-heads", "2", "--head-size", "64",
+                "--block-size", "128", "--mamba-layers", "2", "--mamba-state-bytes", "35840",
+                "--blocks-per-chunk", "2")
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr == ("kvhal layout: error: groups[1] (layers 2-3, mamba): a state chunk is "
+                          "the one state at the chunk's end, not one per block: map it with "
+                          "blocks_per_chunk 1, got 2\n")

@@ -14,7 +14,7 @@ from kvhal.layout import (BUILTIN_LAYOUTS, ELEMENT_BYTES, Kind, KVCacheSpec, Lay
 
 LAYOUTS = [lay.name for lay in BUILTIN_LAYOUTS]
 REFUSALS = ("cannot store", "has no place for", "do not split evenly", "is not a multiple of",
-            "mamba state is opaque")
+            "mamba state is opaque", "a state chunk is the one state")
 
 
 @st.composite

@@ -28,6 +28,44 @@ def flip_last_byte(path: str) -> None:
         f.write(bytes([last ^ 0xFF]))
 
 
+def gen(name: str, tokens: list[int], salt: str | None = None, max_tokens: int = 8) -> dict:
+    """A "generate" step of one prompt `name` (one prompt per step: vLLM-CPU numerics depend
+    on batch composition), under vLLM cache salt `salt` if given."""
+    step = {"op": "generate", "prompts": {name: tokens}, "max_tokens": max_tokens}
+    return step | ({"cache_salt": salt} if salt else {})
+
+
+def conversation(turns: list[list[int]]) -> list[dict]:
+    """Steps of a multi-turn conversation run twice: under cache salt "ref" without a reset
+    (vLLM's own prefix cache: the reference, prompts "ref0", "ref1", ...), then unsalted with
+    `reset_prefix_cache()` before every turn after the first (every reused token comes from
+    kvhal: "t0", "t1", ...)."""
+    reset = {"op": "reset"}
+    kvhal = [s for i, t in enumerate(turns) for s in ([reset] if i else []) + [gen(f"t{i}", t)]]
+    return [*[gen(f"ref{i}", t, "ref") for i, t in enumerate(turns)], *kvhal]
+
+
+def assert_turn_reused(steps: dict, turn: int, hit_tokens: int) -> None:
+    """Turn `turn` of `conversation` reused `hit_tokens` tokens from kvhal's host tier and
+    equals vLLM's own reuse at that boundary (which hit the same number of tokens)."""
+    got, ref = steps[f"t{turn}"], steps[f"ref{turn}"]
+    assert ref["num_cached_tokens"] == got["num_cached_tokens"] == hit_tokens
+    assert got["hit_tokens"] == ({"host": hit_tokens} if hit_tokens else {})
+    assert_same(got, ref)
+
+
+def by_name(steps: list) -> dict:
+    """One engine's step results as {prompt name: completion}, plus "raw": the results."""
+    return {name: r for step in steps if isinstance(step, dict)
+            for name, r in step.items() if name != "wall_s"} | {"raw": steps}
+
+
+def assert_same(got: dict, ref: dict) -> None:
+    """Token for token and logprob for logprob the same completion."""
+    assert got["token_ids"] == ref["token_ids"]
+    assert got["logprobs"] == ref["logprobs"]
+
+
 def run_engines(tmp_path: Path, name: str, tp: int, engines: list[dict],
                 model: str = "tiny") -> list[list]:
     """Run `engines` on a tiny model (`kvhal.integrations.vllm.runner.MODELS`) at TP size

@@ -13,6 +13,9 @@ Extra steps (TP=1 in-process engines):
     {"op": "fault_loads", "tokens": [ids], "group": int, "chunk": int}: from now on every H2D
         copy reading the host slot of that chunk (KV cache group `group`, 1 block per chunk,
         sha256 block hashes seeded "0") faults on the device (`FaultyReadBackend`) → the slot.
+    {"op": "share_blocks", "group": int}: from now on, while kvhal places a load, every
+        non-null block of that KV cache group holds one extra reference (as if vLLM shared it
+        with another request) → null.
     {"op": "drop_chunk", "tokens": [ids], "group": int, "chunk": int}: discard that chunk from
         the host tier (that group can no longer serve it) → true if it was resident.
     {"op": "unlink", "paths": [...]}: delete files (an fs chunk vanishing after the tier
@@ -175,6 +178,24 @@ def drop_chunk(llm, step: dict) -> bool:
     return found
 
 
+def share_blocks(llm, step: dict) -> None:
+    """See the module docstring."""
+    side = _side(llm)
+    original = side.update_state_after_alloc
+
+    def update_state_after_alloc(request, blocks, num_external_tokens):
+        held = [b for b in blocks.blocks[step["group"]] if not b.is_null]
+        for b in held:
+            b.ref_cnt += 1
+        try:
+            return original(request, blocks, num_external_tokens)
+        finally:
+            for b in held:
+                b.ref_cnt -= 1
+
+    side.update_state_after_alloc = update_state_after_alloc
+
+
 def fault_loads(llm, step: dict) -> int:
     """See the module docstring."""
     side, key = _chunk_key(llm, step)
@@ -197,7 +218,7 @@ def unlink_files(llm, step: dict) -> int:
 if __name__ == "__main__":
     runner.OPS.update(noise=noise_host_region, track_preemptions=track_preemptions,
                       preempted=preempted, poison_report=poison_report, fault_loads=fault_loads,
-                      drop_chunk=drop_chunk, unlink=unlink_files, drain=drain,
+                      drop_chunk=drop_chunk, share_blocks=share_blocks, unlink=unlink_files, drain=drain,
                       await_tier=await_tier)
     worker.plugins.select_backend = _select_backend
     runner.main(sys.argv[1:])

