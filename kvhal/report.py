@@ -53,7 +53,8 @@ def progress(disable: bool = False):
 
 class LineProgress:
     """The subset of `rich.progress.Progress` the commands use (context manager, `add_task`,
-    `update`, `advance`), printing plain lines `"[12 s] description: 3/40"` to `stream`."""
+    `update`, `advance`, `remove_task`), printing plain lines `"[12 s] description: 3/40"`
+    to `stream`."""
 
     #: Least seconds between two lines of one task that only advanced.
     EVERY_S = 10.0
@@ -91,6 +92,9 @@ class LineProgress:
     def advance(self, task: int, advance: float = 1) -> None:
         """Advance a task by `advance` steps."""
         self.update(task, advance=advance)
+
+    def remove_task(self, task: int) -> None:
+        """End a task (rich removes its bar; a line was printed when it finished)."""
 
     def _print(self, task: int, force: bool = True) -> None:
         state, now = self._tasks[task], time.monotonic()

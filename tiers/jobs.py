@@ -9,10 +9,10 @@ or a short error string; it runs on a pool thread and never on the caller's.
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 import time
-from concurrent.futures import Executor
-from typing import Callable
+from typing import Any, Callable
 
 from kvhal.keys import ChunkKey
 
@@ -20,6 +20,68 @@ from .base import JobResult, Lookup, SecondaryTier, TierJob
 from .index import ChunkIndex
 
 JobFn = Callable[[TierJob], "str | None"]
+
+
+class JobPool:
+    """A fixed-size pool of daemon threads running `fn(*args)` calls in submission order: the
+    subset of `concurrent.futures.ThreadPoolExecutor` a tier needs, without a `Future`, its
+    condition variable and the executor's per-submit locks (the per-job Python a small chunk
+    pays under GIL contention; issue 13). All `threads` threads start with the first call.
+    Exceptions escaping `fn` are swallowed (`JobBoard` catches its own first).
+
+    Args:
+        threads: Number of worker threads (> 0).
+        name: Thread name prefix ("kvhal-fs-read" → "kvhal-fs-read_0", ...).
+    """
+
+    def __init__(self, threads: int, name: str):
+        self._size, self._name = threads, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._shutdown = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue `fn(*args)`.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError(f"{self._name}: cannot submit after shutdown")
+            self._queue.put((fn, args))
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, daemon=True,
+                                                  name=f"{self._name}_{i}")
+                                 for i in range(self._size)]
+                for thread in self._threads:
+                    thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - a job's own errors are its caller's to report
+                pass
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Refuse new calls, let the queued ones run, stop the threads (joined if `wait`).
+        Idempotent."""
+        with self._lock:
+            if self._shutdown:
+                return
+            self._shutdown = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(None)
+        if wait:
+            for thread in threads:
+                thread.join()
 
 
 class JobBoard:
@@ -48,7 +110,7 @@ class JobBoard:
         with self._cond:
             return self._pending
 
-    def submit(self, pool: Executor, fn: JobFn, job: TierJob) -> None:
+    def submit(self, pool: JobPool, fn: JobFn, job: TierJob) -> None:
         """Run `fn(job)` on `pool`; its outcome becomes the job's result. A closed board fails
         the job at once (the result is still reported exactly once)."""
         with self._cond:
@@ -151,8 +213,8 @@ class IndexedTier(BoardedTier):
     `_store(job)` and `_load(job)` (None or an error string)."""
 
     _index: ChunkIndex
-    _store_pool: Executor
-    _load_pool: Executor
+    _store_pool: JobPool
+    _load_pool: JobPool
 
     def lookup(self, key: ChunkKey) -> Lookup:
         """HIT if the index holds `key` (no I/O; a HIT's load may still fail)."""

@@ -22,7 +22,6 @@ import os
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 import numpy as np
@@ -32,7 +31,7 @@ from kvhal.keys import ChunkKey
 from ..base import TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex
-from ..jobs import IndexedTier, JobBoard
+from ..jobs import IndexedTier, JobBoard, JobPool
 from .config import parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      write_chunk)
@@ -105,8 +104,8 @@ class FsTier(IndexedTier):
                             f"({_errno_text(exc)})") from None
         self.max_bytes = cfg.max_bytes or self._default_max_bytes()
         self._scratch = threading.local()
-        self._load_pool = ThreadPoolExecutor(cfg.n_read_threads, "kvhal-fs-read")
-        self._store_pool = ThreadPoolExecutor(cfg.n_write_threads, "kvhal-fs-write")
+        self._load_pool = JobPool(cfg.n_read_threads, "kvhal-fs-read")
+        self._store_pool = JobPool(cfg.n_write_threads, "kvhal-fs-write")
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvhal-fs-refresh",
                                            daemon=True)

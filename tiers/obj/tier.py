@@ -24,7 +24,6 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
@@ -34,7 +33,7 @@ from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)
 from ..index import ChunkIndex
-from ..jobs import IndexedTier, JobBoard
+from ..jobs import IndexedTier, JobBoard, JobPool
 from .client import S3Client, StoreFailure
 from .config import parse_config
 from .names import key_from_object, namespace_prefix, object_name
@@ -90,9 +89,9 @@ class ObjTier(IndexedTier):
         except StoreFailure as failure:
             raise start_error(failure, cfg.store.describe()) from None
         self._scratch = threading.local()
-        self._load_pool = ThreadPoolExecutor(cfg.io_threads, "kvhal-obj-load")
-        self._store_pool = ThreadPoolExecutor(cfg.io_threads, "kvhal-obj-store")
-        self._deleter = ThreadPoolExecutor(1, "kvhal-obj-delete")
+        self._load_pool = JobPool(cfg.io_threads, "kvhal-obj-load")
+        self._store_pool = JobPool(cfg.io_threads, "kvhal-obj-store")
+        self._deleter = JobPool(1, "kvhal-obj-delete")
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvhal-obj-refresh",
                                            daemon=True)

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
 
 from ..base import HostAccess, Lookup, TierError, TierJob, job_problem
-from ..jobs import BoardedTier, JobBoard
+from ..jobs import BoardedTier, JobBoard, JobPool
 from .client import FeedLink, Puller, PullError, format_peer
 from .config import parse_address, parse_config
 from .directory import Directory
@@ -75,8 +74,8 @@ class P2PTier(BoardedTier):
         self._directory.replace(self._self_peer, self._feed.epoch, seq, keys)
         self._attached = False
         self._puller = Puller(transport, cfg.auth_key, self.identity, self._jobs.count)
-        self._pullers = ThreadPoolExecutor(cfg.num_threads, "kvhal-p2p-pull")
-        self._storers = ThreadPoolExecutor(1, "kvhal-p2p-store")
+        self._pullers = JobPool(cfg.num_threads, "kvhal-p2p-pull")
+        self._storers = JobPool(1, "kvhal-p2p-store")
         self._links = [FeedLink(peer, transport, cfg.auth_key, self.identity,
                                 self._directory, timeout_s=cfg.timeout_s,
                                 silence_s=MISSED_HEARTBEATS * beat, count=self._jobs.count,
