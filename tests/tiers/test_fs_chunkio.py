@@ -137,3 +137,32 @@ def test_more_buffers_than_the_helper_takes_is_a_value_error(tmp_path):
     with pytest.raises(BufferError):
         _chunkio.read_file(str(tmp_path / "f"), [b"read-only"], False, 9)
     assert os.listdir(tmp_path) == []
+
+
+@needs_c
+def test_the_bound_hasher_is_xxh3_128_and_a_corrupt_payload_is_caught_in_c(ns_dir):
+    import xxhash
+
+    from kvhal.tiers.fs import _chunkio
+
+    assert fileio.HASH_IN_C  # python-xxhash exports XXH3_128bits; binding it must work here
+    for data in (b"", b"x", bytes(range(256)) * 4096, np.random.default_rng(3).bytes(300001)):
+        assert _chunkio.xxh3_128(data) == xxhash.xxh3_128_digest(data)
+    host, array = host_region(1 << 20)
+    key = chunk_key(NAMESPACE, 9)
+    array[:2 * ALIGN] = payload(9, 2 * ALIGN)
+    write_chunk(os, ns_dir, key, host[:2 * ALIGN], False, Scratch(), sync=False)
+    path = chunk_path(ns_dir, key)
+    status, n, digest = _chunkio.read_file(path, [bytearray(ALIGN), host[ALIGN:3 * ALIGN]],
+                                           False, 3 * ALIGN, 1)
+    assert (status, n, digest) == (0, 3 * ALIGN, xxhash.xxh3_128_digest(payload(9, 2 * ALIGN)))
+    assert _chunkio.read_file(path, [bytearray(ALIGN), host[ALIGN:3 * ALIGN]], False,
+                              3 * ALIGN)[2] is None  # not asked to verify
+    with open(path, "r+b") as f:                     # one payload bit flipped
+        f.seek(ALIGN + 5000)
+        byte = f.read(1)
+        f.seek(ALIGN + 5000)
+        f.write(bytes([byte[0] ^ 1]))
+    for osm in (os, PassThroughOs()):
+        with pytest.raises(CorruptChunk, match="checksum mismatch"):
+            read_chunk(osm, path, key, host[:2 * ALIGN], NAMESPACE, False, Scratch())

@@ -12,6 +12,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -23,6 +24,23 @@
 #endif
 
 #define MAX_BUFS 4
+
+/* XXH3_128bits(input, length) of the xxHash library, as python-xxhash's extension exports it
+ * (bound at import by fileio.py, which checks it against xxhash.xxh3_128_digest first). */
+typedef struct {
+    uint64_t low64;
+    uint64_t high64;
+} xxh128_hash;
+typedef xxh128_hash (*xxh128_fn)(const void *, size_t);
+static xxh128_fn hasher = NULL;
+
+/* The canonical (big-endian, high half first) 16-byte form xxhash.xxh3_128_digest returns. */
+static void canonical(xxh128_hash h, unsigned char out[16]) {
+    for (int i = 0; i < 8; i++) {
+        out[i] = (unsigned char)(h.high64 >> (56 - 8 * i));
+        out[8 + i] = (unsigned char)(h.low64 >> (56 - 8 * i));
+    }
+}
 
 /* Buffers of a Python sequence of at most MAX_BUFS writable (or readable) buffer objects.
  * Empty buffers are skipped. Returns the count, or -1 with a Python exception set. */
@@ -182,21 +200,23 @@ out:
 }
 
 PyDoc_STRVAR(read_file_doc,
-"read_file(path, bufs, direct, expected) -> (status, value)\n\n"
+"read_file(path, bufs, direct, expected, verify=-1) -> (status, value, digest)\n\n"
 "Open `path` (O_RDONLY|O_CLOEXEC|O_NONBLOCK, plus O_DIRECT if `direct`), fstat it and, when it\n"
 "is a regular file of exactly `expected` bytes, preadv it from offset 0 into the writable\n"
 "buffers `bufs` (at most 4, in order; one call, as the Python path does). The GIL is released\n"
 "for all of it. Returns (0, bytes read), (1, st_mode) for a file that is not regular, or\n"
-"(2, size) for a regular file of another size (nothing read).\n\n"
+"(2, size) for a regular file of another size (nothing read). `digest` is the 16-byte\n"
+"xxh3-128 of `bufs[verify]` after a complete read, computed without the GIL, when\n"
+"`verify` >= 0 and a hasher is bound (`set_hasher`); else None.\n\n"
 "Raises:\n"
 "    OSError: errno and `path` of the failing open, fstat or preadv (ENOENT, EACCES, EIO...).\n"
 "    ValueError: more than 4 buffers.");
 
 static PyObject *read_file(PyObject *self, PyObject *args) {
     PyObject *path_arg, *path_obj = NULL, *bufs;
-    int direct;
+    int direct, verify = -1;
     long long expected;
-    if (!PyArg_ParseTuple(args, "OOpL", &path_arg, &bufs, &direct, &expected))
+    if (!PyArg_ParseTuple(args, "OOpL|i", &path_arg, &bufs, &direct, &expected, &verify))
         return NULL;
     if (!PyUnicode_FSConverter(path_arg, &path_obj)) return NULL;
     Py_buffer views[MAX_BUFS];
@@ -206,8 +226,11 @@ static PyObject *read_file(PyObject *self, PyObject *args) {
     if (count < 0) goto out;
     const char *path = PyBytes_AS_STRING(path_obj);
     const char *step = NULL;
-    int err = 0, status = 0;
+    int err = 0, status = 0, hashed = 0;
     long long value = 0;
+    unsigned char digest[16];
+    xxh128_fn hash = hasher;
+    if (verify >= count) verify = -1;
     Py_BEGIN_ALLOW_THREADS
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | (direct ? O_DIRECT : 0));
     if (fd < 0) {
@@ -234,6 +257,10 @@ static PyObject *read_file(PyObject *self, PyObject *args) {
                 step = "preadv";
             } else {
                 value = (long long)n;
+                if (n == expected && verify >= 0 && hash != NULL) {
+                    canonical(hash(iov[verify].iov_base, iov[verify].iov_len), digest);
+                    hashed = 1;
+                }
             }
         }
         close(fd);
@@ -241,15 +268,49 @@ static PyObject *read_file(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     if (err)
         raise_errno(err, step, path_arg);
+    else if (hashed)
+        result = Py_BuildValue("iLy#", status, value, (const char *)digest, (Py_ssize_t)16);
     else
-        result = Py_BuildValue("iL", status, value);
+        result = Py_BuildValue("iLO", status, value, Py_None);
     release_buffers(views, count);
 out:
     Py_DECREF(path_obj);
     return result;
 }
 
+PyDoc_STRVAR(set_hasher_doc,
+"set_hasher(address) -> None\n\n"
+"Bind the address of XXH3_128bits(const void *, size_t) (0 unbinds). The caller vouches for\n"
+"the address; fileio.py takes it from python-xxhash and checks it with `xxh3_128`.");
+
+static PyObject *set_hasher(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    if (!PyArg_ParseTuple(args, "K", &address)) return NULL;
+    hasher = (xxh128_fn)(uintptr_t)address;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(xxh3_128_doc,
+"xxh3_128(buf) -> bytes | None\n\n"
+"The 16-byte xxh3-128 digest of `buf` by the bound hasher (GIL held), or None if unbound.");
+
+static PyObject *xxh3_128(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "y*", &view)) return NULL;
+    xxh128_fn hash = hasher;
+    if (hash == NULL) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    unsigned char digest[16];
+    canonical(hash(view.buf, (size_t)view.len), digest);
+    PyBuffer_Release(&view);
+    return PyBytes_FromStringAndSize((const char *)digest, 16);
+}
+
 static PyMethodDef methods[] = {
+    {"set_hasher", set_hasher, METH_VARARGS, set_hasher_doc},
+    {"xxh3_128", xxh3_128, METH_VARARGS, xxh3_128_doc},
     {"write_file", write_file, METH_VARARGS, write_file_doc},
     {"read_file", read_file, METH_VARARGS, read_file_doc},
     {NULL, NULL, 0, NULL},

@@ -10,7 +10,8 @@ With the real `os` module, the system calls of one chunk (open, pwritev/preadv, 
 rename) run in one GIL-free call of the C helper `_chunkio` when it was built: the same calls,
 flags and order as the Python path below, without a GIL handoff per call (with 16+16 tier
 threads the handoffs, not the disk, bounded throughput: issue 13). `FAST_IO` says which path
-runs; checks, header and checksum stay here, in Python, for both.
+runs; checks and header stay here, in Python, for both. A read's payload checksum is
+computed in that same call when python-xxhash's C function could be bound (`HASH_IN_C`).
 """
 from __future__ import annotations
 
@@ -32,9 +33,35 @@ try:  # the C helper (`_chunkio.c`, built by setup.py where a C compiler is foun
 except ImportError:  # no compiler at install time: the same calls, made from Python
     _chunkio = None
 
+
+def _bind_hasher() -> bool:
+    """Give `_chunkio` python-xxhash's own `XXH3_128bits` (its extension exports the xxHash
+    C API), so a read is verified in the same GIL-free call that reads it; True if bound. The
+    binding is checked against `xxhash.xxh3_128_digest` on a sample first; on any doubt the
+    checksum stays a Python call."""
+    if _chunkio is None:
+        return False
+    try:
+        import ctypes
+
+        import xxhash
+        import xxhash._xxhash as native
+
+        address = ctypes.cast(ctypes.CDLL(native.__file__).XXH3_128bits, ctypes.c_void_p).value
+        _chunkio.set_hasher(address or 0)
+        sample = bytes(range(256)) * 67 + b"kvhal"
+        if address and _chunkio.xxh3_128(sample) == xxhash.xxh3_128_digest(sample):
+            return True
+    except (ImportError, OSError, AttributeError, TypeError):
+        pass
+    _chunkio.set_hasher(0)
+    return False
+
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: True if chunk files are moved by the C helper (one GIL release per chunk) with the real `os`.
 FAST_IO = _chunkio is not None
+#: True if the C helper also computes a read's payload checksum in that call (`_bind_hasher`).
+HASH_IN_C = _bind_hasher()
 #: Opening a chunk file never blocks: O_NONBLOCK makes a FIFO (or device) planted under a
 #: chunk name open at once, and `_regular_file_size` then refuses it.
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
@@ -179,8 +206,11 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
     expected = record_nbytes(len(dest))
     bulk, rem = _split(dest)
     bufs = [b for b in [scratch.header, bulk] + ([scratch.tail] if rem else []) if len(b)]
+    digest = None
     if osm is os and _chunkio is not None:
-        status, n = _chunkio.read_file(path, bufs, direct, expected)
+        # the payload is verified in C when it lies whole in `bulk` (bufs[1]): no tail block
+        verify = 1 if HASH_IN_C and not rem and len(bulk) else -1
+        status, n, digest = _chunkio.read_file(path, bufs, direct, expected, verify)
         if status == _NOT_REGULAR:
             raise CorruptChunk(f"not a regular file (mode {stat.filemode(n)})")
         if status == _OTHER_SIZE:
@@ -205,7 +235,7 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
         raise SizeMismatch(f"payload {header.payload_nbytes} bytes != requested {len(dest)}")
     if rem:
         dest[len(bulk):] = scratch.tail[:rem]
-    if payload_checksum(dest) != header.checksum:
+    if (digest if digest is not None else payload_checksum(dest)) != header.checksum:
         raise CorruptChunk("checksum mismatch")
 
 
