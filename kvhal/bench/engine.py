@@ -192,7 +192,9 @@ class BusyFsTier:
                        self._chunk_bytes)
 
     def _batch(self, tag: int, kind) -> None:
-        submit = self._tier.submit_store if kind.value == "store" else self._tier.submit_load
+        from kvhal.tiers.base import JobKind
+
+        submit = self._tier.submit_store if kind is JobKind.STORE else self._tier.submit_load
         for i in range(self._chunks):
             submit(self._job(i, tag, kind))
         self._tier.drain()

@@ -1,18 +1,9 @@
 """`kvhal bench engine --busy-fs`: the busy fs tier really pauses for the idle passes."""
 from __future__ import annotations
 
-import time
-
 from kvhal.bench.engine import BusyFsTier, bookkeeping_busy_idle
 
-
-def _wait_for(cond, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
+from ..tiers.helpers import wait_for
 
 
 def test_a_paused_busy_tier_moves_nothing_and_resumes(tmp_path):
@@ -27,7 +18,7 @@ def test_a_paused_busy_tier_moves_nothing_and_resumes(tmp_path):
         assert stopped > paused_at and stopped % (1 << 16) == 0
         assert fs.bytes_moved() == stopped
         fs.resume()
-        assert _wait_for(lambda: fs.bytes_moved() > stopped)
+        wait_for(lambda: fs.bytes_moved() > stopped, 30.0, "the resumed tier to move bytes")
     for result in (busy, idle):
         assert result.chunks == 20
         assert 0 < result.lookup_us <= result.lookup_median_us

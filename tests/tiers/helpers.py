@@ -1,8 +1,11 @@
-"""Shared helpers of the fs tier tests: an aligned host region, keys, payloads, one-job runs."""
+"""Shared helpers of the tier tests: an aligned host region, keys, payloads, one-job runs,
+polling a condition with a deadline."""
 from __future__ import annotations
 
 import mmap
 import subprocess
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -23,3 +26,12 @@ def dead_pid() -> int:
     child = subprocess.Popen(["true"])
     child.wait()
     return child.pid
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:
+    """Poll `condition` every 10 ms until true. Raises AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or condition}")
+        time.sleep(0.01)

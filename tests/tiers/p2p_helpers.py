@@ -8,9 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 #: The shared secret of the tests' peers (a test value).
 KEY = "kvhal-test-p2p-shared-key"
@@ -43,15 +41,6 @@ def fixed_port() -> int:
 def config(**extra) -> dict:
     """A p2p config on 127.0.0.1 with the tests' key and a short timeout."""
     return {"type": "p2p", "auth_key": KEY, "timeout_s": 2.0} | extra
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:
-    """Poll `condition` every 10 ms until true. Raises AssertionError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or condition}")
-        time.sleep(0.01)
 
 
 class PeerProcess:

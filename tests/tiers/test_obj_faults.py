@@ -14,7 +14,8 @@ from kvhal.tiers.obj import ObjTier
 from kvhal.tiers.obj.local_server import LocalS3Server
 
 from .helpers import NAMESPACE, chunk_key, host_region, load, payload, store
-from .test_obj_tier import obj_config, wait_for
+from .helpers import wait_for
+from .test_obj_tier import obj_config
 
 #: Short enough for quick fault tests, long enough for a healthy 256 KiB request on a loaded
 #: 2-core machine (one attempt gets half of it).
@@ -166,7 +167,7 @@ def test_a_server_killed_mid_transfer_fails_jobs_in_time_and_a_restarted_one_is_
 
         server = LocalS3Server(port=server.port).start()   # same endpoint, empty store
         server.create_bucket(BUCKET)
-        wait_for(lambda: all(tier.lookup(k) is Lookup.MISS for k in keys))
+        wait_for(lambda: all(tier.lookup(k) is Lookup.MISS for k in keys), 30.0)
         assert sorted(tier.take_removed(), key=keys.index) == keys
         array[:n] = payload(7, n)
         assert store(tier, chunk_key(NAMESPACE, 7), 0, n, job_id=7).ok

@@ -20,7 +20,7 @@ from kvhal.tiers.obj import ObjTier
 from kvhal.tiers.obj.client import S3Client
 from kvhal.tiers.obj.config import parse_config
 
-from .helpers import NAMESPACE, chunk_key, host_region, load, payload, store
+from .helpers import NAMESPACE, chunk_key, host_region, load, payload, store, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,13 +38,6 @@ def raw_client(config: dict) -> S3Client:
 
 def names_under(config: dict) -> list[str]:
     return [n for n, _, _ in raw_client(config).list(config["prefix"] + "/")]
-
-
-def wait_for(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def worker(config: dict, op: str, first: int, count: int, nbytes: int) -> dict:
@@ -80,7 +73,7 @@ def test_two_processes_sharing_a_bucket_see_each_others_chunks(s3_server, open_o
     n = 300001
 
     stored = worker(config, "store", 0, 4, n)
-    wait_for(lambda: all(here.lookup(chunk_key(NAMESPACE, i)) is Lookup.HIT for i in range(4)))
+    wait_for(lambda: all(here.lookup(chunk_key(NAMESPACE, i)) is Lookup.HIT for i in range(4)), 30.0)
     loads = [load(here, chunk_key(NAMESPACE, i), i * n, n, job_id=i) for i in range(4)]
     loaded = [array[i * n:(i + 1) * n].copy() for i in range(4)]
     array[:n] = payload(9, n)
@@ -140,7 +133,7 @@ def test_max_bytes_deletes_least_recently_used_objects_and_reports_removals(s3_s
         array[:n] = payload(i, n)
         assert store(tier, key, 0, n, job_id=i).ok
 
-    wait_for(lambda: len(names_under(config)) == 3)
+    wait_for(lambda: len(names_under(config)) == 3, 30.0)
     assert sorted(names_under(config)) == sorted(tier.object_name(k) for k in keys[2:])
     assert tier.take_removed() == keys[:2]
     assert tier.take_removed() == []

@@ -12,8 +12,8 @@ from kvhal.host.slots import SlotTable
 from kvhal.tiers.base import Lookup
 from kvhal.tiers.p2p import P2PTier
 
-from .helpers import NAMESPACE, chunk_key, host_region, payload
-from .p2p_helpers import config, wait_for
+from .helpers import NAMESPACE, chunk_key, host_region, payload, wait_for
+from .p2p_helpers import config
 
 SLOT = 64 << 10
 CAPACITY = 8

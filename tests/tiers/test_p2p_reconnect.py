@@ -11,8 +11,8 @@ import pytest
 from kvhal.tiers.base import JobKind, Lookup, TierJob
 from kvhal.tiers.p2p import P2PTier
 
-from .helpers import NAMESPACE, chunk_key, host_region, load, payload
-from .p2p_helpers import config, free_port, wait_for
+from .helpers import NAMESPACE, chunk_key, host_region, load, payload, wait_for
+from .p2p_helpers import config, free_port
 
 pytestmark = pytest.mark.slow
 

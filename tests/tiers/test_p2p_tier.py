@@ -15,8 +15,8 @@ from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.server import MAX_CONNECTIONS, MAX_HANDSHAKING
 from kvhal.tiers.p2p.wire import encode
 
-from .helpers import NAMESPACE, chunk_key, host_region, load, payload
-from .p2p_helpers import PeerProcess, config, free_port, wait_for
+from .helpers import NAMESPACE, chunk_key, host_region, load, payload, wait_for
+from .p2p_helpers import PeerProcess, config, free_port
 
 #: Seconds past a job's 1 s `timeout_s` the tests accept before it ended: scheduling slack of a
 #: loaded 2-core CI machine (a job that ignored its deadline would never end at all).

@@ -22,7 +22,8 @@ pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-
 from kvhal.integrations.vllm.runner import EngineProcess  # noqa: E402
 from kvhal.tiers.p2p import P2PTier  # noqa: E402
 
-from ..tiers.p2p_helpers import KEY, fixed_port, wait_for  # noqa: E402
+from ..tiers.helpers import wait_for  # noqa: E402
+from ..tiers.p2p_helpers import KEY, fixed_port  # noqa: E402
 from .conftest import FULL_HIT, RUNNER, prompt  # noqa: E402
 
 pytestmark = pytest.mark.slow
