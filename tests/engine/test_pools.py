@@ -124,3 +124,23 @@ def test_eviction_stays_inside_the_key_pool():
 ], ids=lambda p: str(p))
 def test_needed_chunks_per_kind(kind, start, end, want):
     assert needed_chunks(kind, start, end, 128, 128, 256) == want
+
+
+def test_manager_reports_host_bytes_as_the_slot_bytes_of_each_pool():
+    import dataclasses
+
+    from kvhal.config import parse_config
+    from kvhal.engine import build_manager
+
+    from .rig import synthetic_keys
+
+    layout = host_layout((131072, 71680), 4 * ATTN + 2 * STATE, (1.0, 0.5))
+    assert layout.capacities == (4, 2)
+    manager = build_manager(parse_config({"cpu_bytes_to_use": layout.nbytes}), layout,
+                            memoryview(bytearray(layout.nbytes)), bytes(16), emit_events=False)
+    attn = synthetic_keys(3)
+    state = [dataclasses.replace(k, group=1) for k in synthetic_keys(1, tag=1)]
+    plan = manager.prepare_store(attn + state)
+    manager.complete_store(plan.job_id)
+    # 3 attention slots of 131072 bytes and 1 state slot of 73728 (71680 rounded to the page)
+    assert manager.sizes()["host"] == (3 * ATTN + STATE, 4 * ATTN + 2 * STATE)
