@@ -614,19 +614,23 @@ def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
     """Lookup until no RETRY precedes the first MISS.
 
     Returns:
-        (leading hits, level of each key answered at the first lookup): "host" for a HIT, the
-        first secondary tier holding it for a RETRY (a promotion), "" otherwise.
+        (leading hits, level of each key at the first lookup that did not answer it MISS):
+        "host" for a HIT, the first secondary tier holding it for a RETRY (a promotion), ""
+        for a key answered MISS throughout. A key behind a MISS is answered MISS unseen, so it
+        gets its level once that MISS resolves (a landed promotion freed a slot).
     """
     manager = rep.manager
     answers = manager.lookup(keys, request_id=rid)
-    levels = ["host" if a is Lookup.HIT else _tier_of(rep, keys[i]) if a is Lookup.RETRY
-              else "" for i, a in enumerate(answers)]
-    n = leading_hits(answers)
-    while n is None:
+    levels = [""] * len(keys)
+    while True:
+        for i, a in enumerate(answers):
+            if not levels[i] and a is not Lookup.MISS:
+                levels[i] = "host" if a is Lookup.HIT else _tier_of(rep, keys[i])
+        n = leading_hits(answers)
+        if n is not None:
+            return n, levels
         time.sleep(_RETRY_POLL_S)
         answers = manager.lookup(keys, request_id=rid)
-        n = leading_hits(answers)
-    return n, levels
 
 
 def _tier_of(rep: _Replayer, key: ChunkKey) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from kvhal.integrations.harness import read_trace, reference_hits
 from kvhal.integrations.harness import replay as replay_module
-from kvhal.integrations.harness.geometry import GeometryError, MlaGeometry
+from kvhal.integrations.harness.geometry import Geometry, GeometryError, MlaGeometry
 from kvhal.integrations.harness.payload import PayloadMismatchError
 from kvhal.integrations.harness.replay import ReplayOptions, run_replay
 from kvhal.layout import CopyPlan, LayoutError
@@ -37,10 +37,12 @@ def replay(requests, config, device_chunks: int, **kw):
 
 @needs_fs
 def test_trace_slice_at_tp2_verifies_every_hit_on_both_ranks(conversation_trace, tmp_path):
-    # 60 conversation requests (up to 235 chunks each): the host holds 64 chunks, the fs tier
-    # everything, so every reuse the unlimited reference finds is served and verified.
-    requests = read_trace(conversation_trace, limit=60)
-    report = replay(requests, fs_config(tmp_path, host_chunks=64), device_chunks=240, tp=2)
+    # The first 300 conversation requests with at most 16 full chunks (149 requests): a
+    # 16-chunk device pool, a 128-chunk host tier (room for the fs tier's stores in flight, so
+    # none is skipped) and an unbounded fs tier, so every reuse the unlimited reference finds
+    # is served — from the device or, after a host eviction, from fs — and verified.
+    requests = [r for r in read_trace(conversation_trace, limit=300) if len(r.chunk_hashes) <= 16]
+    report = replay(requests, fs_config(tmp_path, host_chunks=128), device_chunks=16, tp=2)
     ref = report.reference
     assert report.chunk_bytes == CHUNK_BYTES
     assert report.geometry == {"kind": "mla", "layers": 1, "latent_size": 576,
@@ -51,7 +53,7 @@ def test_trace_slice_at_tp2_verifies_every_hit_on_both_ranks(conversation_trace,
     stored = report.traffic["host"]["d2h"].chunks
     loaded = report.traffic["host"]["h2d"].chunks
     assert stored == report.traffic["fs"]["store"].chunks == ref.distinct_chunks
-    assert loaded == (report.hit_tokens["host"] + report.hit_tokens["fs"]) // CHUNK
+    assert loaded == report.traffic["fs"]["load"].chunks == report.hit_tokens["fs"] // CHUNK
     # The latent is written once, by rank 0, and loaded into both ranks' pages.
     assert report.rank_bytes == [{"d2h": stored * CHUNK_BYTES, "h2d": loaded * CHUNK_BYTES},
                                  {"d2h": 0, "h2d": loaded * CHUNK_BYTES}]
@@ -125,7 +127,7 @@ def test_a_torn_load_on_rank_1_alone_is_caught(write_trace, monkeypatch):
 
 @pytest.mark.parametrize("kw, error, message", [
     ({"geometry": MLA, "layout": "packed-hnd"}, LayoutError, "--layout: "),
-    ({"geometry": replay_module.Geometry(1, 2, 16, "bf16"), "tp": 2}, GeometryError,
+    ({"geometry": Geometry(1, 2, 16, "bf16"), "tp": 2}, GeometryError,
      "--tp: 2 needs an MLA geometry"),
 ])
 def test_bad_options_name_the_flag(write_trace, kw, error, message):
