@@ -222,12 +222,13 @@ def _fs_faulty(tmp, err, direction, host, namespace):
 
 
 def _fs_stored_objects(config: Config) -> tuple[list[str], list[str]]:
+    from kvhal.tiers.fs.format import TEMP_SUFFIX
     chunks, temps = [], []
     for dirpath, _, filenames in os.walk(config["root_dir"]):
-        parts = dirpath.split(os.sep)
-        bucket = chunks if "chunks" in parts else temps if parts[-1] == "tmp" else None
-        if bucket is not None:
-            bucket.extend(os.path.join(dirpath, f) for f in filenames)
+        if "chunks" in dirpath.split(os.sep):
+            for name in filenames:
+                (temps if name.endswith(TEMP_SUFFIX) else chunks).append(
+                    os.path.join(dirpath, name))
     return chunks, temps
 
 

@@ -33,6 +33,8 @@ HEADER_BYTES = ALIGN
 
 _FIXED = struct.Struct("<8sHHIQ16s16sB")
 _DIGEST = struct.Struct("<Q")
+#: Byte offset of the payload checksum in the header block (after magic … namespace).
+CHECKSUM_OFFSET = struct.calcsize("<8sHHIQ16s")
 
 
 class FormatError(ValueError):
@@ -80,12 +82,26 @@ def payload_checksum(payload: memoryview | bytes) -> bytes:
 def encode_header(out: memoryview, key: ChunkKey, payload_nbytes: int, checksum: bytes) -> None:
     """Write the header block for a chunk into `out` (exactly `HEADER_BYTES` bytes, zeroed
     past the header fields)."""
+    digest_at = encode_header_fields(out, key, payload_nbytes, checksum)
+    out[digest_at:digest_at + _DIGEST.size] = _DIGEST.pack(
+        xxhash.xxh3_64_intdigest(out[:digest_at]))
+
+
+def encode_header_fields(out: memoryview, key: ChunkKey, payload_nbytes: int,
+                         checksum: bytes = bytes(16)) -> int:
+    """Write the header block for a chunk into `out` (exactly `HEADER_BYTES` bytes, zeroed
+    past the header fields) without its header digest, and return the digest's byte offset.
+
+    A writer that computes the checksum elsewhere (the fs tier's C helper) then stores the
+    16-byte payload checksum at `CHECKSUM_OFFSET` and the little-endian xxh3-64 of
+    `out[:offset]` at the returned offset, as `encode_header` does.
+    """
     key_bytes = key.to_bytes()
     fields = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, HEADER_BYTES, payload_nbytes, key.namespace,
                          checksum, len(key_bytes)) + key_bytes
-    body = fields + _DIGEST.pack(xxhash.xxh3_64_intdigest(fields))
-    out[:len(body)] = body
-    out[len(body):HEADER_BYTES] = bytes(HEADER_BYTES - len(body))
+    out[:len(fields)] = fields
+    out[len(fields):HEADER_BYTES] = bytes(HEADER_BYTES - len(fields))
+    return len(fields)
 
 
 def decode_header(block: memoryview | bytes) -> Header:

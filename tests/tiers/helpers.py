@@ -2,7 +2,9 @@
 polling a condition with a deadline."""
 from __future__ import annotations
 
+import glob
 import mmap
+import os
 import subprocess
 import time
 from typing import Callable
@@ -35,3 +37,8 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what or condition}")
         time.sleep(0.01)
+
+
+def temp_files(ns_dir: str) -> list[str]:
+    """Temp files (`*.tmp`) in the chunk folders of the namespace folder `ns_dir`, sorted."""
+    return sorted(glob.glob(os.path.join(ns_dir, "chunks", "*", "*.tmp")))

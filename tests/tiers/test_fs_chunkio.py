@@ -12,9 +12,9 @@ import pytest
 from kvhal.tiers.chunk_format import ALIGN, CorruptChunk, SizeMismatch
 from kvhal.tiers.fs import fileio
 from kvhal.tiers.fs.fileio import Scratch, probe_o_direct, read_chunk, write_chunk
-from kvhal.tiers.fs.format import TEMP_DIR, chunk_path
+from kvhal.tiers.fs.format import chunk_path
 
-from .helpers import NAMESPACE, chunk_key, host_region, payload
+from .helpers import NAMESPACE, chunk_key, host_region, payload, temp_files
 
 needs_c = pytest.mark.skipif(not fileio.FAST_IO, reason="kvhal.tiers.fs._chunkio was not "
                                 "built (no C compiler at install time); the Python path runs")
@@ -30,8 +30,6 @@ class PassThroughOs:
 
 @pytest.fixture
 def ns_dir(tmp_path):
-    for sub in (TEMP_DIR, "chunks/00"):
-        os.makedirs(tmp_path / sub)
     for i in range(256):
         os.makedirs(tmp_path / "chunks" / f"{i:02x}", exist_ok=True)
     return str(tmp_path)
@@ -67,7 +65,7 @@ def test_c_and_python_paths_write_identical_files_and_read_each_other(ns_dir, nb
                 assert np.array_equal(array[ALIGN:ALIGN + nbytes], payload(7, nbytes))
         assert written["c"] == written["python"]
         assert len(written["c"]) % ALIGN == 0 and len(written["c"]) > nbytes
-        assert os.listdir(os.path.join(ns_dir, TEMP_DIR)) == []
+        assert temp_files(ns_dir) == []
 
 
 def _both(fn):
@@ -123,7 +121,7 @@ def test_a_failed_write_leaves_no_temp_file_on_both_paths(ns_dir):
     errors = _both(lambda osm: write_chunk(osm, ns_dir, key, host[:ALIGN], False, Scratch(),
                                            sync=False))
     assert [e.errno for e in errors] == [errno.EISDIR] * 2
-    assert os.listdir(os.path.join(ns_dir, TEMP_DIR)) == []
+    assert temp_files(ns_dir) == []
 
 
 @needs_c
@@ -166,3 +164,39 @@ def test_the_bound_hasher_is_xxh3_128_and_a_corrupt_payload_is_caught_in_c(ns_di
     for osm in (os, PassThroughOs()):
         with pytest.raises(CorruptChunk, match="checksum mismatch"):
             read_chunk(osm, path, key, host[:2 * ALIGN], NAMESPACE, False, Scratch())
+
+
+@needs_c
+def test_a_sealed_write_is_the_header_encode_header_writes_and_bad_seals_are_refused(tmp_path):
+    import xxhash
+
+    from kvhal.tiers.chunk_format import (CHECKSUM_OFFSET, HEADER_BYTES, encode_header,
+                                          encode_header_fields)
+    from kvhal.tiers.fs import _chunkio
+
+    for data in (b"", b"x", np.random.default_rng(4).bytes(70001)):
+        assert _chunkio.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
+    host, array = host_region(1 << 20)
+    array[:4 * ALIGN] = payload(11, 4 * ALIGN)
+    key = chunk_key(NAMESPACE, 11)
+    expected = bytearray(HEADER_BYTES)
+    encode_header(memoryview(expected), key, 4 * ALIGN,
+                  xxhash.xxh3_128_digest(payload(11, 4 * ALIGN)))
+    header = Scratch().header
+    digest_at = encode_header_fields(header, key, 4 * ALIGN)
+    final = tmp_path / "f"
+    _chunkio.write_file(str(tmp_path / "t"), str(final), [header, host[:4 * ALIGN]], False,
+                        False, str(tmp_path), CHECKSUM_OFFSET, digest_at)
+    assert final.read_bytes() == bytes(expected) + payload(11, 4 * ALIGN).tobytes()
+    for offsets, match in (((HEADER_BYTES - 8, digest_at), "checksum_at=4088"),
+                           ((CHECKSUM_OFFSET, HEADER_BYTES), "outside a header")):
+        with pytest.raises(ValueError, match=match):
+            _chunkio.write_file(str(tmp_path / "t"), str(final), [header, host[:ALIGN]], False,
+                                False, str(tmp_path), *offsets)
+    with pytest.raises(ValueError, match="no payload buffer"):
+        _chunkio.write_file(str(tmp_path / "t"), str(final), [header], False, False,
+                            str(tmp_path), CHECKSUM_OFFSET, digest_at)
+    with pytest.raises(BufferError):                 # the header is written into
+        _chunkio.write_file(str(tmp_path / "t"), str(final), [bytes(HEADER_BYTES), header],
+                            False, False, str(tmp_path), CHECKSUM_OFFSET, digest_at)
+    assert sorted(os.listdir(tmp_path)) == ["f"]

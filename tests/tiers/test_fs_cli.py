@@ -10,9 +10,9 @@ import sys
 import time
 
 from kvhal.tiers.fs import FsTier
-from kvhal.tiers.fs.format import QUARANTINE_DIR, TEMP_DIR, chunk_path
+from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path
 
-from .helpers import NAMESPACE, chunk_key, dead_pid, host_region, payload, store
+from .helpers import NAMESPACE, chunk_key, dead_pid, host_region, payload, store, temp_files
 
 
 def kvhal(*args: str) -> subprocess.CompletedProcess:
@@ -36,7 +36,7 @@ def _damaged_dir(root) -> tuple[str, list[str]]:
         f.seek(5000)
         f.write(bytes([byte ^ 0x10]))
     os.truncate(paths[3], 6000)
-    temp = os.path.join(tier.ns_dir, TEMP_DIR,
+    temp = os.path.join(os.path.dirname(paths[0]),
                         f"{chunk_key(NAMESPACE, 9).hex()}.{dead_pid()}.ab.tmp")
     with open(temp, "wb") as f:
         f.write(b"x" * 777)
@@ -76,7 +76,7 @@ def test_fsck_repair_quarantines_and_cleans_then_the_directory_is_clean(tmp_path
     report = json.loads(again.stdout)
     assert (report["good"], report["corrupt"], report["orphaned_temps"],
             report["quarantined"]) == (3, 0, 0, 2)
-    assert os.listdir(os.path.join(ns_dir, TEMP_DIR)) == []
+    assert temp_files(ns_dir) == []
     assert len(os.listdir(os.path.join(ns_dir, QUARANTINE_DIR))) == 2
     assert [os.path.exists(p) for p in paths] == [True, False, True, False, True]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from kvhal.keys import ChunkKey
-from kvhal.tiers.fs.format import key_from_name, temp_owner_pid, temp_path
+from kvhal.tiers.fs.format import chunk_path, key_from_name, temp_owner_pid, temp_path
 
 from .helpers import NAMESPACE
 
@@ -21,3 +21,5 @@ def test_temp_names_are_unique_and_carry_the_pid():
     names = {os.path.basename(temp_path("/ns", KEY)) for _ in range(1000)}
     assert len(names) == 1000
     assert {temp_owner_pid(n) for n in names} == {os.getpid()}
+    # next to the chunk file: the rename that publishes it stays inside one folder
+    assert os.path.dirname(temp_path("/ns", KEY)) == os.path.dirname(chunk_path("/ns", KEY))

@@ -17,10 +17,10 @@ from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, Lookup, TierJob
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.fileio import probe_o_direct
-from kvhal.tiers.fs.format import QUARANTINE_DIR, TEMP_DIR, chunk_path
+from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path
 
 from .helpers import (NAMESPACE, OTHER_NAMESPACE, chunk_key, dead_pid, host_region, load,
-                      payload, store)
+                      payload, store, temp_files)
 
 
 @pytest.fixture
@@ -164,8 +164,9 @@ def test_other_namespaces_are_left_alone(tmp_path, region):
 def test_orphaned_temp_files_are_removed_at_start(tmp_path, region):
     host, _ = region
     _open(tmp_path, host).close()
-    tmp_dir = os.path.join(tmp_path, NAMESPACE.hex(), TEMP_DIR)
     key = chunk_key(NAMESPACE, 1).hex()
+    tmp_dir = os.path.dirname(chunk_path(os.path.join(tmp_path, NAMESPACE.hex()),
+                                         chunk_key(NAMESPACE, 1)))
     dead = os.path.join(tmp_dir, f"{key}.{dead_pid()}.00ff.tmp")
     live = os.path.join(tmp_dir, f"{key}.{os.getpid()}.00fe.tmp")
     ancient_live = os.path.join(tmp_dir, f"{key}.{os.getpid()}.00fd.tmp")
@@ -176,7 +177,7 @@ def test_orphaned_temp_files_are_removed_at_start(tmp_path, region):
     tier = _open(tmp_path, host)
     tier.close()
 
-    assert sorted(os.listdir(tmp_dir)) == [os.path.basename(live)]
+    assert temp_files(os.path.join(tmp_path, NAMESPACE.hex())) == [live]
     assert tier.stats()["orphaned_temps_removed"] == 2
 
 
@@ -288,7 +289,7 @@ def test_enospc_fails_the_store_evicts_and_serving_continues(tmp_path):
         assert store(tier, chunk_key(NAMESPACE, 99), 0, n, job_id=99).ok
         assert load(tier, chunk_key(NAMESPACE, 99), n, n, job_id=100).ok
         np.testing.assert_array_equal(array[n:2 * n], payload(99, n))
-        assert os.listdir(os.path.join(tier.ns_dir, TEMP_DIR)) == []
+        assert temp_files(tier.ns_dir) == []
         tier.close()
 
 

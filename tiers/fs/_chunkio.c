@@ -32,7 +32,10 @@ typedef struct {
     uint64_t high64;
 } xxh128_hash;
 typedef xxh128_hash (*xxh128_fn)(const void *, size_t);
+typedef uint64_t (*xxh64_fn)(const void *, size_t);
 static xxh128_fn hasher = NULL;
+/* XXH3_64bits(input, length), bound with it: the header digest of a sealed write. */
+static xxh64_fn hasher64 = NULL;
 
 /* The canonical (big-endian, high half first) 16-byte form xxhash.xxh3_128_digest returns. */
 static void canonical(xxh128_hash h, unsigned char out[16]) {
@@ -107,23 +110,36 @@ static PyObject *raise_errno(int err, const char *step, PyObject *path) {
 }
 
 PyDoc_STRVAR(write_file_doc,
-"write_file(tmp, final, bufs, direct, sync, folder) -> None\n\n"
+"write_file(tmp, final, bufs, direct, sync, folder, checksum_at=-1, digest_at=-1) -> None\n\n"
 "Create `tmp` (O_WRONLY|O_CREAT|O_EXCL|O_CLOEXEC, plus O_DIRECT if `direct`, mode 0644), write\n"
 "the buffers in `bufs` (at most 4, in order, from offset 0; short writes are continued), with\n"
 "`sync` fdatasync it, close it and rename it to `final`; with `sync` also fsync the folder\n"
 "`folder` afterwards. The GIL is released for all of it. On any error `tmp` is unlinked.\n\n"
+"Sealing (`checksum_at` >= 0; both hashers bound, `set_hasher`): before anything is written,\n"
+"the canonical 16-byte xxh3-128 of `bufs[1]` is stored at byte `checksum_at` of `bufs[0]`,\n"
+"then the little-endian xxh3-64 of `bufs[0][:digest_at]` at byte `digest_at` (the header\n"
+"block of tiers/chunk_format.py, whose `encode_header_fields` returns those offsets).\n"
+"`bufs[0]` must then be writable.\n\n"
 "Raises:\n"
 "    OSError: errno and `tmp` (or `folder`) of the failing step; its `kvhal_step` attribute\n"
 "        names the step (open, pwritev, fdatasync, close, rename, fsync_dir).\n"
-"    ValueError: more than 4 buffers.");
+"    ValueError: more than 4 buffers; sealing asked without both hashers bound, with fewer\n"
+"        than 2 non-empty buffers, or with offsets outside `bufs[0]`.\n"
+"    BufferError: sealing with a read-only `bufs[0]`.");
 
 static PyObject *write_file(PyObject *self, PyObject *args) {
     PyObject *tmp_arg, *final_arg, *folder_arg, *bufs;
     PyObject *tmp_obj = NULL, *final_obj = NULL, *folder_obj = NULL;
     int direct, sync;
-    if (!PyArg_ParseTuple(args, "OOOppO", &tmp_arg, &final_arg, &bufs, &direct, &sync,
-                          &folder_arg))
+    Py_ssize_t checksum_at = -1, digest_at = -1;
+    if (!PyArg_ParseTuple(args, "OOOppO|nn", &tmp_arg, &final_arg, &bufs, &direct, &sync,
+                          &folder_arg, &checksum_at, &digest_at))
         return NULL;
+    int seal = checksum_at >= 0;
+    if (seal && (hasher == NULL || hasher64 == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "checksum_at: sealing needs both hashers bound");
+        return NULL;
+    }
     if (!PyUnicode_FSConverter(tmp_arg, &tmp_obj) || !PyUnicode_FSConverter(final_arg, &final_obj)
         || !PyUnicode_FSConverter(folder_arg, &folder_obj)) {
         Py_XDECREF(tmp_obj);
@@ -133,14 +149,28 @@ static PyObject *write_file(PyObject *self, PyObject *args) {
     Py_buffer views[MAX_BUFS];
     struct iovec iov[MAX_BUFS];
     PyObject *result = NULL;
-    int count = get_buffers(bufs, views, iov, 0);
+    int count = get_buffers(bufs, views, iov, seal);
     if (count < 0) goto out;
+    if (seal && (count < 2 || checksum_at + 16 > (Py_ssize_t)iov[0].iov_len || digest_at < 0
+                 || digest_at + 8 > (Py_ssize_t)iov[0].iov_len)) {
+        PyErr_Format(PyExc_ValueError, "checksum_at=%zd, digest_at=%zd: outside a header of "
+                     "%zd bytes, or no payload buffer", checksum_at, digest_at,
+                     count ? (Py_ssize_t)iov[0].iov_len : 0);
+        release_buffers(views, count);
+        goto out;
+    }
     const char *tmp = PyBytes_AS_STRING(tmp_obj);
     const char *final = PyBytes_AS_STRING(final_obj);
     const char *folder = PyBytes_AS_STRING(folder_obj);
     const char *step = NULL;
     int err = 0, failed_on_folder = 0;
     Py_BEGIN_ALLOW_THREADS
+    if (seal) {
+        unsigned char *header = (unsigned char *)iov[0].iov_base;
+        canonical(hasher(iov[1].iov_base, iov[1].iov_len), header + checksum_at);
+        uint64_t digest = hasher64(header, (size_t)digest_at);
+        for (int i = 0; i < 8; i++) header[digest_at + i] = (unsigned char)(digest >> (8 * i));
+    }
     int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0);
     int fd = open(tmp, flags, 0644);
     if (fd < 0) {
@@ -279,14 +309,16 @@ out:
 }
 
 PyDoc_STRVAR(set_hasher_doc,
-"set_hasher(address) -> None\n\n"
-"Bind the address of XXH3_128bits(const void *, size_t) (0 unbinds). The caller vouches for\n"
-"the address; fileio.py takes it from python-xxhash and checks it with `xxh3_128`.");
+"set_hasher(address, address64=0) -> None\n\n"
+"Bind the addresses of XXH3_128bits and XXH3_64bits (const void *, size_t) (0 unbinds). The\n"
+"caller vouches for them; fileio.py takes them from python-xxhash and checks them with\n"
+"`xxh3_128` and `xxh3_64`.");
 
 static PyObject *set_hasher(PyObject *self, PyObject *args) {
-    unsigned long long address;
-    if (!PyArg_ParseTuple(args, "K", &address)) return NULL;
+    unsigned long long address, address64 = 0;
+    if (!PyArg_ParseTuple(args, "K|K", &address, &address64)) return NULL;
     hasher = (xxh128_fn)(uintptr_t)address;
+    hasher64 = (xxh64_fn)(uintptr_t)address64;
     Py_RETURN_NONE;
 }
 
@@ -308,7 +340,25 @@ static PyObject *xxh3_128(PyObject *self, PyObject *args) {
     return PyBytes_FromStringAndSize((const char *)digest, 16);
 }
 
+PyDoc_STRVAR(xxh3_64_doc,
+"xxh3_64(buf) -> int | None\n\n"
+"The xxh3-64 digest of `buf` by the bound 64-bit hasher (GIL held), or None if unbound.");
+
+static PyObject *xxh3_64(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "y*", &view)) return NULL;
+    xxh64_fn hash = hasher64;
+    if (hash == NULL) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    uint64_t digest = hash(view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(digest);
+}
+
 static PyMethodDef methods[] = {
+    {"xxh3_64", xxh3_64, METH_VARARGS, xxh3_64_doc},
     {"set_hasher", set_hasher, METH_VARARGS, set_hasher_doc},
     {"xxh3_128", xxh3_128, METH_VARARGS, xxh3_128_doc},
     {"write_file", write_file, METH_VARARGS, write_file_doc},

@@ -10,8 +10,10 @@ With the real `os` module, the system calls of one chunk (open, pwritev/preadv, 
 rename) run in one GIL-free call of the C helper `_chunkio` when it was built: the same calls,
 flags and order as the Python path below, without a GIL handoff per call (with 16+16 tier
 threads the handoffs, not the disk, bounded throughput: issue 13). `FAST_IO` says which path
-runs; checks and header stay here, in Python, for both. A read's payload checksum is
-computed in that same call when python-xxhash's C function could be bound (`HASH_IN_C`).
+runs; checks and header fields stay here, in Python, for both. The payload checksum (and, for
+a write, the header digest over it) is computed in that same call when python-xxhash's C
+functions could be bound (`HASH_IN_C`) and the payload is whole blocks: one GIL handoff per
+chunk instead of two (issue 13).
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ import time
 
 from kvhal.keys import ChunkKey
 
-from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, FormatError, Header,
-                            SizeMismatch, check_record_size, checked_header, decode_header,
-                            encode_header, payload_checksum, record_nbytes, verify_payload)
+from ..chunk_format import (ALIGN, CHECKSUM_OFFSET, HEADER_BYTES, CorruptChunk, FormatError,
+                            Header, SizeMismatch, check_record_size, checked_header,
+                            decode_header, encode_header, encode_header_fields,
+                            payload_checksum, record_nbytes, verify_payload)
 from .format import QUARANTINE_DIR, chunk_path, temp_path
 
 try:  # the C helper (`_chunkio.c`, built by setup.py where a C compiler is found)
@@ -35,10 +38,11 @@ except ImportError:  # no compiler at install time: the same calls, made from Py
 
 
 def _bind_hasher() -> bool:
-    """Give `_chunkio` python-xxhash's own `XXH3_128bits` (its extension exports the xxHash
-    C API), so a read is verified in the same GIL-free call that reads it; True if bound. The
-    binding is checked against `xxhash.xxh3_128_digest` on a sample first; on any doubt the
-    checksum stays a Python call."""
+    """Give `_chunkio` python-xxhash's own `XXH3_128bits` and `XXH3_64bits` (its extension
+    exports the xxHash C API), so a read is verified, and a write's header sealed, in the same
+    GIL-free call that moves the file; True if bound. Both are checked against
+    `xxhash.xxh3_128_digest` and `xxh3_64_intdigest` on a sample first; on any doubt the
+    checksums stay Python calls."""
     if _chunkio is None:
         return False
     try:
@@ -47,20 +51,24 @@ def _bind_hasher() -> bool:
         import xxhash
         import xxhash._xxhash as native
 
-        address = ctypes.cast(ctypes.CDLL(native.__file__).XXH3_128bits, ctypes.c_void_p).value
-        _chunkio.set_hasher(address or 0)
+        lib = ctypes.CDLL(native.__file__)
+        addresses = [ctypes.cast(fn, ctypes.c_void_p).value or 0
+                     for fn in (lib.XXH3_128bits, lib.XXH3_64bits)]
+        _chunkio.set_hasher(*addresses)
         sample = bytes(range(256)) * 67 + b"kvhal"
-        if address and _chunkio.xxh3_128(sample) == xxhash.xxh3_128_digest(sample):
+        if (all(addresses) and _chunkio.xxh3_128(sample) == xxhash.xxh3_128_digest(sample)
+                and _chunkio.xxh3_64(sample) == xxhash.xxh3_64_intdigest(sample)):
             return True
     except (ImportError, OSError, AttributeError, TypeError):
         pass
-    _chunkio.set_hasher(0)
+    _chunkio.set_hasher(0, 0)
     return False
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: True if chunk files are moved by the C helper (one GIL release per chunk) with the real `os`.
 FAST_IO = _chunkio is not None
-#: True if the C helper also computes a read's payload checksum in that call (`_bind_hasher`).
+#: True if the C helper also computes the payload checksum in that call: a read's, to verify
+#: it, and a write's with its header digest, to seal the header (`_bind_hasher`).
 HASH_IN_C = _bind_hasher()
 #: Opening a chunk file never blocks: O_NONBLOCK makes a FIFO (or device) planted under a
 #: chunk name open at once, and `_regular_file_size` then refuses it.
@@ -159,7 +167,13 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
         OSError: from any step (ENOSPC, EIO, EACCES, ...); nothing is left behind.
     """
     bulk, rem = _split(payload)
-    encode_header(scratch.header, key, len(payload), payload_checksum(payload))
+    fast = osm is os and _chunkio is not None
+    # sealed in C: the payload lies whole in `bulk` (no tail block) and can be handed on
+    seal = fast and HASH_IN_C and not rem and len(bulk) and not payload.readonly
+    if seal:
+        digest_at = encode_header_fields(scratch.header, key, len(payload))
+    else:
+        encode_header(scratch.header, key, len(payload), payload_checksum(payload))
     bufs = [scratch.header, bulk]
     if rem:
         scratch.tail[:rem] = payload[len(bulk):]
@@ -167,8 +181,9 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
         bufs.append(scratch.tail)
     tmp = temp_path(ns_dir, key)
     final = chunk_path(ns_dir, key)
-    if osm is os and _chunkio is not None:
-        _chunkio.write_file(tmp, final, bufs, direct, sync, os.path.dirname(final))
+    if fast:
+        _chunkio.write_file(tmp, final, bufs, direct, sync, os.path.dirname(final),
+                            *((CHECKSUM_OFFSET, digest_at) if seal else ()))
         return
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
     fd = osm.open(tmp, flags, 0o644)

@@ -13,7 +13,7 @@ from kvhal.keys import ChunkKey
 
 from ..chunk_format import CorruptChunk
 from .fileio import read_header
-from .format import CHUNKS_DIR, TEMP_DIR, key_from_name, temp_owner_pid
+from .format import CHUNKS_DIR, key_from_name, temp_owner_pid
 
 #: A temp file whose writer pid is not running here is orphaned after this many seconds; any
 #: temp file is orphaned after `TEMP_MAX_AGE_S` (covers writers in another pid namespace).
@@ -47,35 +47,50 @@ def scan_namespace(ns_dir: str, namespace: bytes, known: dict[ChunkKey, int]) ->
             (ENOENT) counts as empty.
     """
     out = ScanResult()
+    for entry in _chunk_folder_entries(ns_dir, strict=True):
+        key = key_from_name(namespace, entry.name)
+        if key is None:
+            continue
+        if key in known:
+            out.found[key] = known[key]
+            continue
+        try:
+            header, size = read_header(entry.path, namespace)
+        except CorruptChunk:
+            out.bad.append(entry.path)
+            continue
+        except OSError:
+            continue
+        if header.key == key:
+            out.found[key] = size
+        else:
+            out.bad.append(entry.path)
+    return out
+
+
+def _chunk_folder_entries(ns_dir: str, strict: bool = False):
+    """Every entry of the chunk folders of `ns_dir` (chunk files and temp files). A missing
+    folder counts as empty; with `strict` other listing errors raise (`scan_namespace`), else
+    the folder is skipped."""
     chunks = os.path.join(ns_dir, CHUNKS_DIR)
     try:
         subdirs = [e.path for e in os.scandir(chunks) if e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
-        return out
+        return
+    except OSError:
+        if strict:
+            raise
+        return
     for sub in subdirs:
         try:
             entries = list(os.scandir(sub))
         except FileNotFoundError:
             continue
-        for entry in entries:
-            key = key_from_name(namespace, entry.name)
-            if key is None:
-                continue
-            if key in known:
-                out.found[key] = known[key]
-                continue
-            try:
-                header, size = read_header(entry.path, namespace)
-            except CorruptChunk:
-                out.bad.append(entry.path)
-                continue
-            except OSError:
-                continue
-            if header.key == key:
-                out.found[key] = size
-            else:
-                out.bad.append(entry.path)
-    return out
+        except OSError:
+            if strict:
+                raise
+            continue
+        yield from entries
 
 
 def _pid_alive(pid: int) -> bool:
@@ -96,11 +111,7 @@ def orphaned_temp_files(ns_dir: str, now: float) -> list[tuple[str, int]]:
     `time.time()`. Never raises for I/O errors.
     """
     out = []
-    try:
-        entries = list(os.scandir(os.path.join(ns_dir, TEMP_DIR)))
-    except OSError:
-        return out
-    for entry in entries:
+    for entry in _chunk_folder_entries(ns_dir):
         pid = temp_owner_pid(entry.name)
         if pid is None:
             continue

@@ -36,7 +36,7 @@ from .config import parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      write_chunk)
 from .budget import RootBudget, mark_in_use
-from .format import CHUNKS_DIR, QUARANTINE_DIR, TEMP_DIR, chunk_path, namespace_dir
+from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
 from .scan import orphaned_temp_files, scan_namespace
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
@@ -83,7 +83,7 @@ class FsTier(IndexedTier):
         self._os = os_module
         self.ns_dir = namespace_dir(cfg.root_dir, self.namespace)
         self._make_dirs()
-        supported = probe_o_direct(os.path.join(self.ns_dir, TEMP_DIR))
+        supported = probe_o_direct(os.path.join(self.ns_dir, CHUNKS_DIR, "00"))
         if cfg.o_direct is True and not supported:
             raise TierError(f"o_direct: true, but the filesystem at {cfg.root_dir!r} does not "
                             "support O_DIRECT; use \"auto\" or false")
@@ -115,8 +115,7 @@ class FsTier(IndexedTier):
     def _make_dirs(self) -> None:
         chunks = os.path.join(self.ns_dir, CHUNKS_DIR)
         try:
-            for sub in (TEMP_DIR, QUARANTINE_DIR):
-                os.makedirs(os.path.join(self.ns_dir, sub), exist_ok=True)
+            os.makedirs(os.path.join(self.ns_dir, QUARANTINE_DIR), exist_ok=True)
             missing = [f"{i:02x}" for i in range(256)
                        if not os.path.isdir(os.path.join(chunks, f"{i:02x}"))]
             for name in missing:
@@ -124,7 +123,7 @@ class FsTier(IndexedTier):
             if missing:
                 fsync_dir(os, chunks)
                 fsync_dir(os, self.ns_dir)
-            if not os.access(os.path.join(self.ns_dir, TEMP_DIR), os.W_OK):
+            if not os.access(os.path.join(chunks, "00"), os.W_OK):
                 raise PermissionError(errno.EACCES, "not writable")
         except OSError as exc:
             raise TierError(f"root_dir: cannot use {self.config.root_dir!r} "
