@@ -35,8 +35,32 @@ def _spec(build: Callable[[], KVCacheSpec], flags: dict[str, str]) -> KVCacheSpe
         raise GeometryError(message) from None
 
 
+class _Sized:
+    """What both geometries share: validated on construction, sizes from their `spec`."""
+
+    __slots__ = ()
+    #: "full" or "mla", as `as_dict` reports it.
+    kind = ""
+
+    def spec(self, block_size: int) -> KVCacheSpec:
+        """The one-group `KVCacheSpec` with `block_size`-token device blocks."""
+        raise NotImplementedError
+
+    def __post_init__(self) -> None:
+        self.spec(1)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Canonical bytes of one token over all layers (`kvhal.layout.chunk_layout`)."""
+        return chunk_layout(self.spec(1), 1).chunk_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields plus `kind` and `bytes_per_token`."""
+        return {"kind": self.kind, **asdict(self), "bytes_per_token": self.bytes_per_token}
+
+
 @dataclass(frozen=True, slots=True)
-class Geometry:
+class Geometry(_Sized):
     """Full-attention KV geometry (validated by `kvhal.layout` on construction).
 
     Attributes:
@@ -54,11 +78,9 @@ class Geometry:
     head_size: int
     dtype: str
 
+    kind = "full"
     #: Device layout when `--layout` is not given (vLLM's GPU layout).
     default_layout = "packed-hnd"
-
-    def __post_init__(self) -> None:
-        self.spec(1)
 
     def spec(self, block_size: int) -> KVCacheSpec:
         """The one-group `KVCacheSpec` with `block_size`-token device blocks."""
@@ -67,22 +89,13 @@ class Geometry:
                                             block_size=block_size), _FLAGS)
 
     @property
-    def bytes_per_token(self) -> int:
-        """Canonical K and V bytes of one token over all layers."""
-        return chunk_layout(self.spec(1), 1).chunk_bytes
-
-    @property
     def model_id(self) -> str:
         """The replay's model name in chunk namespaces (one per geometry)."""
         return f"kvhal-replay/{self.layers}x{self.kv_heads}x{self.head_size}"
 
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready fields plus `kind` ("full") and `bytes_per_token`."""
-        return {"kind": "full", **asdict(self), "bytes_per_token": self.bytes_per_token}
-
 
 @dataclass(frozen=True, slots=True)
-class MlaGeometry:
+class MlaGeometry(_Sized):
     """MLA geometry: one latent vector per token per layer, the same on every TP rank
     (`kvhal.layout.mla_spec`; validated on construction).
 
@@ -100,11 +113,9 @@ class MlaGeometry:
     latent_size: int
     dtype: str
 
+    kind = "mla"
     #: Device layout when `--layout` is not given: vLLM's MLA cache, (num_blocks, T, latent).
     default_layout = "mla"
-
-    def __post_init__(self) -> None:
-        self.spec(1)
 
     def spec(self, block_size: int) -> KVCacheSpec:
         """The one-group MLA `KVCacheSpec` with `block_size`-token device blocks."""
@@ -112,18 +123,10 @@ class MlaGeometry:
                                       dtype=self.dtype, block_size=block_size), _MLA_FLAGS)
 
     @property
-    def bytes_per_token(self) -> int:
-        """Canonical latent bytes of one token over all layers."""
-        return chunk_layout(self.spec(1), 1).chunk_bytes
-
-    @property
     def model_id(self) -> str:
         """The replay's model name in chunk namespaces (one per geometry)."""
         return f"kvhal-replay/mla-{self.layers}x{self.latent_size}"
 
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready fields plus `kind` ("mla") and `bytes_per_token`."""
-        return {"kind": "mla", **asdict(self), "bytes_per_token": self.bytes_per_token}
 
 
 #: Latent elements per token of DeepSeek-V2/V3 (kv_lora_rank 512 + qk_rope_head_dim 64).
