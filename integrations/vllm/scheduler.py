@@ -198,7 +198,8 @@ class SchedulerSide:
         self.config = config
         check_shareable(deployment, len(config.secondary_tiers))
         self._seed_checked = False
-        self.layout = host_layout(deployment.chunk_nbytes, config.cpu_bytes_to_use)
+        self.layout = host_layout(deployment.chunk_nbytes, config.cpu_bytes_to_use,
+                                  config.slot_shares(g.kind for g in deployment.groups))
         exit_with_parent()  # a killed API server must not leave this engine holding the region
         self.region = HostRegion.create_shared(CpuBackend(), self.layout,
                                                f"{REGION_NAME_PREFIX}{engine_id}")

@@ -516,14 +516,16 @@ class Manager:
 
     # -- introspection -----------------------------------------------------------------------
     def sizes(self) -> dict[str, tuple[int, int]]:
-        """(used, capacity) bytes per tier label: the host tier's from its slots, a secondary
+        """(used, capacity) bytes per tier label: the host tier's from its slots (slot bytes of
+        the occupied slots, of all slots; each pool's own slot size), a secondary
         tier's from its `stats()` `used_bytes` and `max_bytes` (0 where not given). Thread-safe
         as far as the tiers' `stats()` are (they are: DESIGN §6)."""
         if self._layout is None:
             out = {_HOST: (len(self.slots.index) * self.slot_bytes,
                            self.slots.capacity * self.slot_bytes)}
         else:                   # pools of their own slot sizes (hybrid models)
-            used = sum(self._span(s)[1] for s in list(self.slots.index.values()))
+            pools, slot_pool = self._layout.pools, self.slots.slot_pool
+            used = sum(pools[slot_pool[s]].slot_bytes for s in list(self.slots.index.values()))
             out = {_HOST: (used, self._layout.nbytes)}
         for label, tier in zip(self.tier_labels, self.tiers):
             stats = tier.stats()

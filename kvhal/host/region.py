@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import mmap
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -99,24 +101,50 @@ class HostLayout:
         raise IndexError(f"slot {slot} outside [0, {sum(self.capacities)})")
 
 
-def host_layout(chunk_nbytes: tuple[int, ...], cpu_bytes_to_use: int) -> HostLayout:
-    """Cut a budget of `cpu_bytes_to_use` bytes into one pool per group with the same number
-    of slots each (every stored prefix needs a chunk of every group), each slot the group's
-    chunk bytes rounded up to `PAGE_BYTES`. Bytes left over (less than one slot of every pool)
-    stay unallocated.
+def host_layout(chunk_nbytes: tuple[int, ...], cpu_bytes_to_use: int,
+                shares: tuple[float, ...] | None = None) -> HostLayout:
+    """Cut a budget of `cpu_bytes_to_use` bytes into one pool per group, each slot the group's
+    chunk bytes rounded up to `PAGE_BYTES` (never padded to another group's chunk).
+
+    Slot counts follow `shares` (relative slot counts, one per group; None: all 1.0, equal
+    counts): a pool of the largest share gets n slots, pool p `max(1, floor(n * shares[p] /
+    max(shares)))`, with n the largest count whose pools fit the budget. Each share is taken
+    as the nearest fraction of denominator ≤ 2**20 (so 0.3 is 3/10, not the float just below
+    it). Bytes left over (less than the next n's extra slots, so less than one slot of every
+    pool) stay unallocated: `nbytes ≤ cpu_bytes_to_use` always.
 
     Raises:
-        HostRegionError: a chunk size ≤ 0, no pools, or a budget too small for one slot of
+        HostRegionError: no pools, a chunk size ≤ 0, shares of another length or one that is
+            not a finite number > 0 (named `shares[i]`), or a budget too small for one slot of
             every pool.
     """
     if not chunk_nbytes:
         raise HostRegionError("chunk_nbytes: no groups")
+    shares = (1.0,) * len(chunk_nbytes) if shares is None else tuple(shares)
+    if len(shares) != len(chunk_nbytes):
+        raise HostRegionError(f"shares: {len(shares)} given for {len(chunk_nbytes)} groups")
+    for i, share in enumerate(shares):
+        if (isinstance(share, bool) or not isinstance(share, (int, float))
+                or not math.isfinite(share) or share <= 0):
+            raise HostRegionError(f"shares[{i}]: must be a finite number > 0, got {share!r}")
     slots = [host_geometry(n, 1 << 62).slot_bytes for n in chunk_nbytes]
-    count = cpu_bytes_to_use // sum(slots)
-    if count <= 0:
+    top = max(shares)
+    ratios = [Fraction(s / top).limit_denominator(1 << 20) for s in shares]
+
+    def counts(n: int) -> list[int]:
+        return [max(1, math.floor(n * r)) for r in ratios]
+
+    def cost(n: int) -> int:
+        return sum(c * s for c, s in zip(counts(n), slots))
+
+    if cost(1) > cpu_bytes_to_use:
         raise HostRegionError(f"cpu_bytes_to_use={cpu_bytes_to_use} holds no slot of every "
                               f"group (slots of {', '.join(map(str, slots))} bytes)")
-    pools = tuple(HostGeometry(s, n, count) for s, n in zip(slots, chunk_nbytes))
+    lo, hi = 1, cpu_bytes_to_use // min(s for s, r in zip(slots, ratios) if r == 1) + 1
+    while hi - lo > 1:          # cost is nondecreasing in n: the largest n that fits
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cost(mid) <= cpu_bytes_to_use else (lo, mid)
+    pools = tuple(HostGeometry(s, n, c) for s, n, c in zip(slots, chunk_nbytes, counts(lo)))
     offsets = tuple(sum(p.nbytes for p in pools[:i]) for i in range(len(pools)))
     return HostLayout(pools, offsets)
 

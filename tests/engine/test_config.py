@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvhal import plugins
 from kvhal.config import ConfigError, build_tiers, parse_config
+from kvhal.layout import Kind
 from kvhal.tiers.base import Lookup
 from kvhal.tiers.memory import MemoryTier
 
@@ -20,8 +21,15 @@ from .rig import chunk_blocks, make_rig, synthetic_keys
 def test_defaults():
     cfg = parse_config('{"cpu_bytes_to_use": 1073741824}')
     assert (cfg.spec_name, cfg.eviction_policy, cfg.offload_prompt_only, cfg.max_offload_tokens,
-            cfg.secondary_tiers, cfg.blocks_per_chunk_for(16)) == (
-        "TieringOffloadingSpec", "lru", True, None, (), 1)
+            cfg.state_slot_share, cfg.secondary_tiers, cfg.blocks_per_chunk_for(16)) == (
+        "TieringOffloadingSpec", "lru", True, None, 0.5, (), 1)
+
+
+def test_state_slot_share_applies_to_state_groups_only():
+    cfg = parse_config({"cpu_bytes_to_use": 1, "state_slot_share": 0.125})
+    kinds = [Kind.MAMBA, Kind.FULL, Kind.SLIDING_WINDOW, Kind.MLA]
+    assert cfg.slot_shares(kinds) == (0.125, 1.0, 1.0, 1.0)
+    assert parse_config({"cpu_bytes_to_use": 1, "state_slot_share": 1}).state_slot_share == 1.0
 
 
 def test_block_size_in_tokens_resolves_to_blocks_per_chunk():
@@ -45,6 +53,9 @@ def test_block_size_in_tokens_resolves_to_blocks_per_chunk():
     ({"cpu_bytes_to_use": 1, "offload_prompt_only": "yes"},
      "offload_prompt_only: must be true or false, got 'yes'"),
     ({"cpu_bytes_to_use": 1, "cpu_bytes": 1}, "cpu_bytes: unknown key; accepted: spec_name"),
+    *[({"cpu_bytes_to_use": 1, "state_slot_share": v}, "state_slot_share: must be a number in "
+       f"(0, 1] (host slots of a state group per slot of an attention group), got {v!r}")
+      for v in (0, 1.5, -0.5, float("nan"), "0.5", True)],
     ({"cpu_bytes_to_use": 1, "secondary_tiers": {"type": "memory"}},
      "secondary_tiers: must be a list, got dict"),
     ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "memory"}, {"type": "nfs"}]},

@@ -63,21 +63,49 @@ def test_layout_refuses_kv_heads_with_mla():
     assert "--kv-heads and --head-size do not apply with --mla-latent" in out.stderr
 
 
+HYBRID = ("layout", "--layers", "2", "--kv-heads", "2", "--head-size", "64", "--block-size",
+          "128", "--sliding-layers", "2", "--sliding-window", "256", "--mamba-layers", "1",
+          "--mamba-state-bytes", "5000", "--cpu-bytes", str(64 << 20))
+
+
 def test_layout_prints_per_group_chunk_and_host_bytes_of_a_hybrid_geometry():
-    # Gemma-3-like: 2 full + 2 sliding-window layers, 2 KV heads of 64, bf16, 128-token blocks.
-    out = kvhal("layout", "--layers", "2", "--kv-heads", "2", "--head-size", "64",
-                "--block-size", "128", "--sliding-layers", "2", "--sliding-window", "256",
-                "--mamba-layers", "1", "--mamba-state-bytes", "5000",
-                "--cpu-bytes", str(64 << 20), "--json")
+    # Gemma-3-like: 2 full + 2 sliding-window layers, 2 KV heads of 64, bf16, 128-token blocks,
+    # and a 5000-byte state layer. The state pool gets half the slots (state_slot_share 0.5):
+    # 252 × (131072 + 131072) + 126 × 8192 = 67092480 bytes; 253 attention slots need 262144
+    # more, beyond the 16384 left.
+    out = kvhal(*HYBRID, "--json")
     assert out.returncode == 0, out.stderr
-    slots = (64 << 20) // (131072 + 131072 + 8192)
-    assert json.loads(out.stdout)["groups"] == [
+    report = json.loads(out.stdout)
+    assert report["groups"] == [
         {"group": 0, "kind": "full", "layers": 2, "chunk_bytes": 131072, "slot_bytes": 131072,
-         "slots": slots, "host_bytes": slots * 131072},
+         "share": 1.0, "slots": 252, "host_bytes": 252 * 131072},
         {"group": 1, "kind": "sliding_window", "layers": 2, "chunk_bytes": 131072,
-         "slot_bytes": 131072, "slots": slots, "host_bytes": slots * 131072},
+         "slot_bytes": 131072, "share": 1.0, "slots": 252, "host_bytes": 252 * 131072},
         {"group": 2, "kind": "mamba", "layers": 1, "chunk_bytes": 5000, "slot_bytes": 8192,
-         "slots": slots, "host_bytes": slots * 8192}]
+         "share": 0.5, "slots": 126, "host_bytes": 126 * 8192}]
+    assert (report["cpu_bytes"], report["host_bytes"], report["unused_bytes"]) == (
+        64 << 20, 67092480, 16384)
+
+
+def test_layout_table_shows_the_pools_of_a_state_slot_share():
+    out = kvhal(*HYBRID, "--state-slot-share", "0.25")
+    assert out.returncode == 0, out.stderr
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.stdout.splitlines()
+            if line.startswith("│")][:3]
+    # 254 × 262144 + 63 × 8192 = 67100672 ≤ 64 MiB < 255 × 262144 + 63 × 8192
+    assert rows == [
+        ["0", "full", "2", "131072", "131072", "1", "254", str(254 * 131072)],
+        ["1", "sliding_window", "2", "131072", "131072", "1", "254", str(254 * 131072)],
+        ["2", "mamba", "1", "5000", "8192", "0.25", "63", str(63 * 8192)]]
+    assert f"bytes of {64 << 20} ({(64 << 20) - 67100672} unused)" in " ".join(out.stdout.split())
+
+
+def test_layout_refuses_a_state_slot_share_outside_0_to_1():
+    out = kvhal(*HYBRID, "--state-slot-share", "1.5")
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr == ("kvhal layout: error: state_slot_share: must be a number in (0, 1] "
+                          "(host slots of a state group per slot of an attention group), got "
+                          "1.5\n")
 
 
 def test_layout_refuses_a_state_group_with_chunks_of_several_blocks():

@@ -15,13 +15,18 @@ was told of the hit, under vLLM's default `kv_load_failure_policy` ("fail"): a d
 loading the state of chunk 6, then one loading attention chunk 5. Either way the request goes
 back to vLLM's lookup and the next hit ends before the first chunk some group could not
 serve: at chunk 5, whose state a 641-token prompt left (the state of chunk 5 (768 tokens)
-was never materialised, so 640 tokens). Last, every state block vLLM allocates looks shared
+was never materialised, so 640 tokens). Then every state block vLLM allocates looks shared
 with another request (`share_blocks`): kvhal writes into none of them, and every hit fails at
 its state until vLLM computes the prompt from the start. Each prompt runs in its own step (vLLM-CPU numerics
 depend on batch composition and prefill shape), and each fault's reference has its own salt
 whose cached attention prefix ends where its state does: vLLM stops a prefill at a deeper
 attention hit ("shared-prefix junction", `Scheduler._mamba_block_aligned_split`) to keep a
 state there, which would give the reference another prefill shape.
+
+The engine runs with the default `state_slot_share` (half as many state slots as attention
+slots). A second engine keeps a single state slot (`state_slot_share` 1e-6): once another
+prompt's state evicts A's, A's attention chunks alone serve no hit, and A + X2 is computed
+from the start, equal to vLLM computing it without any cache.
 """
 from __future__ import annotations
 
@@ -35,8 +40,8 @@ from .conftest import (assert_same, assert_turn_reused, by_name, conversation,  
 pytestmark = pytest.mark.slow
 
 STATE, FULL = 0, 1
-A, X2, X3, X4, X5, X6, Y = (prompt(31), prompt(32, 500), prompt(33, 500), prompt(34, 500),
-                            prompt(35, 500), prompt(37, 500), prompt(36))
+A, X2, X3, X4, X5, X6, Y, B = (prompt(31), prompt(32, 500), prompt(33, 500), prompt(34, 500),
+                               prompt(35, 500), prompt(37, 500), prompt(36), prompt(38))
 TURNS = [A, A + X2, A + X2 + X3]
 #: Tokens each turn reuses: the previous turn's prompt up to its last full block (vLLM keeps
 #: a state there, and kvhal stores prompt chunks only).
@@ -71,11 +76,22 @@ STEPS = [
 ]
 
 
+#: One state slot: B's state evicts A's, then A + X2 finds A's attention chunks only.
+EVICT_STEPS = [gen("refe", A + X2, "e"), gen("ea", A), gen("eb", B), RESET, gen("e", A + X2)]
+BUDGET = 64 << 20
+
+
 @pytest.fixture(scope="module")
-def steps(module_tmp):
-    (out,) = run_engines(module_tmp, "hybrid", 1, [
-        {"kvhal": {"cpu_bytes_to_use": 64 << 20}, "steps": STEPS}], model="tiny-hybrid")
-    return by_name(out)
+def engines(module_tmp):
+    return [by_name(out) for out in run_engines(module_tmp, "hybrid", 1, [
+        {"kvhal": {"cpu_bytes_to_use": BUDGET}, "steps": STEPS},
+        {"kvhal": {"cpu_bytes_to_use": BUDGET, "state_slot_share": 1e-6},
+         "steps": EVICT_STEPS}], model="tiny-hybrid")]
+
+
+@pytest.fixture(scope="module")
+def steps(engines):
+    return engines[0]
 
 
 @pytest.mark.parametrize("turn", [0, 1, 2])
@@ -99,13 +115,29 @@ def test_host_bytes_are_exact_per_group(steps):
     # State: conv (3, 512) + recurrent (4, 64, 64) bf16 = 35840 bytes per layer (vLLM pads its
     # page to the attention page of 65536; kvhal keeps only the state), 2 layers, one slot per
     # chunk rounded to 4 KiB pages. Attention: 2 KV heads × 128 tokens × (64 + 64) bf16 × 2
-    # layers. Both pools have the same number of slots.
+    # layers. Half as many state slots (state_slot_share 0.5): 399 × 131072 + 199 × 73728 =
+    # 66969600 bytes; 400 attention slots (and 200 state slots) would need 204800 more.
     state, full = steps["t2"]["counters"]["groups"]
     assert (state["chunk_bytes"], state["slot_bytes"]) == (2 * 35840, 73728)
     assert (full["chunk_bytes"], full["slot_bytes"]) == (131072, 131072)
-    slots = (64 << 20) // (73728 + 131072)
-    assert state["slots"] == full["slots"] == slots
-    assert (state["host_bytes"], full["host_bytes"]) == (slots * 73728, slots * 131072)
+    assert (state["slots"], full["slots"]) == (199, 399)
+    assert (state["host_bytes"], full["host_bytes"]) == (199 * 73728, 399 * 131072)
+    assert BUDGET - (73728 + 131072) < state["host_bytes"] + full["host_bytes"] <= BUDGET
+
+
+def test_an_evicted_state_costs_the_hit_never_the_output(engines):
+    got = engines[1]
+    state, full = got["e"]["counters"]["groups"]
+    assert (state["slots"], full["slots"]) == (1, (BUDGET - 73728) // 131072)
+    # refe, ea, eb and e each stored a state into the one slot, while every attention chunk
+    # stays: refe 11, A 7, B 7, then X2's 4 on top of A's 7
+    assert state["store_chunks"] == 4 and state["resident"] == 1
+    assert full["store_chunks"] == full["resident"] == 11 + 7 + 7 + 4
+    assert got["ea"]["num_cached_tokens"] == got["eb"]["num_cached_tokens"] == 0
+    assert got["refe"]["num_cached_tokens"] == got["e"]["num_cached_tokens"] == 0
+    assert got["e"]["hit_tokens"] == {}
+    assert state["load_chunks"] == full["load_chunks"] == 0
+    assert_same(got["e"], got["refe"])
 
 
 def test_fault_references_resume_where_a_state_exists(steps):
