@@ -14,7 +14,7 @@ from kvhal.argtypes import json_object, non_negative_float, positive_int
 from kvhal.layout import ELEMENT_BYTES
 from kvhal.report import progress
 
-from .geometry import PRESETS, Geometry, preset
+from .geometry import DEEPSEEK_LATENT, PRESETS, Geometry, MlaGeometry, preset
 from .plot import check_plot_path, plot_sweep, plot_timeline
 from .reference import reference_hits
 from .replay import DEFAULT_CONFIG, ReplayOptions, check_replay, run_replay, with_capacity
@@ -67,11 +67,28 @@ def load_config(text: str | None) -> dict[str, Any]:
     return json_object(text, source)
 
 
-def _geometry(args: argparse.Namespace) -> Geometry:
-    explicit = [n for n in ("layers", "kv_heads", "head_size", "dtype")
-                if getattr(args, n) is not None]
+def _geometry(args: argparse.Namespace) -> Geometry | MlaGeometry:
+    """The geometry the flags describe (see `register`).
+
+    Raises:
+        ValueError: flags that exclude each other, or `--latent-size` without `--mla` (names
+            both flags).
+        GeometryError: a value `kvhal.layout` refuses (names its flag).
+    """
+    full = [n for n in ("kv_heads", "head_size") if getattr(args, n) is not None]
+    explicit = [n for n in ("mla", "latent_size", "layers", "dtype")
+                if getattr(args, n) not in (None, False)] + full
     if args.preset and explicit:
         raise ValueError(f"--preset and --{explicit[0].replace('_', '-')} exclude each other")
+    if args.latent_size is not None and not args.mla:
+        raise ValueError("--latent-size needs --mla (a full-attention geometry has --kv-heads "
+                         "and --head-size)")
+    if args.mla:
+        if full:
+            raise ValueError(f"--mla and --{full[0].replace('_', '-')} exclude each other (an "
+                             "MLA layer holds one latent per token: --latent-size)")
+        return MlaGeometry(args.layers or 1, args.latent_size or DEEPSEEK_LATENT,
+                           args.dtype or "bfloat16")
     if explicit:
         base = PRESETS["tiny"]
         return Geometry(args.layers or base.layers, args.kv_heads or base.kv_heads,
@@ -94,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                             device_bytes=args.device_bytes, backend=args.backend,
                             prefill_us_per_token=args.prefill_us_per_token,
                             time_scale=args.time_scale, layout=args.layout,
-                            instances=args.instances)
+                            instances=args.instances, tp=args.tp)
     runs = ([(config, options)] if args.sweep is None else
             [with_capacity(config, options, args.sweep[0], size) for size in args.sweep[1]])
     for cfg, opts in runs:
@@ -141,10 +158,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--kv-heads", type=positive_int, default=None)
     g.add_argument("--head-size", type=positive_int, default=None)
     g.add_argument("--dtype", choices=sorted(ELEMENT_BYTES), default=None)
-    g.add_argument("--layout", default="packed-hnd",
-                   help="device layout of the per-layer KV tensors, a registered attention "
-                        "layout (packed-hnd default, packed-nhd, split-nhd, split-hnd, "
-                        "separate-kv, vllm-cpu, or a plugin's)")
+    g.add_argument("--mla", action="store_true",
+                   help="MLA geometry: --layers (default 1) × --latent-size × --dtype "
+                        "(default bfloat16), the same latent page on every TP rank")
+    g.add_argument("--latent-size", type=positive_int, default=None,
+                   help=f"MLA latent elements per token (default {DEEPSEEK_LATENT}: "
+                        "DeepSeek-V2/V3's kv_lora_rank 512 + qk_rope_head_dim 64)")
+    g.add_argument("--tp", type=positive_int, default=1,
+                   help="TP ranks, MLA only: rank 0 stores each chunk, every rank loads it and "
+                        "is verified (default 1)")
+    g.add_argument("--layout", default=None,
+                   help="device layout of the per-layer KV tensors, a registered layout "
+                        "(full attention: packed-hnd default, packed-nhd, split-nhd, "
+                        "split-hnd, separate-kv, vllm-cpu; MLA: mla; or a plugin's)")
     p.add_argument("--prefill-us-per-token", type=non_negative_float,
                    default=DEFAULT_PREFILL_US_PER_TOKEN,
                    help="modeled prefill cost (default 32.5: Llama-3.1-8B on one H100 at 50%% "

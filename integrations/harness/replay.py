@@ -24,10 +24,18 @@ has applied what the other instances announced, so a chunk another instance hold
 memory is a p2p hit whatever the feed timing. Hits and traffic are totals over instances.
 
 Chunk = the trace's block (512 tokens for Mooncake) = one device block. The device KV pool is
-one device allocation cut into per-layer tensors of a `kvhal.layout` device layout (default
-packed-hnd, vLLM's GPU layout) at TP 1; the worker moves chunks with a `LayoutPlanner`, and the
-replay's own compute and verification copies use the same plans from a canonical staging
-buffer. Partial last blocks are never stored nor hit (their tokens are always recomputed).
+one device allocation per TP rank cut into per-layer tensors of a `kvhal.layout` device layout
+(default: the geometry's, packed-hnd for full attention — vLLM's GPU layout — and mla for
+MLA); each rank's worker moves chunks with its rank's `LayoutPlanner`, and the replay's own
+compute and verification copies use the same layout plans from a canonical staging buffer.
+Partial last blocks are never stored nor hit (their tokens are always recomputed).
+
+TP > 1 (MLA only): vLLM holds the same latent page on every rank, so every rank gets the same
+block ids and the computed payload; a store is submitted to every rank's worker and only rank 0
+(the layout's elected writer) copies bytes, a load fills every rank's blocks, and a hit is
+verified on every rank (through a TP-1 mapper over that rank's tensors: the MLA page is the
+same at any TP). The bytes each rank's worker copied are reported (`ReplayReport.rank_bytes`).
+The namespace does not depend on TP, so a persistent tier written at one TP serves another.
 """
 from __future__ import annotations
 
@@ -45,13 +53,13 @@ from kvhal.engine import Direction, LayoutPlanner, Worker, build_manager, chunks
 from kvhal.hal import DeviceBackend, host_array
 from kvhal.host import HostRegion, host_geometry
 from kvhal.keys import ChunkKey, namespace_digest
-from kvhal.layout import (CopyPlan, LayoutError, chunk_mapper, device_cache, get_layout,
+from kvhal.layout import (CopyPlan, Kind, LayoutError, chunk_mapper, device_cache, get_layout,
                           tensor_element_bytes)
 from kvhal.plugins import select_backend
 from kvhal.tiers.base import Lookup
 
 from .device_pool import DevicePool, DevicePoolError
-from .geometry import Geometry
+from .geometry import Geometry, GeometryError, MlaGeometry
 from .payload import PayloadMismatchError, chunk_seed, fill_page, page_matches
 from .reference import ReferenceResult
 from .report import DEFAULT_PREFILL_US_PER_TOKEN, ReplayReport, TierTraffic, Timeline
@@ -70,14 +78,17 @@ class ReplayOptions:
     """How to replay, besides the engine config.
 
     Attributes:
-        geometry: KV bytes per token (chunk bytes = chunk_tokens × geometry.bytes_per_token).
+        geometry: Full attention or MLA (chunk bytes = chunk_tokens × geometry.bytes_per_token).
         chunk_tokens: Tokens per chunk (the trace's block).
         device_bytes: Bytes of the device KV pool (whole chunks; the rest is unused).
         backend: Device HAL backend name.
         prefill_us_per_token: Modeled prefill cost per prompt token, µs.
         time_scale: Request i starts `timestamp_ms × time_scale / 1000` s after the replay
             starts (1 = the trace's pace, 0 = as fast as possible).
-        layout: Device layout of the per-layer KV tensors (a `kvhal.layout` name).
+        layout: Device layout of the per-layer KV tensors (a `kvhal.layout` name; None: the
+            geometry's `default_layout`).
+        tp: TP ranks (each its own device pool tensors and worker over one host region);
+            above 1 only for an MLA geometry.
         instances: Serving instances, each with its own device pool, host tier and
             secondary tiers (`instance_configs`); request i goes to instance i mod instances.
         waiting: The trace's last `waiting` requests form a queue that never runs: before
@@ -87,15 +98,21 @@ class ReplayOptions:
             `Manager.max_promotions` bounds them, so they must not push out the hot chunks).
     """
 
-    geometry: Geometry
+    geometry: Geometry | MlaGeometry
     chunk_tokens: int = 512
     device_bytes: int = 1 << 30
     backend: str = "cpu"
     prefill_us_per_token: float = DEFAULT_PREFILL_US_PER_TOKEN
     time_scale: float = 0.0
-    layout: str = "packed-hnd"
+    layout: str | None = None
     instances: int = 1
     waiting: int = 0
+    tp: int = 1
+
+    @property
+    def device_layout(self) -> str:
+        """The device layout in use: `layout`, or the geometry's default."""
+        return self.layout or self.geometry.default_layout
 
     @property
     def chunk_bytes(self) -> int:
@@ -180,8 +197,8 @@ def replay_namespace(options: ReplayOptions) -> bytes:
     """The namespace digest of replay chunks with this geometry and chunking (stable across
     runs, so a persistent tier is reused by the next replay of the same geometry)."""
     g = options.geometry
-    return namespace_digest(model=f"kvhal-replay/{g.layers}x{g.kv_heads}x{g.head_size}",
-                            revision="payload-v1", kv_dtype=g.dtype, format_id=FORMAT_ID,
+    return namespace_digest(model=g.model_id, revision="payload-v1", kv_dtype=g.dtype,
+                            format_id=FORMAT_ID,
                             tokens_per_chunk=options.chunk_tokens, hash_name=HASH_NAME,
                             hash_seed=HASH_SEED)
 
@@ -197,6 +214,7 @@ def check_replay(requests: Sequence[TraceRequest], config: dict[str, Any],
         ConfigError: invalid config, a chunk other than the trace's block, or a p2p `port` /
             `peers` with several instances (names the key).
         LayoutError: `options.layout` is unknown or cannot store the geometry ("--layout: ...").
+        GeometryError: `options.tp` > 1 with a full-attention geometry ("--tp: ...").
         DevicePoolError: a request has more full chunks than `options.device_bytes` holds.
     """
     cfg = parse_config(config)
@@ -206,8 +224,12 @@ def check_replay(requests: Sequence[TraceRequest], config: dict[str, Any],
         key = "block_size" if cfg.block_size is not None else "blocks_per_chunk"
         raise ConfigError(key, f"a replay's chunk is the trace's block ({options.chunk_tokens} "
                           "tokens): use block_size equal to it or blocks_per_chunk 1")
+    spec = options.geometry.spec(options.chunk_tokens)
+    if options.tp > 1 and spec.groups[0].kind is not Kind.MLA:
+        raise GeometryError(f"--tp: {options.tp} needs an MLA geometry (--mla or an MLA "
+                            "preset); a full-attention replay runs at TP 1")
     try:
-        chunk_mapper(options.geometry.spec(options.chunk_tokens), options.layout, 1, 0, 1)
+        chunk_mapper(spec, options.device_layout, 1, 0, 1)
     except LayoutError as exc:
         raise LayoutError(f"--layout: {exc}", field="layout") from None
     max_chunks = max((len(r.chunk_hashes) for r in requests), default=0)
@@ -293,6 +315,59 @@ def _issue(backend: DeviceBackend, plans: Sequence[CopyPlan], stream: Any) -> No
                                  np.concatenate([p.srcs for p in plans]), sizes, stream)
 
 
+class _CountingPlanner:
+    """A `JobPlanner` that adds the bytes of every plan it hands the worker to
+    `nbytes[direction]` (a job re-planned after a fault counts again)."""
+
+    def __init__(self, planner: LayoutPlanner):
+        self.planner = planner
+        self.nbytes = {d: 0 for d in Direction}
+
+    def __call__(self, block_ids: np.ndarray, slot_addr: int, direction: Direction
+                 ) -> CopyPlan:
+        """See `kvhal.engine.worker.Planner`."""
+        plan = self.planner(block_ids, slot_addr, direction)
+        self.nbytes[direction] += plan.nbytes
+        return plan
+
+    def plan_job(self, block_ids: np.ndarray, slot_addrs: np.ndarray, direction: Direction
+                 ) -> CopyPlan:
+        """See `kvhal.engine.worker.JobPlanner`."""
+        plan = self.planner.plan_job(block_ids, slot_addrs, direction)
+        self.nbytes[direction] += plan.nbytes
+        return plan
+
+
+class _Rank:
+    """One TP rank: its per-layer tensors in one device allocation of `num_blocks` blocks, its
+    worker (planning through this rank's mapper, bytes counted) and `view`, the planner of the
+    replay's own compute and verification copies (a TP-1 mapper over this rank's tensors: at
+    TP > 1 only MLA runs, whose page is the same at any TP). Resources go on `closers`."""
+
+    def __init__(self, rep: "_Replayer", spec: Any, rank: int, num_blocks: int,
+                 closers: list[Callable[[], None]]):
+        options, backend = rep.options, rep.backend
+        layout = options.device_layout
+        mapper = chunk_mapper(spec, layout, options.tp, rank, 1)
+        group = spec.groups[0]
+        shape = get_layout(layout).shape(group, mapper.groups[0].share.num_heads, num_blocks)
+        self.device = backend.alloc_device(num_blocks * mapper.device_block_bytes)
+        closers.append(lambda: backend.free(self.device))
+        layer_bytes = num_blocks * mapper.device_block_bytes // spec.num_layers
+        tensors = [_LayerTensor(self.device.ptr + i * layer_bytes, shape,
+                                tensor_element_bytes(group)) for i in range(spec.num_layers)]
+        self.planner = _CountingPlanner(LayoutPlanner(mapper, device_cache(mapper, tensors)))
+        if options.tp == 1:
+            self.view = self.planner.planner
+        else:
+            view = chunk_mapper(spec, layout, 1, 0, 1)
+            self.view = LayoutPlanner(view, device_cache(view, tensors))
+        self.worker = _Timed(Worker(backend, self.planner, host_ptr=rep.region.ptr,
+                                    slot_bytes=rep.geometry.slot_bytes),
+                             untimed=("wait", "close"))
+        closers.append(self.worker.close)
+
+
 class _Replayer:
     """One replay's live objects (see module docstring); `close` releases all of them."""
 
@@ -301,23 +376,15 @@ class _Replayer:
         self.options = options
         self.backend = backend
         spec = options.geometry.spec(options.chunk_tokens)
-        mapper = chunk_mapper(spec, options.layout, 1, 0, 1)
-        self.chunk_bytes = mapper.chunk.chunk_bytes
-        self.page_offsets = mapper.chunk.page_offsets
-        self.page_bytes = mapper.chunk.page_bytes
+        chunk = chunk_mapper(spec, options.device_layout, 1, 0, 1).chunk
+        self.chunk_bytes = chunk.chunk_bytes
+        self.page_offsets = chunk.page_offsets
+        self.page_bytes = chunk.page_bytes
         num_blocks = options.device_bytes // self.chunk_bytes
         self.pool = DevicePool(num_blocks)
         self.namespace = replay_namespace(options)
         self._closers: list[Callable[[], None]] = []
         try:
-            self.device = backend.alloc_device(num_blocks * self.chunk_bytes)
-            self._closers.append(lambda: backend.free(self.device))
-            group = spec.groups[0]
-            shape = get_layout(options.layout).shape(group, group.num_kv_heads, num_blocks)
-            layer_bytes = num_blocks * mapper.device_block_bytes // spec.num_layers
-            tensors = [_LayerTensor(self.device.ptr + i * layer_bytes, shape,
-                                    tensor_element_bytes(group)) for i in range(spec.num_layers)]
-            self.planner = LayoutPlanner(mapper, device_cache(mapper, tensors))
             staging_bytes = max(max_chunks, 1) * self.chunk_bytes
             self.staging = backend.alloc_pinned(staging_bytes)
             self._closers.append(lambda: backend.free(self.staging))
@@ -326,21 +393,19 @@ class _Replayer:
             self._closers.append(lambda: backend.destroy_stream(self.compute_stream))
             self.computed = backend.create_event()
             self._closers.append(lambda: backend.destroy_event(self.computed))
-            geometry = host_geometry(self.chunk_bytes, cfg.cpu_bytes_to_use)
-            self.region = HostRegion.allocate(backend, geometry)
+            self.geometry = host_geometry(self.chunk_bytes, cfg.cpu_bytes_to_use)
+            self.region = HostRegion.allocate(backend, self.geometry)
             self._closers.append(self.region.close)
-            self.manager = _Timed(build_manager(cfg, geometry, self.region.view,
+            self.manager = _Timed(build_manager(cfg, self.geometry, self.region.view,
                                                 self.namespace, emit_events=False),
                                   untimed=("drain", "close"))
             self._closers.append(self.manager.close)
-            self.worker = _Timed(Worker(backend, self.planner, host_ptr=self.region.ptr,
-                                        slot_bytes=geometry.slot_bytes),
-                                 untimed=("wait", "close"))
-            self._closers.append(self.worker.close)
+            self.ranks = [_Rank(self, spec, r, num_blocks, self._closers)
+                          for r in range(options.tp)]
         except BaseException:
             self.close()
             raise
-        self.host_capacity_bytes = geometry.nbytes
+        self.host_capacity_bytes = self.geometry.nbytes
         self.max_offload_tokens = cfg.max_offload_tokens
         names = [t.name for t in self.manager.tiers]
         #: Report level of each secondary tier: its type name, "name[i]" if the type repeats.
@@ -352,12 +417,29 @@ class _Replayer:
         while self._closers:
             self._closers.pop()()
 
+    # -- the engine's jobs, on every rank -----------------------------------------------------
+    def run_job(self, direction: Direction, job_id: int, blocks: np.ndarray,
+                slots: np.ndarray) -> int:
+        """Submit job `job_id` to every rank's worker (stores after `self.computed`), wait for
+        all; the chunks that arrived on every rank (the smallest `num_ok`)."""
+        for rank in self.ranks:
+            if direction is Direction.D2H:
+                rank.worker.submit_store(job_id, blocks, slots, after=self.computed)
+            else:
+                rank.worker.submit_load(job_id, blocks, slots)
+        return min(_wait(rank.worker, job_id) for rank in self.ranks)
+
+    @property
+    def worker_seconds(self) -> float:
+        """Time inside the ranks' worker calls, summed."""
+        return sum(rank.worker.seconds for rank in self.ranks)
+
     # -- byte movement outside the engine (compute and verification) -------------------------
-    def _copy_blocks(self, blocks: Sequence[int], direction: Direction) -> None:
-        """Move chunk i of the staging buffer to/from device block `blocks[i]` (layout plans)."""
+    def _copy_blocks(self, rank: _Rank, blocks: Sequence[int], direction: Direction) -> None:
+        """Move chunk i of the staging buffer to/from `rank`'s device block `blocks[i]`."""
         base = self.staging.ptr
-        _issue(self.backend, [self.planner(np.array([b], dtype=np.int64),
-                                           base + i * self.chunk_bytes, direction)
+        _issue(self.backend, [rank.view(np.array([b], dtype=np.int64),
+                                        base + i * self.chunk_bytes, direction)
                               for i, b in enumerate(blocks)], self.compute_stream)
 
     def _chunk_pages(self, i: int) -> list[np.ndarray]:
@@ -366,30 +448,35 @@ class _Replayer:
                 for o, n in zip(self.page_offsets, self.page_bytes)]
 
     def compute(self, keys: Sequence[ChunkKey], blocks: Sequence[int]) -> None:
-        """Write the payload of `keys` into device `blocks`; records `self.computed` after."""
+        """Write the payload of `keys` into device `blocks` of every rank; records
+        `self.computed` after."""
         for i, key in enumerate(keys):
             seed = chunk_seed(key.to_bytes())
             for p, page in enumerate(self._chunk_pages(i)):
                 fill_page(page, seed, p)
-        self._copy_blocks(blocks, Direction.H2D)
+        for rank in self.ranks:
+            self._copy_blocks(rank, blocks, Direction.H2D)
         self.backend.record_event(self.computed, self.compute_stream)
 
     def verify(self, keys: Sequence[ChunkKey], blocks: Sequence[int], line: int,
                level: Sequence[str]) -> None:
-        """Copy device `blocks` back and check each holds its key's payload.
+        """Copy device `blocks` of each rank back and check each holds its key's payload.
 
         Raises:
-            PayloadMismatchError: names the trace line, chunk, key and the level it came from.
+            PayloadMismatchError: names the trace line, chunk, key, the level it came from and
+                (TP > 1) the rank.
         """
-        self._copy_blocks(blocks, Direction.D2H)
-        self.backend.stream_synchronize(self.compute_stream)
-        for i, key in enumerate(keys):
-            seed = chunk_seed(key.to_bytes())
-            for p, page in enumerate(self._chunk_pages(i)):
-                if not page_matches(page, seed, p):
-                    raise PayloadMismatchError(
-                        f"trace line {line}: chunk {i} ({key.hex()}) from {level[i]} holds "
-                        f"wrong bytes in page {p} (device block {blocks[i]})")
+        for r, rank in enumerate(self.ranks):
+            self._copy_blocks(rank, blocks, Direction.D2H)
+            self.backend.stream_synchronize(self.compute_stream)
+            where = f" on TP rank {r}" if len(self.ranks) > 1 else ""
+            for i, key in enumerate(keys):
+                seed = chunk_seed(key.to_bytes())
+                for p, page in enumerate(self._chunk_pages(i)):
+                    if not page_matches(page, seed, p):
+                        raise PayloadMismatchError(
+                            f"trace line {line}: chunk {i} ({key.hex()}) from {level[i]} holds "
+                            f"wrong bytes in page {p} (device block {blocks[i]}{where})")
 
 
 def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
@@ -474,10 +561,13 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
         hit_tokens={k: v * options.chunk_tokens for k, v in counters.hits.items()},
         traffic=traffic, reference=reference, wall_s=wall_s,
         manager_s=sum(r.manager.seconds for r in reps),
-        worker_s=sum(r.worker.seconds for r in reps), load_s=counters.load_s,
+        worker_s=sum(r.worker_seconds for r in reps), load_s=counters.load_s,
         verified_chunks=counters.verified, prefill_us_per_token=options.prefill_us_per_token,
         ttft_saved_s=float(saved.sum()), timeline=Timeline(times, inputs, hits, saved),
-        instances=len(reps))
+        instances=len(reps), tp=options.tp,
+        geometry=options.geometry.as_dict() | {"layout": options.device_layout},
+        rank_bytes=[{d.value: sum(r.ranks[k].planner.nbytes[d] for r in reps)
+                     for d in (Direction.D2H, Direction.H2D)} for k in range(options.tp)])
 
 
 #: Seconds the replay waits for instances' p2p directories to catch up between requests.
@@ -524,19 +614,23 @@ def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
     """Lookup until no RETRY precedes the first MISS.
 
     Returns:
-        (leading hits, level of each key answered at the first lookup): "host" for a HIT, the
-        first secondary tier holding it for a RETRY (a promotion), "" otherwise.
+        (leading hits, level of each key at the first lookup that did not answer it MISS):
+        "host" for a HIT, the first secondary tier holding it for a RETRY (a promotion), ""
+        for a key answered MISS throughout. A key behind a MISS is answered MISS unseen, so it
+        gets its level once that MISS resolves (a landed promotion freed a slot).
     """
     manager = rep.manager
     answers = manager.lookup(keys, request_id=rid)
-    levels = ["host" if a is Lookup.HIT else _tier_of(rep, keys[i]) if a is Lookup.RETRY
-              else "" for i, a in enumerate(answers)]
-    n = leading_hits(answers)
-    while n is None:
+    levels = [""] * len(keys)
+    while True:
+        for i, a in enumerate(answers):
+            if not levels[i] and a is not Lookup.MISS:
+                levels[i] = "host" if a is Lookup.HIT else _tier_of(rep, keys[i])
+        n = leading_hits(answers)
+        if n is not None:
+            return n, levels
         time.sleep(_RETRY_POLL_S)
         answers = manager.lookup(keys, request_id=rid)
-        n = leading_hits(answers)
-    return n, levels
 
 
 def _tier_of(rep: _Replayer, key: ChunkKey) -> str:
@@ -547,10 +641,10 @@ def _tier_of(rep: _Replayer, key: ChunkKey) -> str:
     return "host"
 
 
-def _wait(rep: _Replayer, job_id: int) -> int:
-    """Block until worker job `job_id` ends; its number of chunks that arrived."""
-    rep.worker.wait(job_id)
-    results = rep.worker.get_finished()
+def _wait(worker: Any, job_id: int) -> int:
+    """Block until `worker`'s job `job_id` ends; its number of chunks that arrived."""
+    worker.wait(job_id)
+    results = worker.get_finished()
     (result,) = [r for r in results if r.job_id == job_id]
     return result.num_ok
 
@@ -568,15 +662,14 @@ def _replay_request(rep: _Replayer, req: TraceRequest, rid: int,
     n_hit, levels = _resolve_lookup(rep, keys, rid) if keys else (0, [])
     blocks = rep.pool.acquire(hashes, d)
     tail = blocks[d:]
-    manager, worker = rep.manager, rep.worker
+    manager = rep.manager
     loaded = 0
     plan = manager.prepare_load(keys[:n_hit], request_id=rid) if n_hit else None
     if plan is None:
         manager.release(rid)
     else:
         ids = np.asarray(tail[:len(plan.keys)], dtype=np.int64).reshape(-1, 1)
-        worker.submit_load(plan.job_id, ids, plan.slots)
-        loaded = _wait(rep, plan.job_id)
+        loaded = rep.run_job(Direction.H2D, plan.job_id, ids, plan.slots)
         manager.complete_load(plan.job_id, loaded)
         c.h2d[0] += loaded
         c.h2d[1] += loaded * rep.chunk_bytes
@@ -609,8 +702,7 @@ def _prefill_and_store(rep: _Replayer, req: TraceRequest, keys: list[ChunkKey],
     plan = rep.manager.prepare_store(keys[first:due.stop - d]) if len(due) else None
     if plan is not None:
         ids = np.asarray(blocks, dtype=np.int64)[first + plan.indices].reshape(-1, 1)
-        rep.worker.submit_store(plan.job_id, ids, plan.slots, after=rep.computed)
-        num_ok = _wait(rep, plan.job_id)
+        num_ok = rep.run_job(Direction.D2H, plan.job_id, ids, plan.slots)
         rep.manager.complete_store(plan.job_id, num_ok)
         c.d2h[0] += num_ok
         c.d2h[1] += num_ok * rep.chunk_bytes

@@ -72,6 +72,12 @@ class ReplayReport:
         timeline: Per-request samples, or None when not recorded.
         instances: Serving instances the requests were split between (capacities are per
             instance; hits, traffic and times are totals over them).
+        tp: TP ranks per instance (the device capacity is per rank; host traffic counts each
+            chunk's host slot once).
+        geometry: The model geometry (`Geometry.as_dict` / `MlaGeometry.as_dict`) and its
+            device "layout".
+        rank_bytes: Per TP rank, the bytes its workers copied ("d2h", "h2d"; totals over
+            instances); an MLA chunk is written by rank 0 only and read by every rank.
     """
 
     trace: str
@@ -92,6 +98,9 @@ class ReplayReport:
     ttft_saved_s: float
     timeline: Timeline | None = field(default=None, repr=False)
     instances: int = 1
+    tp: int = 1
+    geometry: dict[str, Any] = field(default_factory=dict)
+    rank_bytes: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def total_hit_tokens(self) -> int:
@@ -138,6 +147,17 @@ def _gib(nbytes: int | None) -> str:
             f"{nbytes / (1 << 20):.3g} MiB")
 
 
+def _geometry(report: ReplayReport) -> str:
+    """One line: "mla: 2 layers × 576 bfloat16, layout mla, TP 2" (or the full-attention
+    fields)."""
+    g = report.geometry
+    if not g:
+        return "-"
+    shape = (f"{g['layers']} layers × {g['latent_size']}" if g["kind"] == "mla" else
+             f"{g['layers']} layers × {g['kv_heads']} KV heads × {g['head_size']}")
+    return f"{g['kind']}: {shape} {g['dtype']}, layout {g['layout']}, TP {report.tp}"
+
+
 def print_report(report: ReplayReport, as_json: bool) -> None:
     """Print one report as tables (or JSON)."""
     d = report.as_dict()
@@ -153,11 +173,17 @@ def print_report(report: ReplayReport, as_json: bool) -> None:
         ["hit ratio", f"{report.hit_ratio:.4f}"],
         ["reference ratio (unlimited capacity)", f"{ref.hit_ratio:.4f} ({ref.hit_tokens} "
                                                  f"tokens, {ref.distinct_chunks} chunks)"],
+        ["geometry", _geometry(report)],
         ["chunk", f"{report.chunk_tokens} tokens, {report.chunk_bytes} bytes"],
         ["modeled TTFT saved", f"{report.ttft_saved_s:.1f} s at "
                                f"{report.prefill_us_per_token} µs/token prefill"],
         ["measured load time", f"{report.load_s:.2f} s"],
-        ["verified hit chunks", report.verified_chunks],
+        ["verified hit chunks", f"{report.verified_chunks}" + (
+            f", each on all {report.tp} TP ranks" if report.tp > 1 else "")
+         + " (0 mismatches: a mismatch fails the run)"],
+        *([["bytes copied per TP rank (D2H / H2D)", ", ".join(
+            f"rank {k}: {b['d2h']} / {b['h2d']}" for k, b in enumerate(report.rank_bytes))]]
+          if report.tp > 1 else []),
         ["wall time", f"{report.wall_s:.1f} s"],
         ["throughput (device↔host)", f"{d['chunks_per_s']:.0f} chunks/s, "
                                      f"{d['gb_per_s']:.2f} GB/s"],

@@ -162,3 +162,37 @@ def test_bad_plot_path_fails_before_the_replay(write_trace, tmp_path):
     assert out.stderr.startswith(f"kvhal replay: error: --plot: {str(tmp_path / 'plot.txt')!r} "
                                  "is not an image file name; use one of ")
     assert ".png" in out.stderr and not (tmp_path / "plot.txt").exists()
+
+
+def test_mla_tp2_reports_geometry_and_bytes_per_rank(write_trace):
+    path = write_trace([mooncake([1, 2]), mooncake([3, 4]), mooncake([1, 2])])
+    chunk = 512 * 576 * 2
+    out = kvhal("replay", str(path), "--mla", "--latent-size", "576", "--layers", "1",
+                "--dtype", "bf16", "--tp", "2", "--device-bytes", str(2 * chunk), "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["geometry"] == {"kind": "mla", "layers": 1, "latent_size": 576,
+                                  "dtype": "bf16", "bytes_per_token": 1152, "layout": "mla"}
+    assert (report["tp"], report["chunk_bytes"], report["verified_chunks"]) == (2, chunk, 2)
+    assert report["hit_tokens"] == {"device": 0, "host": 1024}
+    assert report["rank_bytes"] == [{"d2h": 4 * chunk, "h2d": 2 * chunk},
+                                    {"d2h": 0, "h2d": 2 * chunk}]
+    table = kvhal("replay", str(path), "--mla", "--tp", "2", "--device-bytes", str(2 * chunk))
+    assert "mla: 1 layers × 576 bfloat16, layout mla, TP 2" in table.stdout
+    assert f"rank 0: {4 * chunk} / {2 * chunk}, rank 1: 0 / {2 * chunk}" in table.stdout
+
+
+def test_bad_mla_flag_combinations_name_the_flags(write_trace):
+    path = str(write_trace(TRACE))
+    for args, message in (
+            (["--latent-size", "576"], "--latent-size needs --mla"),
+            (["--mla", "--kv-heads", "2"], "--mla and --kv-heads exclude each other"),
+            (["--mla", "--preset", "deepseek-v3"], "--preset and --mla exclude each other"),
+            (["--tp", "2"], "--tp: 2 needs an MLA geometry"),
+            (["--mla", "--layout", "packed-hnd"], "--layout: "),
+            (["--mla", "--device-bytes", "512K"], "--device-bytes: 524288 bytes hold 0 "
+                                                  "chunks of 589824 bytes")):
+        out = kvhal("replay", path, *args)
+        assert out.returncode == 1, (args, out.stderr)
+        assert out.stderr.startswith(f"kvhal replay: error: {message}"), (args, out.stderr)
+        assert len(out.stderr.splitlines()) == 1, out.stderr
