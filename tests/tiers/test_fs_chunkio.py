@@ -188,14 +188,21 @@ def test_a_sealed_write_is_the_header_encode_header_writes_and_bad_seals_are_ref
     _chunkio.write_file(str(tmp_path / "t"), str(final), [header, host[:4 * ALIGN]], False,
                         False, str(tmp_path), CHECKSUM_OFFSET, digest_at)
     assert final.read_bytes() == bytes(expected) + payload(11, 4 * ALIGN).tobytes()
+    huge = 2**63 - 1  # offset + 16 used to overflow past the bounds check (a segfault)
     for offsets, match in (((HEADER_BYTES - 8, digest_at), "checksum_at=4088"),
-                           ((CHECKSUM_OFFSET, HEADER_BYTES), "outside a header")):
+                           ((CHECKSUM_OFFSET, HEADER_BYTES), "outside a header"),
+                           ((huge, digest_at), f"checksum_at={huge},"),
+                           ((huge - 10, digest_at), f"checksum_at={huge - 10},"),
+                           ((CHECKSUM_OFFSET, huge), f"digest_at={huge}:"),
+                           ((CHECKSUM_OFFSET, huge - 4), f"digest_at={huge - 4}:")):
         with pytest.raises(ValueError, match=match):
             _chunkio.write_file(str(tmp_path / "t"), str(final), [header, host[:ALIGN]], False,
                                 False, str(tmp_path), *offsets)
-    with pytest.raises(ValueError, match="no payload buffer"):
-        _chunkio.write_file(str(tmp_path / "t"), str(final), [header], False, False,
-                            str(tmp_path), CHECKSUM_OFFSET, digest_at)
+    for bufs in ([header], [bytearray(0), host[:ALIGN], header], [header, bytearray(0)]):
+        # an empty buffer is skipped: sealing would write into, or hash, another buffer
+        with pytest.raises(ValueError, match="empty or missing header or payload buffer"):
+            _chunkio.write_file(str(tmp_path / "t"), str(final), bufs, False, False,
+                                str(tmp_path), CHECKSUM_OFFSET, digest_at)
     with pytest.raises(BufferError):                 # the header is written into
         _chunkio.write_file(str(tmp_path / "t"), str(final), [bytes(HEADER_BYTES), header],
                             False, False, str(tmp_path), CHECKSUM_OFFSET, digest_at)

@@ -123,8 +123,8 @@ PyDoc_STRVAR(write_file_doc,
 "Raises:\n"
 "    OSError: errno and `tmp` (or `folder`) of the failing step; its `kvhal_step` attribute\n"
 "        names the step (open, pwritev, fdatasync, close, rename, fsync_dir).\n"
-"    ValueError: more than 4 buffers; sealing asked without both hashers bound, with fewer\n"
-"        than 2 non-empty buffers, or with offsets outside `bufs[0]`.\n"
+"    ValueError: more than 4 buffers; sealing asked without both hashers bound, with an\n"
+"        empty buffer or fewer than 2, or with offsets outside `bufs[0]`.\n"
 "    BufferError: sealing with a read-only `bufs[0]`.");
 
 static PyObject *write_file(PyObject *self, PyObject *args) {
@@ -149,13 +149,19 @@ static PyObject *write_file(PyObject *self, PyObject *args) {
     Py_buffer views[MAX_BUFS];
     struct iovec iov[MAX_BUFS];
     PyObject *result = NULL;
+    Py_ssize_t given = seal ? PyObject_Length(bufs) : 0;
+    if (given < 0) goto out;
     int count = get_buffers(bufs, views, iov, seal);
     if (count < 0) goto out;
-    if (seal && (count < 2 || checksum_at + 16 > (Py_ssize_t)iov[0].iov_len || digest_at < 0
-                 || digest_at + 8 > (Py_ssize_t)iov[0].iov_len)) {
+    /* sealing writes into bufs[0] and hashes bufs[1]: both must be there and non-empty (an
+     * empty buffer is skipped, which would shift iov[0] onto another buffer); the offsets are
+     * compared by subtraction, so huge values cannot overflow past the check */
+    Py_ssize_t header_len = count ? (Py_ssize_t)iov[0].iov_len : 0;
+    if (seal && (count < 2 || count != given || checksum_at > header_len - 16 || digest_at < 0
+                 || digest_at > header_len - 8)) {
         PyErr_Format(PyExc_ValueError, "checksum_at=%zd, digest_at=%zd: outside a header of "
-                     "%zd bytes, or no payload buffer", checksum_at, digest_at,
-                     count ? (Py_ssize_t)iov[0].iov_len : 0);
+                     "%zd bytes, or an empty or missing header or payload buffer", checksum_at,
+                     digest_at, header_len);
         release_buffers(views, count);
         goto out;
     }
