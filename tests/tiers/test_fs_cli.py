@@ -55,10 +55,10 @@ def test_fsck_reports_damage_and_exits_nonzero(tmp_path):
                           "quarantine them\n")
     assert {k: report[k] for k in ("namespaces", "good", "good_bytes", "corrupt",
                                    "corrupt_bytes", "orphaned_temps", "orphaned_temp_bytes",
-                                   "quarantined")} == {
+                                   "quarantined", "other_files")} == {
         "namespaces": 1, "good": 3, "good_bytes": 3 * 16384, "corrupt": 2,
         "corrupt_bytes": 16384 + 6000, "orphaned_temps": 1, "orphaned_temp_bytes": 777,
-        "quarantined": 0}
+        "quarantined": 0, "other_files": 0}     # a temp file is not an "other" file
     assert sorted(report["problems"]) == sorted([[paths[1], "checksum mismatch"],
                                                  [paths[3], "record size 6000 != expected 16384"]])
 

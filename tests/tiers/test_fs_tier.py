@@ -181,6 +181,32 @@ def test_orphaned_temp_files_are_removed_at_start(tmp_path, region):
     assert tier.stats()["orphaned_temps_removed"] == 2
 
 
+def test_temp_names_with_impossible_pids_and_legacy_temp_files_are_orphans(tmp_path, region):
+    # a pid beyond any C long used to raise OverflowError out of the tier's start (and fsck);
+    # temp files in <ns>/tmp/, where earlier versions wrote them, were never removed again
+    host, _ = region
+    _open(tmp_path, host).close()
+    ns_dir = os.path.join(tmp_path, NAMESPACE.hex())
+    key = chunk_key(NAMESPACE, 1)
+    folder = os.path.dirname(chunk_path(ns_dir, key))
+    os.makedirs(os.path.join(ns_dir, "tmp"))
+    huge = os.path.join(folder, f"{key.hex()}.{10 ** 30}.00ff.tmp")
+    zero = os.path.join(folder, f"{key.hex()}.0.00fe.tmp")
+    legacy_dead = os.path.join(ns_dir, "tmp", f"{key.hex()}.{dead_pid()}.00fd.tmp")
+    legacy_live = os.path.join(ns_dir, "tmp", f"{key.hex()}.{os.getpid()}.00fc.tmp")
+    for path in (huge, zero, legacy_dead, legacy_live):
+        with open(path, "wb") as f:
+            f.write(b"x" * 100)
+        os.utime(path, (time.time() - 60,) * 2)
+
+    tier = _open(tmp_path, host)
+    tier.close()
+
+    assert tier.stats()["orphaned_temps_removed"] == 3
+    assert temp_files(ns_dir) == []
+    assert os.listdir(os.path.join(ns_dir, "tmp")) == [os.path.basename(legacy_live)]
+
+
 def test_another_instance_sees_new_and_deleted_chunks_after_refresh(tmp_path, region):
     host, array = region
     writer, reader = _open(tmp_path, host), _open(tmp_path, host)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from ..chunk_format import CorruptChunk
 from .fileio import quarantine_file, verify_file
-from .format import CHUNKS_DIR, QUARANTINE_DIR, is_namespace_dir_name, key_from_name
+from .format import (CHUNKS_DIR, QUARANTINE_DIR, is_namespace_dir_name, key_from_name,
+                     temp_owner_pid)
 from .scan import orphaned_temp_files
 
 
@@ -28,7 +29,8 @@ class CheckReport:
         corrupt, corrupt_bytes: Chunk files that failed a check (moved away if `repaired`).
         orphaned_temps, orphaned_temp_bytes: Temp files of dead writers (deleted if `repaired`).
         quarantined: Files in quarantine folders after this run.
-        other_files: Files in chunk folders that are not chunk files (left alone).
+        other_files: Files in chunk folders that are neither chunk nor temp files (left
+            alone).
         unreadable: Chunk objects a GET failed for (obj tier only): not verified, never
             repaired, not counted as corrupt.
         problems: (path, reason) of each corrupt file (and unreadable object).
@@ -64,7 +66,8 @@ def _check_namespace(ns_dir: str, namespace: bytes, report: CheckReport, repair:
         for entry in _files(sub):
             key = key_from_name(namespace, entry.name)
             if key is None:
-                report.other_files += 1
+                # temp files are counted below if orphaned; a live writer's is not "other"
+                report.other_files += temp_owner_pid(entry.name) is None
                 continue
             try:
                 size = entry.stat().st_size

@@ -25,6 +25,9 @@ from kvhal.keys import NAMESPACE_BYTES, ChunkKey
 CHUNK_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
 CHUNKS_DIR, QUARANTINE_DIR = "chunks", "quarantine"
+#: Where versions before issue 13 wrote temp files (`<namespace hex>/tmp/`): only searched for
+#: temp files their writers left behind (`scan.orphaned_temp_files`).
+LEGACY_TEMP_DIR = "tmp"
 
 _NAME_RE = re.compile(r"^([0-9a-f]{4})-((?:[0-9a-f]{2}){1,64})\.kv$")
 _TEMP_RE = re.compile(r"^[0-9a-f]{4}-[0-9a-f]+\.(\d+)\.[0-9a-f]+\.tmp$")

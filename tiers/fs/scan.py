@@ -6,6 +6,7 @@ kept in step with files other processes write or delete by a scan on a backgroun
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ from kvhal.keys import ChunkKey
 
 from ..chunk_format import CorruptChunk
 from .fileio import read_header
-from .format import CHUNKS_DIR, key_from_name, temp_owner_pid
+from .format import CHUNKS_DIR, LEGACY_TEMP_DIR, key_from_name, temp_owner_pid
 
 #: A temp file whose writer pid is not running here is orphaned after this many seconds; any
 #: temp file is orphaned after `TEMP_MAX_AGE_S` (covers writers in another pid namespace).
@@ -94,24 +95,34 @@ def _chunk_folder_entries(ns_dir: str, strict: bool = False):
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # a name's pid 0 would probe our own process group: no writer has it
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid that large exists
         return False
     except PermissionError:
         return True
     return True
 
 
+def _legacy_temp_entries(ns_dir: str):
+    try:
+        yield from list(os.scandir(os.path.join(ns_dir, LEGACY_TEMP_DIR)))
+    except OSError:
+        return
+
+
 def orphaned_temp_files(ns_dir: str, now: float) -> list[tuple[str, int]]:
     """Temp files in `ns_dir` left by writers that died: (path, bytes) pairs.
 
     A temp file is orphaned when the pid in its name is not running on this host and it is at
-    least `TEMP_DEAD_OWNER_AGE_S` old, or when it is at least `TEMP_MAX_AGE_S` old. `now` is
-    `time.time()`. Never raises for I/O errors.
+    least `TEMP_DEAD_OWNER_AGE_S` old, or when it is at least `TEMP_MAX_AGE_S` old. Temp files
+    of the chunk folders and of the `LEGACY_TEMP_DIR` folder (where earlier versions wrote
+    them) count. `now` is `time.time()`. Never raises for I/O errors.
     """
     out = []
-    for entry in _chunk_folder_entries(ns_dir):
+    for entry in itertools.chain(_chunk_folder_entries(ns_dir), _legacy_temp_entries(ns_dir)):
         pid = temp_owner_pid(entry.name)
         if pid is None:
             continue
