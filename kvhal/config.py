@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -139,8 +138,10 @@ def _share(obj: Mapping, key: str) -> float:
     value = obj.get(key)
     if value is None:
         return DEFAULT_STATE_SLOT_SHARE
+    # the range test first: it also refuses nan and inf, and an int too big for a float
+    # (JSON 1000…0) never reaches a float conversion
     if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or not 0 < value <= 1):
+            or not 0 < value <= 1):
         raise ConfigError(key, f"must be a number in (0, 1] (host slots of a state group per "
                           f"slot of an attention group), got {value!r}")
     return float(value)

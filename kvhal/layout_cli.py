@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import DEFAULT_STATE_SLOT_SHARE, parse_config
+from .config import DEFAULT_STATE_SLOT_SHARE, ConfigError, EngineConfig, parse_config
 from .host import host_geometry, host_layout
 from .layout import (D2H, FORMAT_ID, H2D, Kind, KVCacheSpec, LayerGroup, attention_spec,
                      canonical_page_bytes, chunk_mapper, default_layouts, mla_spec)
@@ -21,7 +21,8 @@ def collect(args: argparse.Namespace) -> dict:
 
     Raises:
         LayoutError: an impossible geometry or an unmappable layout (names field or layer).
-        ValueError: --tp below 1, heads missing without --mla-latent, or heads given with it.
+        ValueError: --tp below 1, heads missing without --mla-latent, or heads given with it;
+            a bad --cpu-bytes or --state-slot-share (named by its flag).
     """
     if args.tp < 1:
         raise ValueError(f"--tp: must be a positive int, got {args.tp}")
@@ -56,9 +57,8 @@ def collect(args: argparse.Namespace) -> dict:
     chunks = [g.num_layers * canonical_page_bytes(g, args.blocks_per_chunk) for g in spec.groups]
     host = {}
     pools = None
-    if args.cpu_bytes:
-        config = parse_config({"cpu_bytes_to_use": args.cpu_bytes,
-                               "state_slot_share": args.state_slot_share})
+    if args.cpu_bytes is not None:
+        config = _config(args)
         shares = config.slot_shares(g.kind for g in spec.groups)
         layout = host_layout(tuple(chunks), args.cpu_bytes, shares)
         pools = layout.pools
@@ -71,6 +71,23 @@ def collect(args: argparse.Namespace) -> dict:
               for i, (g, n) in enumerate(zip(spec.groups, chunks))]
     return {"format_id": FORMAT_ID, "layouts": list(layouts), "tp": args.tp,
             "blocks_per_chunk": args.blocks_per_chunk, "ranks": ranks, "groups": groups, **host}
+
+
+#: The config key each host-pool flag stands for (errors name the flag).
+_FLAGS = {"cpu_bytes_to_use": "--cpu-bytes", "state_slot_share": "--state-slot-share"}
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config of --cpu-bytes and --state-slot-share.
+
+    Raises:
+        ValueError: a bad value, named by its flag (`--cpu-bytes: must be an integer ≥ 1...`).
+    """
+    try:
+        return parse_config({key: getattr(args, flag[2:].replace("-", "_"))
+                             for key, flag in _FLAGS.items()})
+    except ConfigError as exc:
+        raise ValueError(f"{_FLAGS.get(exc.path, exc.path)}{str(exc)[len(exc.path):]}") from None
 
 
 def _with_hybrid_groups(spec: KVCacheSpec, args: argparse.Namespace) -> KVCacheSpec:

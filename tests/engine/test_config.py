@@ -55,7 +55,11 @@ def test_block_size_in_tokens_resolves_to_blocks_per_chunk():
     ({"cpu_bytes_to_use": 1, "cpu_bytes": 1}, "cpu_bytes: unknown key; accepted: spec_name"),
     *[({"cpu_bytes_to_use": 1, "state_slot_share": v}, "state_slot_share: must be a number in "
        f"(0, 1] (host slots of a state group per slot of an attention group), got {v!r}")
-      for v in (0, 1.5, -0.5, float("nan"), "0.5", True)],
+      for v in (0, 1.5, -0.5, float("nan"), float("inf"), "0.5", True, [0.5])],
+    # an integer too big for a float (JSON 1000…0) raised OverflowError
+    ('{"cpu_bytes_to_use": 1, "state_slot_share": 1%s}' % ("0" * 400),
+     f"state_slot_share: must be a number in (0, 1] (host slots of a state group per slot of "
+     f"an attention group), got {10 ** 400!r}"),
     ({"cpu_bytes_to_use": 1, "secondary_tiers": {"type": "memory"}},
      "secondary_tiers: must be a list, got dict"),
     ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "memory"}, {"type": "nfs"}]},

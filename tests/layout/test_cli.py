@@ -103,9 +103,18 @@ def test_layout_table_shows_the_pools_of_a_state_slot_share():
 def test_layout_refuses_a_state_slot_share_outside_0_to_1():
     out = kvhal(*HYBRID, "--state-slot-share", "1.5")
     assert (out.returncode, out.stdout) == (1, "")
-    assert out.stderr == ("kvhal layout: error: state_slot_share: must be a number in (0, 1] "
+    assert out.stderr == ("kvhal layout: error: --state-slot-share: must be a number in (0, 1] "
                           "(host slots of a state group per slot of an attention group), got "
                           "1.5\n")
+
+
+def test_layout_names_the_flag_of_a_bad_host_budget():
+    # --cpu-bytes 0 used to be taken as "no budget given" (exit 0, no pools)
+    for value in ("0", "-5"):
+        out = kvhal(*[a if a != str(64 << 20) else value for a in HYBRID])
+        assert (out.returncode, out.stdout) == (1, "")
+        assert out.stderr == (f"kvhal layout: error: --cpu-bytes: must be an integer ≥ 1, got "
+                              f"{value}\n")
 
 
 def test_layout_refuses_a_state_group_with_chunks_of_several_blocks():
