@@ -181,6 +181,28 @@ def test_orphaned_temp_files_are_removed_at_start(tmp_path, region):
     assert tier.stats()["orphaned_temps_removed"] == 2
 
 
+def test_a_running_tier_removes_temp_files_of_a_writer_that_died_at_its_next_refresh(
+        tmp_path, region):
+    # a writer sharing root_dir dies mid-write while this tier runs on: its temp files used
+    # to stay until this tier restarted
+    host, _ = region
+    tier = _open(tmp_path, host)
+    key = chunk_key(NAMESPACE, 1)
+    folder = os.path.dirname(chunk_path(tier.ns_dir, key))
+    dead = os.path.join(folder, f"{key.hex()}.{dead_pid()}.00ff.tmp")
+    live = os.path.join(folder, f"{key.hex()}.{os.getpid()}.00fe.tmp")
+    for path in (dead, live):
+        with open(path, "wb") as f:
+            f.write(b"x" * 100)
+        os.utime(path, (time.time() - 60,) * 2)
+
+    tier.refresh()
+
+    assert temp_files(tier.ns_dir) == [live]
+    assert (tier.stats()["orphaned_temps_removed"], tier.stats()["chunks"]) == (1, 0)
+    tier.close()
+
+
 def test_temp_names_with_impossible_pids_and_legacy_temp_files_are_orphans(tmp_path, region):
     # a pid beyond any C long used to raise OverflowError out of the tier's start (and fsck);
     # temp files in <ns>/tmp/, where earlier versions wrote them, were never removed again

@@ -2,12 +2,14 @@
 temp files writers that died left behind.
 
 The tier's index (`kvhal.tiers.index.ChunkIndex`) is filled from `scan_namespace` at start and
-kept in step with files other processes write or delete by a scan on a background thread.
+kept in step with files other processes write or delete by a scan on a background thread; the
+same scan finds the temp files of writers that died (the tier removes them).
 """
 from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
 
 from kvhal.keys import ChunkKey
@@ -29,18 +31,24 @@ class ScanResult:
     Attributes:
         found: Every valid chunk file, key → file bytes.
         bad: Paths whose header failed a check (left in place; `kvhal fsck` reports them).
+        orphans: Temp files of the chunk folders left by writers that died, (path, bytes)
+            (see `orphaned_temp_files`).
     """
 
     found: dict[ChunkKey, int] = field(default_factory=dict)
     bad: list[str] = field(default_factory=list)
+    orphans: list[tuple[str, int]] = field(default_factory=list)
 
 
-def scan_namespace(ns_dir: str, namespace: bytes, known: dict[ChunkKey, int]) -> ScanResult:
-    """List the chunk files of one namespace folder.
+def scan_namespace(ns_dir: str, namespace: bytes, known: dict[ChunkKey, int],
+                   now: float | None = None) -> ScanResult:
+    """List the chunk files of one namespace folder, and the orphaned temp files among them.
 
     Files whose key is in `known` are taken at the known size without any I/O beyond the
     directory listing; new files get their header read and checked (`read_header`). Files
-    that vanish during the scan are skipped. Never raises for I/O errors on single files.
+    that vanish during the scan are skipped. Temp files are judged as `orphaned_temp_files`
+    does at `now` (`time.time()`; default: now), so a tier that runs on removes the temp files
+    of a writer that died meanwhile. Never raises for I/O errors on single files.
 
     Raises:
         OSError: a folder exists but cannot be listed (EMFILE, EIO, EACCES, ...): the caller
@@ -48,9 +56,13 @@ def scan_namespace(ns_dir: str, namespace: bytes, known: dict[ChunkKey, int]) ->
             (ENOENT) counts as empty.
     """
     out = ScanResult()
+    now = time.time() if now is None else now
     for entry in _chunk_folder_entries(ns_dir, strict=True):
         key = key_from_name(namespace, entry.name)
         if key is None:
+            orphan = _orphan(entry, now)
+            if orphan is not None:
+                out.orphans.append(orphan)
             continue
         if key in known:
             out.found[key] = known[key]
@@ -121,16 +133,20 @@ def orphaned_temp_files(ns_dir: str, now: float) -> list[tuple[str, int]]:
     of the chunk folders and of the `LEGACY_TEMP_DIR` folder (where earlier versions wrote
     them) count. `now` is `time.time()`. Never raises for I/O errors.
     """
-    out = []
-    for entry in itertools.chain(_chunk_folder_entries(ns_dir), _legacy_temp_entries(ns_dir)):
-        pid = temp_owner_pid(entry.name)
-        if pid is None:
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        age = now - st.st_mtime
-        if age >= TEMP_MAX_AGE_S or (age >= TEMP_DEAD_OWNER_AGE_S and not _pid_alive(pid)):
-            out.append((entry.path, st.st_size))
-    return out
+    entries = itertools.chain(_chunk_folder_entries(ns_dir), _legacy_temp_entries(ns_dir))
+    return [orphan for orphan in (_orphan(e, now) for e in entries) if orphan is not None]
+
+
+def _orphan(entry: os.DirEntry, now: float) -> tuple[str, int] | None:
+    """(path, bytes) of `entry` if it is an orphaned temp file (see `orphaned_temp_files`)."""
+    pid = temp_owner_pid(entry.name)
+    if pid is None:
+        return None
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return None
+    age = now - st.st_mtime
+    if age >= TEMP_MAX_AGE_S or (age >= TEMP_DEAD_OWNER_AGE_S and not _pid_alive(pid)):
+        return entry.path, st.st_size
+    return None

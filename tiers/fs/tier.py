@@ -91,7 +91,7 @@ class FsTier(IndexedTier):
         self.o_direct = supported and cfg.o_direct is not False
         self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
-        self._remove_orphaned_temps()
+        self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
         self._budget = RootBudget(cfg.root_dir, os.path.basename(self.ns_dir))
@@ -129,8 +129,8 @@ class FsTier(IndexedTier):
             raise TierError(f"root_dir: cannot use {self.config.root_dir!r} "
                             f"({_errno_text(exc)})") from None
 
-    def _remove_orphaned_temps(self) -> None:
-        for path, _ in orphaned_temp_files(self.ns_dir, time.time()):
+    def _remove_temps(self, orphans: list[tuple[str, int]]) -> None:
+        for path, _ in orphans:
             try:
                 os.unlink(path)
                 self._jobs.count("orphaned_temps_removed")
@@ -158,8 +158,9 @@ class FsTier(IndexedTier):
     def refresh(self) -> None:
         """Re-scan the namespace folder now (the background thread does this every
         `refresh_interval_s` or longer for big folders): mark the namespace in use (with the
-        current wait, `budget.py`), index files other processes wrote, forget deleted ones;
-        every `ROOT_SCAN_INTERVAL_S` also measure the other namespaces under root_dir.
+        current wait, `budget.py`), index files other processes wrote, forget deleted ones,
+        remove temp files of writers that died (`scan.orphaned_temp_files`); every
+        `ROOT_SCAN_INTERVAL_S` also measure the other namespaces under root_dir.
         Thread-safe; scans run one at a time.
 
         Raises:
@@ -169,8 +170,9 @@ class FsTier(IndexedTier):
         with self._scan_lock:
             mark_in_use(self.ns_dir, self._refresh_wait_s)
             known, epoch = self._index.snapshot()
-            self._index.reconcile(scan_namespace(self.ns_dir, self.namespace, known).found,
-                                  epoch)
+            scan = scan_namespace(self.ns_dir, self.namespace, known)
+            self._index.reconcile(scan.found, epoch)
+            self._remove_temps(scan.orphans)
             now = time.monotonic()
             if now >= self._next_root_scan:
                 self._budget.rescan()
