@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
 from kvhal.hal import Availability
@@ -44,6 +45,15 @@ def _error_text(module: Any, table: VendorTable, err: Any) -> str:
         return ""
 
 
+def _without_bytes_reprs(text: str) -> str:
+    """`text` with Python bytes reprs (`b'libamdhip64.so'`) replaced by their contents:
+    hip-python formats its dlopen error from bytes ("failed to dlopen 'b'libamdhip64.so''")."""
+    return _BYTES_REPR.sub(lambda m: m.group(1), text)
+
+
+_BYTES_REPR = re.compile(r"""b'([^']*)'""")
+
+
 def probe(table: VendorTable) -> Availability:
     """Whether `table`'s runtime can run here: binding importable, library loadable, driver
     present, ≥ 1 device. The reason names the failing step, the vendor error and the fix.
@@ -60,7 +70,8 @@ def probe(table: VendorTable) -> Availability:
     try:
         result = getattr(module, api)()
     except Exception as exc:  # noqa: BLE001 - hip-python raises RuntimeError without the library
-        return Availability(False, f"{api} raised {exc.__class__.__name__}: {exc}")
+        return Availability(False, f"{api} raised {exc.__class__.__name__}: "
+                                   f"{_without_bytes_reprs(str(exc))}")
     try:
         errors = Errors(table, error_enum(table, module))
         code = code_of(result[0])
