@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,21 @@ def _geometry(args: argparse.Namespace) -> Geometry | MlaGeometry:
     return preset(args.preset or "tiny")
 
 
+def _check_device_pools(device_bytes: int, tp: int, instances: int) -> None:
+    """Refuse device pools (one of `device_bytes` per TP rank and instance) larger than this
+    machine's physical memory, before anything is allocated.
+
+    Raises:
+        ValueError: names --device-bytes, --tp and --instances with the bytes needed.
+    """
+    total = device_bytes * tp * instances
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total > physical:
+        raise ValueError(f"--device-bytes {device_bytes} × --tp {tp} × --instances {instances} "
+                         f"= {total} bytes of device pools, more than this machine's "
+                         f"{physical} bytes of memory")
+
+
 def run(args: argparse.Namespace) -> int:
     """Read the trace, replay it (once, or once per swept capacity), print and plot."""
     chunk_tokens = args.chunk_tokens
@@ -105,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.trace}: no requests to replay (empty trace)")
     if args.plot:
         check_plot_path(args.plot)
+    _check_device_pools(args.device_bytes, args.tp, args.instances)
     reference = reference_hits(requests, chunk_tokens)
     config = load_config(args.config)
     options = ReplayOptions(geometry=_geometry(args), chunk_tokens=chunk_tokens,

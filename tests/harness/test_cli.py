@@ -191,7 +191,9 @@ def test_bad_mla_flag_combinations_name_the_flags(write_trace):
             (["--tp", "2"], "--tp: 2 needs an MLA geometry"),
             (["--mla", "--layout", "packed-hnd"], "--layout: "),
             (["--mla", "--device-bytes", "512K"], "--device-bytes: 524288 bytes hold 0 "
-                                                  "chunks of 589824 bytes")):
+                                                  "chunks of 589824 bytes"),
+            (["--mla", "--tp", "100000"], "--device-bytes 1073741824 × --tp 100000 × "
+                                          "--instances 1 = 107374182400000 bytes")):
         out = kvhal("replay", path, *args)
         assert out.returncode == 1, (args, out.stderr)
         assert out.stderr.startswith(f"kvhal replay: error: {message}"), (args, out.stderr)
