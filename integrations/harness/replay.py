@@ -96,6 +96,10 @@ class ReplayOptions:
             and released unscheduled, as
             vLLM asks its waiting requests every step (their tier hits start promotions:
             `Manager.max_promotions` bounds them, so they must not push out the hot chunks).
+        drain_each: Wait for every secondary-tier job after each request (`Manager.drain`),
+            so the hits depend on the trace alone, not on the disk's speed: without it a
+            store finding every host slot still being read by a slow tier is skipped, as in
+            serving (the engine never blocks), and a loaded machine then hits less.
     """
 
     geometry: Geometry | MlaGeometry
@@ -108,6 +112,7 @@ class ReplayOptions:
     instances: int = 1
     waiting: int = 0
     tp: int = 1
+    drain_each: bool = False
 
     @property
     def device_layout(self) -> str:
@@ -537,6 +542,9 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
                 if delay > 0:
                     time.sleep(delay)
             hit_chunks, load_s = _replay_request(reps[r % len(reps)], req, r, counters)
+            if options.drain_each:
+                for rep in reps:
+                    rep.manager.drain()
             _settle(reps)
             times[r], inputs[r] = req.timestamp_ms / 1000, req.input_tokens
             hits[r] = hit_chunks * options.chunk_tokens

@@ -22,7 +22,7 @@ def test_fp8_replay_serves_the_reference_hits_verified_through_host_and_fs(conve
     requests = [r for r in read_trace(conversation_trace, limit=300) if len(r.chunk_hashes) <= 16]
     config = {"cpu_bytes_to_use": 128 * CHUNK_BYTES,
               "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}]}
-    options = ReplayOptions(FP8, device_bytes=16 * CHUNK_BYTES)
+    options = ReplayOptions(FP8, device_bytes=16 * CHUNK_BYTES, drain_each=True)
     report = run_replay(requests, reference_hits(requests, CHUNK), config, options)
     assert report.chunk_bytes == CHUNK_BYTES
     assert report.geometry["dtype"] == "fp8_e4m3" and report.geometry["bytes_per_token"] == 1024
