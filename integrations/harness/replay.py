@@ -236,7 +236,9 @@ def check_replay(requests: Sequence[TraceRequest], config: dict[str, Any],
     try:
         chunk_mapper(spec, options.device_layout, 1, 0, 1)
     except LayoutError as exc:
-        raise LayoutError(f"--layout: {exc}", field="layout") from None
+        # the flag names the field: "layout: unknown layout ..." becomes "--layout: unknown ..."
+        raise LayoutError(f"--layout: {str(exc).removeprefix('layout: ')}",
+                          field="layout") from None
     max_chunks = max((len(r.chunk_hashes) for r in requests), default=0)
     num_blocks = options.device_bytes // options.chunk_bytes
     if max_chunks > num_blocks or num_blocks == 0:

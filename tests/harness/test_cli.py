@@ -109,7 +109,7 @@ def test_token_id_trace_replays_by_chunk_tokens(write_trace):
 def test_unknown_layout_is_refused_in_one_line(write_trace):
     out = kvhal("replay", str(write_trace(TRACE)), "--layout", "nope")
     assert out.returncode == 1
-    assert out.stderr.startswith("kvhal replay: error: --layout: layout: unknown layout 'nope'; "
+    assert out.stderr.startswith("kvhal replay: error: --layout: unknown layout 'nope'; "
                                  "registered: packed-hnd")
 
 
