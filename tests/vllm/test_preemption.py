@@ -95,8 +95,10 @@ def test_the_poison_detector_sees_one_poisoned_row():
 
 
 def test_never_preempted_requests_equal_the_unlimited_cache(results):
-    """Same tokens; logprobs bit-identical, or no further off than vLLM alone's never-preempted
-    requests are under the same small cache (batches of other sizes round differently)."""
+    """Same tokens and bit-identical logprobs, or no further off than vLLM alone's
+    never-preempted requests are under the same small cache (batches of other sizes round
+    differently: on a CPU with AVX-512, 2 of vLLM alone's 8 never-preempted requests took
+    another token than under the unlimited cache, and kvhal's the same 2)."""
     reference = results["unlimited"][1]
     never = {key: [n for n in PROMPTS if n not in results[key][2]] for key in ("alone", "kvhal")}
     assert never["kvhal"] and never["alone"]
@@ -104,7 +106,7 @@ def test_never_preempted_requests_equal_the_unlimited_cache(results):
     alone = _spread(results["alone"][1], reference, never["alone"])
     print(f"never preempted: alone {never['alone']} spread {alone}; kvhal {never['kvhal']} "
           f"spread {kvhal}")
-    assert kvhal[0] == 0
+    assert kvhal[0] / len(never["kvhal"]) <= alone[0] / len(never["alone"])
     assert kvhal[1] <= alone[1]
 
 
