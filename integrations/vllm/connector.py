@@ -24,7 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvhal.config import parse_config
 
-from .geometry import deployment
+from .geometry import check_kv_scales, deployment
 from .metadata import KVHalMetadata, KVHalWorkerMetadata
 from .scheduler import SchedulerSide
 from .stats import KVHalPromMetrics, KVHalStats
@@ -73,7 +73,13 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Map this rank's per-layer KV tensors into canonical pages."""
+        """Map this rank's per-layer KV tensors into canonical pages.
+
+        Raises:
+            UnsupportedModelError: fp8 KV scales other than 1.0 (`geometry.check_kv_scales`).
+        """
+        check_kv_scales(self.worker_side.deployment,
+                        self._vllm_config.compilation_config.static_forward_context)
         self.worker_side.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

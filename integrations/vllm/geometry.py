@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from kvhal.config import ConfigError
 from kvhal.keys import HASH_SEED_ENV, namespace_digest, resolve_hash_seed
@@ -37,6 +37,10 @@ SPEC_KINDS = {"FullAttentionSpec": Kind.FULL, "SlidingWindowSpec": Kind.SLIDING_
 
 #: torch dtype names (as `str(torch.dtype)` without "torch.") → `kvhal.layout.ELEMENT_BYTES` keys.
 _DTYPES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+#: vLLM `--kv-cache-dtype` values of a per-tensor fp8 KV cache → `ELEMENT_BYTES` keys. vLLM
+#: keeps such a page as uint8 (`STR_DTYPE_TO_TORCH_DTYPE`), so its format comes from here;
+#: "fp8" is e4m3 (vLLM's `CacheDType` documentation).
+_FP8_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +123,14 @@ def _refuse(gi: int, group: Any, reason: str) -> UnsupportedModelError:
                                  f"{type(spec).__name__}): {reason}")
 
 
-def group_spec(gi: int, group: Any, model: Any) -> LayerGroup:
-    """The kvhal `LayerGroup` (at TP=1) of vLLM KV cache group `gi`.
+def group_spec(gi: int, group: Any, model: Any, cache_dtype: str = "auto") -> LayerGroup:
+    """The kvhal `LayerGroup` (at TP=1) of vLLM KV cache group `gi`, of an engine whose
+    `--kv-cache-dtype` is `cache_dtype`.
+
+    A per-tensor fp8 page (`kv_quant_mode` FP8_PER_TENSOR, 1 byte per element) is kept as its
+    bytes: its scales are one float per layer, outside the page, fixed by the checkpoint (the
+    namespace holds the model) and checked to be 1.0 when the worker maps the pages
+    (`check_kv_scales`).
 
     A `MambaSpec` group becomes a `Kind.MAMBA` group whose state is the layer's
     `real_page_size_bytes` (every state part, e.g. conv + recurrent, back to back as vLLM
@@ -129,9 +139,11 @@ def group_spec(gi: int, group: Any, model: Any) -> LayerGroup:
 
     Raises:
         UnsupportedModelError: a spec type kvhal does not map (chunked local attention, cross
-            attention, ...), K and V of different head sizes, a quantised or padded attention
-            page, a state group outside vLLM's "align" cache mode or with speculative state
-            blocks; the message names the group, its first layer and its spec type.
+            attention, ...), K and V of different head sizes, a quantised page other than
+            per-tensor fp8 or a uint8 fp8 page under an unknown `cache_dtype`, a padded
+            attention page, a state group outside vLLM's "align" cache mode or with
+            speculative state blocks; the message names the group, its first layer and its
+            spec type.
     """
     spec = group.kv_cache_spec
     name = type(spec).__name__
@@ -144,10 +156,12 @@ def group_spec(gi: int, group: Any, model: Any) -> LayerGroup:
         raise _refuse(gi, group, f"padded pages (page_size_padded={spec.page_size_padded}) "
                                  "are not supported")
     quant = getattr(spec, "kv_quant_mode", None)
-    if quant is not None and getattr(quant, "name", "NONE") != "NONE":
-        raise _refuse(gi, group, f"quantised KV ({quant.name}, {spec.dtype}) is not supported: "
+    quant = getattr(quant, "name", "NONE")
+    if quant not in ("NONE", "FP8_PER_TENSOR"):
+        raise _refuse(gi, group, f"quantised KV ({quant}, {spec.dtype}) is not supported: "
                                  "its scales live outside the page, so a chunk could be read "
-                                 "back with another instance's scales")
+                                 "back with another instance's scales; kvhal keeps per-tensor "
+                                 "fp8 (--kv-cache-dtype fp8, fp8_e4m3, fp8_e5m2)")
     if kind is not Kind.MLA and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         raise _refuse(gi, group, f"K head size {spec.head_size} != V head size "
                                  f"{spec.head_size_v}")
@@ -156,6 +170,11 @@ def group_spec(gi: int, group: Any, model: Any) -> LayerGroup:
                                  "not supported")
     dtype = str(spec.dtype).removeprefix("torch.")
     dtype = _DTYPES.get(dtype, dtype)
+    if quant == "FP8_PER_TENSOR" and dtype == "uint8":
+        if cache_dtype not in _FP8_CACHE_DTYPES:
+            raise _refuse(gi, group, f"a per-tensor fp8 page under --kv-cache-dtype "
+                                     f"{cache_dtype!r}: its fp8 format is unknown")
+        dtype = _FP8_CACHE_DTYPES[cache_dtype]
     try:
         if kind is Kind.MLA:
             out = LayerGroup(kind, len(group.layer_names), 1, spec.head_size, dtype,
@@ -214,7 +233,8 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise UnsupportedModelError("kv_cache_groups: the model has no KV cache")
-    specs = [group_spec(gi, g, model) for gi, g in enumerate(groups)]
+    specs = [group_spec(gi, g, model, vllm_config.cache_config.cache_dtype)
+             for gi, g in enumerate(groups)]
     block_size = specs[0].block_size
     for gi, (group, spec) in enumerate(zip(groups, specs)):
         if spec.block_size != block_size:
@@ -264,6 +284,34 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
     return Deployment(tuple(infos), block_size, blocks_per_chunk,
                       vllm_config.parallel_config.tensor_parallel_size, namespace, hash_name,
                       seed)
+
+
+def check_kv_scales(dep: Deployment, layers: Mapping[str, Any]) -> None:
+    """Refuse a per-tensor fp8 KV cache whose scales are not 1.0.
+
+    Such a page holds K / scale and V / scale; the scales (`_k_scale_float`, `_v_scale_float`
+    of vLLM's attention layer, 1.0 unless the checkpoint calibrated them) are not part of a
+    chunk's key, so a chunk is only exchangeable between instances where they are 1.0.
+
+    Args:
+        dep: The deployment.
+        layers: vLLM's attention layers by layer name (the worker's
+            `compilation_config.static_forward_context`); a layer missing there is not checked.
+
+    Raises:
+        UnsupportedModelError: an fp8 group's layer has another scale (names layer and scales).
+    """
+    for group in dep.groups:
+        if not group.spec.groups[0].dtype.startswith("fp8"):
+            continue
+        for name in group.layer_names:
+            layer = layers.get(name)
+            scales = (getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
+            if scales != (1.0, 1.0):
+                raise UnsupportedModelError(
+                    f"kv_cache_groups[{group.group_id}] (layer {name}): fp8 KV scales k "
+                    f"{scales[0]}, v {scales[1]} (from the checkpoint): kvhal's keys do not "
+                    "hold scales, so it keeps fp8 KV only with scales of 1.0")
 
 
 def check_shareable(dep: Deployment, num_secondary_tiers: int) -> None:

@@ -15,10 +15,11 @@ random-weight models, prefix caching on:
   runs, but kvhal needs it on); Jamba (Mamba1) has no CPU kernel
   ("'_OpNamespace' '_C' object has no attribute 'selective_scan_fwd'"); Bamba is no longer a
   vLLM model class.
-- An fp8 KV cache (`kv_cache_dtype` "fp8", "fp8_e4m3", "fp8_e5m2") fails at engine start:
-  "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX." Where vLLM runs
-  one, its page is a `FullAttentionSpec` with `kv_quant_mode` FP8_PER_TENSOR, refused here with
-  vLLM's own dtype → mode mapping.
+- An fp8 KV cache (`kv_cache_dtype` "fp8", "fp8_e4m3", "fp8_e5m2") fails at engine start on
+  CPUs without AVX-512 or AMX: "NotImplementedError: FP8 KV cache on CPU requires x86 with
+  AVX-512 or AMX." Where vLLM runs one, its page is a uint8 `FullAttentionSpec` with
+  `kv_quant_mode` FP8_PER_TENSOR: kvhal keeps it (tests/vllm/test_fp8.py); other quantised
+  modes (per-token-head scales inside vLLM's page, nvfp4, turboquant) are refused.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-
 import torch  # noqa: E402
 
 from kvhal.integrations.vllm.geometry import UnsupportedModelError, group_spec  # noqa: E402
+from kvhal.layout import Kind  # noqa: E402
 
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -36,17 +38,49 @@ FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 
 
 @pytest.mark.parametrize("cache_dtype", list(FP8))
-def test_fp8_kv_cache_is_refused_naming_group_layer_and_mode(cache_dtype):
+@pytest.mark.parametrize("stored_as", ["uint8", "float8"])
+def test_per_tensor_fp8_maps_to_its_format(cache_dtype, stored_as):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, get_kv_quant_mode
 
-    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64,
-                             dtype=FP8[cache_dtype], kv_quant_mode=get_kv_quant_mode(cache_dtype))
+    dtype = torch.uint8 if stored_as == "uint8" else FP8[cache_dtype]
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=dtype,
+                             kv_quant_mode=get_kv_quant_mode(cache_dtype))
+    group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
+    got = group_spec(0, group, model=_Model(), cache_dtype=cache_dtype)
+    fmt = "fp8_e5m2" if "e5m2" in cache_dtype else "fp8_e4m3"
+    assert (got.kind, got.dtype, got.num_kv_heads) == (Kind.FULL, fmt, 2)
+
+
+def test_uint8_page_of_an_unknown_fp8_format_is_refused():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVQuantMode
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                             kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
+    with pytest.raises(UnsupportedModelError, match=r"--kv-cache-dtype 'auto': its fp8 format"):
+        group_spec(0, group, model=_Model(), cache_dtype="auto")
+
+
+@pytest.mark.parametrize("mode", ["INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD", "NVFP4"])
+def test_other_quantised_kv_is_refused_naming_group_layer_and_mode(mode):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVQuantMode
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                             kv_quant_mode=KVQuantMode[mode])
     group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
     with pytest.raises(UnsupportedModelError,
                        match=r"^kv_cache_groups\[0\] \(layer model.layers.0.self_attn.attn, "
-                             rf"FullAttentionSpec\): quantised KV \(FP8_PER_TENSOR, "
-                             rf"{FP8[cache_dtype]}\) is not supported"):
-        group_spec(0, group, model=None)
+                             rf"FullAttentionSpec\): quantised KV \({mode}, torch.uint8\) is "
+                             "not supported"):
+        group_spec(0, group, model=_Model())
+
+
+class _Model:
+    """The part of vLLM's `ModelConfig` `group_spec` reads."""
+
+    @staticmethod
+    def get_total_num_kv_heads() -> int:
+        return 2
 
 
 def _state_group(**kwargs):
@@ -59,7 +93,7 @@ def _state_group(**kwargs):
 
 
 def test_state_group_maps_the_state_bytes_without_the_page_padding():
-    from kvhal.layout import Kind, LayerGroup
+    from kvhal.layout import LayerGroup
 
     assert group_spec(0, _state_group(), model=None) == LayerGroup(
         Kind.MAMBA, 2, 1, 0, "bfloat16", 128, state_bytes=3 * 512 * 2 + 4 * 64 * 64 * 2)
@@ -100,7 +134,7 @@ def test_state_group_is_refused_where_kvhal_has_no_page_for_it(tp, blocks_per_ch
     from kvhal.integrations.vllm.geometry import deployment
 
     config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-                             model_config=None, cache_config=None)
+                             model_config=None, cache_config=SimpleNamespace(cache_dtype="auto"))
     kv_cache_config = SimpleNamespace(kv_cache_groups=[_state_group()], hash_block_size=128)
     with pytest.raises(UnsupportedModelError) as err:
         deployment(config, kv_cache_config, blocks_per_chunk)
