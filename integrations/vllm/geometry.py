@@ -123,6 +123,39 @@ def _refuse(gi: int, group: Any, reason: str) -> UnsupportedModelError:
                                  f"{type(spec).__name__}): {reason}")
 
 
+def _fp8_format(gi: int, group: Any, cache_dtype: str, page_dtype: str) -> str:
+    """The `ELEMENT_BYTES` key of a per-tensor fp8 page of dtype `page_dtype` (vLLM's uint8,
+    or a float8 dtype already mapped by `_DTYPES`) under `--kv-cache-dtype cache_dtype`.
+
+    Only fp8, fp8_e4m3 and fp8_e5m2 are kept: vLLM's other per-tensor fp8 values hold scales
+    kvhal cannot see (fp8_inc: Intel Neural Compressor's own; fp8_ds_mla: per-tile scales in
+    the page). The format comes from `cache_dtype`; a float8 page of another format, or a
+    platform whose fp8 is e4m3fnuz (ROCm on MI300: the same bytes decode to half the value),
+    is refused, so "fp8_e4m3" names OCP e4m3 bytes everywhere.
+    """
+    fmt = _FP8_CACHE_DTYPES.get(cache_dtype)
+    if fmt is None:
+        raise _refuse(gi, group, f"a per-tensor fp8 page under --kv-cache-dtype "
+                                 f"{cache_dtype!r}: its fp8 format is unknown or its scales "
+                                 "are not the layer's (kvhal keeps fp8, fp8_e4m3, fp8_e5m2)")
+    if page_dtype not in ("uint8", fmt):
+        raise _refuse(gi, group, f"page dtype {page_dtype} under --kv-cache-dtype "
+                                 f"{cache_dtype!r} ({fmt}): its fp8 format is ambiguous")
+    if _platform_fp8_fnuz():
+        raise _refuse(gi, group, f"--kv-cache-dtype {cache_dtype!r} on a platform whose fp8 is "
+                                 "e4m3fnuz (ROCm on MI300): kvhal keeps OCP fp8 only")
+    return fmt
+
+
+def _platform_fp8_fnuz() -> bool:
+    """True where vLLM's platform stores fp8 as e4m3fnuz (`Platform.is_fp8_fnuz`)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover - the connector runs inside vLLM
+        return False
+    return bool(current_platform.is_fp8_fnuz())
+
+
 def group_spec(gi: int, group: Any, model: Any, cache_dtype: str = "auto") -> LayerGroup:
     """The kvhal `LayerGroup` (at TP=1) of vLLM KV cache group `gi`, of an engine whose
     `--kv-cache-dtype` is `cache_dtype`.
@@ -170,11 +203,8 @@ def group_spec(gi: int, group: Any, model: Any, cache_dtype: str = "auto") -> La
                                  "not supported")
     dtype = str(spec.dtype).removeprefix("torch.")
     dtype = _DTYPES.get(dtype, dtype)
-    if quant == "FP8_PER_TENSOR" and dtype == "uint8":
-        if cache_dtype not in _FP8_CACHE_DTYPES:
-            raise _refuse(gi, group, f"a per-tensor fp8 page under --kv-cache-dtype "
-                                     f"{cache_dtype!r}: its fp8 format is unknown")
-        dtype = _FP8_CACHE_DTYPES[cache_dtype]
+    if quant == "FP8_PER_TENSOR":
+        dtype = _fp8_format(gi, group, cache_dtype, dtype)
     try:
         if kind is Kind.MLA:
             out = LayerGroup(kind, len(group.layer_names), 1, spec.head_size, dtype,
@@ -291,27 +321,48 @@ def check_kv_scales(dep: Deployment, layers: Mapping[str, Any]) -> None:
 
     Such a page holds K / scale and V / scale; the scales (`_k_scale_float`, `_v_scale_float`
     of vLLM's attention layer, 1.0 unless the checkpoint calibrated them) are not part of a
-    chunk's key, so a chunk is only exchangeable between instances where they are 1.0.
+    chunk's key, so a chunk is only exchangeable between instances where they are 1.0. A
+    layer whose scales cannot be read (missing from `layers`, without the attributes, not a
+    number) is refused too: an unchecked scale is as unknown as a wrong one.
 
     Args:
         dep: The deployment.
         layers: vLLM's attention layers by layer name (the worker's
-            `compilation_config.static_forward_context`); a layer missing there is not checked.
+            `compilation_config.static_forward_context`).
 
     Raises:
-        UnsupportedModelError: an fp8 group's layer has another scale (names layer and scales).
+        UnsupportedModelError: an fp8 group's layer has another scale, or one that cannot be
+            read (names the group, the layer and the scales).
     """
     for group in dep.groups:
         if not group.spec.groups[0].dtype.startswith("fp8"):
             continue
         for name in group.layer_names:
-            layer = layers.get(name)
-            scales = (getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
+            scales = _kv_scales(layers.get(name))
             if scales != (1.0, 1.0):
+                shown = ("unknown (no such attention layer, or one without _k_scale_float)"
+                         if scales is None else
+                         f"k {scales[0]}, v {scales[1]} (from the checkpoint)")
                 raise UnsupportedModelError(
-                    f"kv_cache_groups[{group.group_id}] (layer {name}): fp8 KV scales k "
-                    f"{scales[0]}, v {scales[1]} (from the checkpoint): kvhal's keys do not "
-                    "hold scales, so it keeps fp8 KV only with scales of 1.0")
+                    f"kv_cache_groups[{group.group_id}] (layer {name}): fp8 KV scales "
+                    f"{shown}: kvhal's keys do not hold scales, so it keeps fp8 KV only with "
+                    "scales of 1.0")
+
+
+def _kv_scales(layer: Any) -> tuple[Any, Any] | None:
+    """(k, v) scale of a vLLM attention layer as floats, a value that is no number as its
+    text (so it never equals 1.0); None without a layer or its `_k_scale_float`."""
+    if layer is None or not hasattr(layer, "_k_scale_float"):
+        return None
+    out = []
+    for attr in ("_k_scale_float", "_v_scale_float"):
+        value = getattr(layer, attr, None)
+        try:
+            value = float(value)
+        except (TypeError, ValueError, RuntimeError):  # None, a tensor of several values
+            value = repr(value)
+        out.append(value)
+    return out[0], out[1]
 
 
 def check_shareable(dep: Deployment, num_secondary_tiers: int) -> None:

