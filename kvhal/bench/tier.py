@@ -63,7 +63,8 @@ class ContenderResult:
     name: str
     threads: str
     durability: str
-    o_direct: bool
+    o_direct: bool          # every read and write
+    o_direct_writes: bool   # the writes (True with `o_direct`)
     write_gbps: tuple[float, ...]
     read_gbps: tuple[float, ...]
 
@@ -137,7 +138,11 @@ class _TierContender:
         self.threads = (getattr(config, "n_read_threads", io_threads),
                         getattr(config, "n_write_threads", io_threads))
         self.durability = str(stats.get("durability", DEFAULT_DURABILITY))
-        self.o_direct = bool(stats.get("o_direct", False)) and chunk % ALIGN == 0
+        aligned = chunk % ALIGN == 0
+        self.o_direct = bool(stats.get("o_direct", False)) and aligned
+        #: Writes with O_DIRECT (all with `o_direct`, or small chunks under "small-writes").
+        self.o_direct_writes = self.o_direct or (
+            aligned and chunk < int(stats.get("o_direct_writes_below", 0)))
         self.name = f"kvhal {name}"
 
     def _run(self, kind: JobKind, rep: int) -> None:
@@ -167,9 +172,11 @@ class _RawLoop:
     name = "raw loop"
 
     def __init__(self, root: str, host: memoryview, chunk: int, count: int,
-                 threads: tuple[int, int], durability: str, o_direct: bool) -> None:
+                 threads: tuple[int, int], durability: str, o_direct: bool,
+                 o_direct_writes: bool) -> None:
         self.root, self.host, self.chunk, self.count = root, host, chunk, count
         self.threads, self.durability, self.o_direct = threads, durability, o_direct
+        self.o_direct_writes = o_direct_writes
         self._sync = durability == "power-loss"
 
     def _folder(self, rep: int) -> str:
@@ -178,7 +185,7 @@ class _RawLoop:
     def _write_one(self, folder: str, i: int) -> None:
         tmp, final = os.path.join(folder, f"{i}.tmp"), os.path.join(folder, str(i))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        fd = os.open(tmp, flags | (_O_DIRECT if self.o_direct else 0), 0o644)
+        fd = os.open(tmp, flags | (_O_DIRECT if self.o_direct_writes else 0), 0o644)
         try:
             view, done = self.host[i * self.chunk:(i + 1) * self.chunk], 0
             while done < self.chunk:
@@ -269,7 +276,7 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
         contenders += raw_contenders(config | {"type": "obj"}, host, chunk, count)
     else:
         contenders.append(_RawLoop(root, host, chunk, count, kv.threads, kv.durability,
-                                   kv.o_direct))
+                                   kv.o_direct, kv.o_direct_writes))
     note = _vllm_note(tier_name, with_vllm)
     try:
         if note is None:
@@ -296,6 +303,7 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
     total = chunk * count
     results = tuple(
         ContenderResult(c.name, f"{c.threads[0]}+{c.threads[1]}", c.durability, c.o_direct,
+                        bool(getattr(c, "o_direct_writes", c.o_direct)),
                         tuple(total / t / 1e9 for t in times[c.name][0]),
                         tuple(total / t / 1e9 for t in times[c.name][1]))
         for c in contenders)
@@ -355,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
     for i, c in enumerate(result.contenders):
         w = "" if i == 0 else f"{kvhal.write_median / c.write_median:.2f}"
         r = "" if i == 0 else f"{kvhal.read_median / c.read_median:.2f}"
-        rows.append([c.name, c.threads, c.durability, "on" if c.o_direct else "off",
+        rows.append([c.name, c.threads, c.durability, "on" if c.o_direct else "writes" if c.o_direct_writes else "off",
                      round(c.write_median, 3), w, round(c.read_median, 3), r])
     print_table(f"kvhal bench tier — {result.tier}, {result.count} × {result.chunk_bytes} B "
                 f"chunks, median of {result.repeats} alternating passes (GB/s)",

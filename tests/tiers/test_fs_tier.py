@@ -16,6 +16,7 @@ from conformance.tier_harness import _tiny_tmpfs
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, Lookup, TierJob
 from kvhal.tiers.fs import FsTier
+from kvhal.tiers.fs.config import SMALL_WRITE_BYTES
 from kvhal.tiers.fs.fileio import probe_o_direct
 from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path
 
@@ -41,12 +42,42 @@ def _store_chunks(tier, array, count, nbytes) -> list[ChunkKey]:
     return keys
 
 
-@pytest.mark.parametrize("o_direct", ["auto", False])
+@pytest.mark.parametrize("o_direct", ["auto", False, "small-writes"])
 def test_o_direct_is_detected_and_reported(tmp_path, region, o_direct):
     tier = _open(tmp_path, region[0], o_direct=o_direct)
     tier.close()
-    expected = o_direct == "auto" and probe_o_direct(str(tmp_path))
+    supported = probe_o_direct(str(tmp_path))
+    expected = o_direct == "auto" and supported
+    below = SMALL_WRITE_BYTES if o_direct == "small-writes" and supported else 0
     assert (tier.o_direct, tier.stats()["o_direct"]) == (expected, expected)
+    assert tier.o_direct_writes_below == tier.stats()["o_direct_writes_below"] == below
+
+
+def test_small_writes_alone_use_o_direct_by_default(tmp_path, monkeypatch):
+    import kvhal.tiers.fs.tier as fs_tier
+
+    if not probe_o_direct(str(tmp_path)):
+        pytest.skip(f"{tmp_path}: the filesystem refuses O_DIRECT")
+    calls = []
+    for name in ("write_chunk", "read_chunk"):
+        real = getattr(fs_tier, name)
+
+        def spy(*args, _real=real, _name=name):   # records the `direct` argument, then I/O
+            calls.append((_name, len(args[3]), args[4] if _name == "write_chunk" else args[5]))
+            return _real(*args)
+        monkeypatch.setattr(fs_tier, name, spy)
+    host, array = host_region(4 << 20)
+    array[:] = np.random.default_rng(3).integers(0, 256, len(array), dtype=np.uint8)
+    tier = _open(tmp_path, host)
+    small, large = SMALL_WRITE_BYTES // 4, 2 * SMALL_WRITE_BYTES
+    try:
+        for i, nbytes in enumerate((small, large)):
+            assert store(tier, chunk_key(NAMESPACE, i), 0, nbytes).ok
+            assert load(tier, chunk_key(NAMESPACE, i), 0, nbytes).ok
+    finally:
+        tier.close()
+    assert calls == [("write_chunk", small, True), ("read_chunk", small, False),
+                     ("write_chunk", large, False), ("read_chunk", large, False)]
 
 
 def test_a_corrupt_chunk_is_quarantined_and_counted(tmp_path, region):

@@ -28,11 +28,11 @@ import numpy as np
 
 from kvhal.keys import ChunkKey
 
-from ..base import TierError, TierJob, job_problem
+from ..base import JobKind, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex
 from ..jobs import IndexedTier, JobBoard, JobPool
-from .config import parse_config
+from .config import SMALL_WRITE_BYTES, parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      write_chunk)
 from .budget import RootBudget, mark_in_use
@@ -88,7 +88,11 @@ class FsTier(IndexedTier):
             raise TierError(f"o_direct: true, but the filesystem at {cfg.root_dir!r} does not "
                             "support O_DIRECT; use \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
-        self.o_direct = supported and cfg.o_direct is not False
+        self.o_direct = supported and cfg.o_direct in ("auto", True)
+        #: Under "small-writes": payloads below this many bytes are written with O_DIRECT
+        #: (0: none, or every one with `o_direct`).
+        self.o_direct_writes_below = (SMALL_WRITE_BYTES if supported
+                                      and cfg.o_direct == "small-writes" else 0)
         self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
@@ -194,12 +198,15 @@ class FsTier(IndexedTier):
         io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors,
         namespaces_deleted (absent while 0); plus used_bytes, max_bytes (root-wide),
         other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
-        chunks, o_direct (bool, detected at start) and durability (the config value)."""
+        chunks, o_direct (bool, detected at start: every read and write with O_DIRECT),
+        o_direct_writes_below (bytes: payloads below it are written with O_DIRECT; 0 for
+        none) and durability (the config value)."""
         deleted = self._budget.namespaces_deleted
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
                    "chunks": len(self._index), "o_direct": self.o_direct,
+                   "o_direct_writes_below": self.o_direct_writes_below,
                    "durability": self.config.durability})
 
     # -- jobs ---------------------------------------------------------------------------------
@@ -207,7 +214,10 @@ class FsTier(IndexedTier):
         return job_problem(job, len(self._host), self.namespace)
 
     def _direct(self, job: TierJob) -> bool:
-        return self.o_direct and (self._host_addr + job.offset) % ALIGN == 0
+        """Whether `job` moves its chunk file with O_DIRECT (its host bytes must be aligned)."""
+        direct = self.o_direct or (job.kind is JobKind.STORE
+                                   and job.nbytes < self.o_direct_writes_below)
+        return direct and (self._host_addr + job.offset) % ALIGN == 0
 
     def _scratch_buffers(self) -> Scratch:
         scratch = getattr(self._scratch, "buffers", None)
