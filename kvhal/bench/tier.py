@@ -363,7 +363,8 @@ def run(args: argparse.Namespace) -> int:
     for i, c in enumerate(result.contenders):
         w = "" if i == 0 else f"{kvhal.write_median / c.write_median:.2f}"
         r = "" if i == 0 else f"{kvhal.read_median / c.read_median:.2f}"
-        rows.append([c.name, c.threads, c.durability, "on" if c.o_direct else "writes" if c.o_direct_writes else "off",
+        direct = "on" if c.o_direct else "writes" if c.o_direct_writes else "off"
+        rows.append([c.name, c.threads, c.durability, direct,
                      round(c.write_median, 3), w, round(c.read_median, 3), r])
     print_table(f"kvhal bench tier — {result.tier}, {result.count} × {result.chunk_bytes} B "
                 f"chunks, median of {result.repeats} alternating passes (GB/s)",

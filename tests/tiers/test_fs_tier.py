@@ -14,7 +14,8 @@ import pytest
 
 from conformance.tier_harness import _tiny_tmpfs
 from kvhal.keys import ChunkKey
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tiers.base import JobKind, Lookup, TierError, TierJob
+from kvhal.tiers.chunk_format import ALIGN
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.config import SMALL_WRITE_BYTES
 from kvhal.tiers.fs.fileio import probe_o_direct
@@ -53,19 +54,26 @@ def test_o_direct_is_detected_and_reported(tmp_path, region, o_direct):
     assert tier.o_direct_writes_below == tier.stats()["o_direct_writes_below"] == below
 
 
-def test_small_writes_alone_use_o_direct_by_default(tmp_path, monkeypatch):
+def _spy_direct(monkeypatch) -> list[tuple[str, int, bool]]:
+    """Record (function, payload bytes, `direct`) of each write_chunk / read_chunk the tier
+    calls, then do the I/O."""
     import kvhal.tiers.fs.tier as fs_tier
 
-    if not probe_o_direct(str(tmp_path)):
-        pytest.skip(f"{tmp_path}: the filesystem refuses O_DIRECT")
     calls = []
     for name in ("write_chunk", "read_chunk"):
         real = getattr(fs_tier, name)
 
-        def spy(*args, _real=real, _name=name):   # records the `direct` argument, then I/O
+        def spy(*args, _real=real, _name=name):
             calls.append((_name, len(args[3]), args[4] if _name == "write_chunk" else args[5]))
             return _real(*args)
         monkeypatch.setattr(fs_tier, name, spy)
+    return calls
+
+
+def test_small_writes_alone_use_o_direct_by_default(tmp_path, monkeypatch):
+    if not probe_o_direct(str(tmp_path)):
+        pytest.skip(f"{tmp_path}: the filesystem refuses O_DIRECT")
+    calls = _spy_direct(monkeypatch)
     host, array = host_region(4 << 20)
     array[:] = np.random.default_rng(3).integers(0, 256, len(array), dtype=np.uint8)
     tier = _open(tmp_path, host)
@@ -78,6 +86,68 @@ def test_small_writes_alone_use_o_direct_by_default(tmp_path, monkeypatch):
         tier.close()
     assert calls == [("write_chunk", small, True), ("read_chunk", small, False),
                      ("write_chunk", large, False), ("read_chunk", large, False)]
+
+
+@pytest.mark.parametrize("fast_io", [True, False], ids=["c", "python"])
+@pytest.mark.parametrize("durability", ["process", "power-loss"])
+def test_small_writes_at_the_threshold_and_unaligned_read_back_buffered(
+        tmp_path, monkeypatch, fast_io, durability):
+    # payloads just under / at SMALL_WRITE_BYTES, ragged tails, host offsets O_DIRECT cannot
+    # take (buffered fallback); each read back buffered into another, zeroed slot, also after
+    # a restart, and by fsck
+    from kvhal.tiers.fs import fileio
+    from kvhal.tiers.fs.check import check_dir
+
+    if not probe_o_direct(str(tmp_path)):
+        pytest.skip(f"{tmp_path}: the filesystem refuses O_DIRECT")
+    if not fast_io:
+        monkeypatch.setattr(fileio, "_chunkio", None)
+    elif not fileio.FAST_IO:
+        pytest.skip("kvhal.tiers.fs._chunkio was not built")
+    calls = _spy_direct(monkeypatch)
+    host, array = host_region(4 << 20)
+    array[:2 << 20] = np.random.default_rng(5).integers(0, 256, 2 << 20, dtype=np.uint8)
+    cases = [(1, 0), (4097, 0), (SMALL_WRITE_BYTES - 1, 0), (SMALL_WRITE_BYTES, 0),
+             (5000, 1), (5000, 512)]
+    tier = _open(tmp_path, host, durability=durability)
+    try:
+        for i, (nbytes, offset) in enumerate(cases):
+            assert store(tier, chunk_key(NAMESPACE, i), offset, nbytes).ok
+    finally:
+        tier.close()
+    assert [c[2] for c in calls] == [True, True, True, False, False, False]
+    calls.clear()
+    tier = _open(tmp_path, host, durability=durability)
+    try:
+        assert tier.stats()["chunks"] == len(cases)
+        for i, (nbytes, offset) in enumerate(cases):
+            array[2 << 20:] = 0
+            assert load(tier, chunk_key(NAMESPACE, i), 2 << 20, nbytes).ok
+            assert np.array_equal(array[2 << 20:(2 << 20) + nbytes],
+                                  array[offset:offset + nbytes]), (nbytes, offset)
+    finally:
+        tier.close()
+    assert not any(c[2] for c in calls)
+    report = check_dir(str(tmp_path))
+    assert (report.good, report.corrupt) == (len(cases), 0)
+
+
+def test_small_writes_are_buffered_where_the_filesystem_refuses_o_direct(tmp_path, region,
+                                                                         monkeypatch):
+    import kvhal.tiers.fs.tier as fs_tier
+
+    monkeypatch.setattr(fs_tier, "probe_o_direct", lambda folder: False)
+    calls = _spy_direct(monkeypatch)
+    tier = _open(tmp_path, region[0])
+    try:
+        assert (tier.o_direct, tier.o_direct_writes_below) == (False, 0)
+        assert tier.stats()["o_direct_writes_below"] == 0
+        assert store(tier, chunk_key(NAMESPACE, 0), 0, ALIGN).ok
+    finally:
+        tier.close()
+    assert calls == [("write_chunk", ALIGN, False)]
+    with pytest.raises(TierError, match="o_direct: true, but the filesystem"):
+        _open(tmp_path, region[0], o_direct=True)
 
 
 def test_a_corrupt_chunk_is_quarantined_and_counted(tmp_path, region):

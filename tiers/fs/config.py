@@ -9,11 +9,12 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
         (default 16 each, as vLLM's fs tier: each thread keeps one request in flight, and the
         GIL is released for the I/O of a chunk (one call, `_chunkio.c`) and its checksum).
     o_direct ("small-writes" | "auto" | true | false): "small-writes" (default) writes chunk
-        files of less than `SMALL_WRITE_BYTES` with O_DIRECT where the filesystem supports it
-        and does every other write and every read through the page cache; "auto" uses
-        O_DIRECT for every write and read where supported; true refuses to start without it;
-        false never uses it. Measured with `kvhal bench tier` (issue 13), kvhal against
-        vLLM's fs tier (which uses O_DIRECT):
+        files whose payload is less than `SMALL_WRITE_BYTES` (1 MiB) with O_DIRECT where the
+        filesystem supports it and its host bytes are `ALIGN`-aligned, and does every other
+        write and every read through the page cache; "auto" uses O_DIRECT for every write
+        and read where supported; true refuses to start without it; false never uses it.
+        Measured with `kvhal bench tier` (issue 13), kvhal against vLLM's fs tier (which uses
+        O_DIRECT):
         - Buffered is faster for 2 MiB chunks on both machines measured (writes 1.5-4.9x
           vLLM, reads 1.3-1.7x): the page cache takes a burst of stores at memory speed and
           writes it back behind them (a sustained stream is throttled to device speed by the
@@ -102,8 +103,11 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
         raise TierError(f"root_dir: required, a non-empty path string without NUL; "
                         f"got {root_dir!r}")
     o_direct = config.get("o_direct", DEFAULT_O_DIRECT)
-    if o_direct not in O_DIRECT_MODES or isinstance(o_direct, int) and not isinstance(
-            o_direct, bool):
+    # by type, not ==: 1.0 or numpy's True equal True but would not count as `true` (the
+    # tier refuses to start without O_DIRECT only for `o_direct is True`), and an array's ==
+    # raises
+    if not (isinstance(o_direct, bool) or isinstance(o_direct, str)
+            and o_direct in O_DIRECT_MODES):
         raise TierError(f"o_direct: must be \"small-writes\", \"auto\", true or false; got "
                         f"{o_direct!r}")
     interval = config.get("refresh_interval_s", DEFAULT_REFRESH_INTERVAL_S)

@@ -86,7 +86,7 @@ class FsTier(IndexedTier):
         supported = probe_o_direct(os.path.join(self.ns_dir, CHUNKS_DIR, "00"))
         if cfg.o_direct is True and not supported:
             raise TierError(f"o_direct: true, but the filesystem at {cfg.root_dir!r} does not "
-                            "support O_DIRECT; use \"auto\" or false")
+                            "support O_DIRECT; use \"small-writes\", \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
         self.o_direct = supported and cfg.o_direct in ("auto", True)
         #: Under "small-writes": payloads below this many bytes are written with O_DIRECT
