@@ -20,9 +20,10 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
           writes it back behind them (a sustained stream is throttled to device speed by the
           kernel), and read-ahead keeps the disk busier. With O_DIRECT: writes 0.87x.
         - For 256 KiB chunks, on a VM where touching fresh memory costs ~0.7 GB/s (page
-          faults), buffered writes measured 0.54-0.71x vLLM and O_DIRECT writes 1.39-1.40x,
-          while buffered reads stayed ahead (1.05-1.23x, O_DIRECT 0.91-0.97x). With O_DIRECT
-          a small write takes the kernel path vLLM takes, where kvhal's one-call write wins.
+          faults), buffered writes measured 0.54-0.71x vLLM; O_DIRECT writes 1.39-1.40x in
+          two runs of "auto" (whose O_DIRECT reads were 0.91-0.97x) and 0.83-1.03x in three
+          runs of "small-writes" (buffered reads 1.15-1.23x): a small write then takes the
+          kernel path vLLM's takes, where kvhal's one-call write is at least at par.
         O_DIRECT costs no CPU copy and keeps chunk files out of the page cache (no second
         copy of chunks the host tier may still hold), at device speed: prefer "auto" when
         CPU is scarce (on a 2-core machine at load 20-35 buffered I/O measured 0.26 GB/s
