@@ -52,7 +52,8 @@ DEFAULT_O_DIRECT = "small-writes"
 #: Chunk payloads below this many bytes are written with O_DIRECT under "small-writes"
 #: (between the 256 KiB chunks where O_DIRECT writes won and the 2 MiB where buffered did).
 SMALL_WRITE_BYTES = 1 << 20
-O_DIRECT_MODES = ("small-writes", "auto", True, False)
+#: The string values of `o_direct` (the others are the booleans true and false).
+O_DIRECT_STRINGS = ("small-writes", "auto")
 DEFAULT_REFRESH_INTERVAL_S = 1.0
 #: Bounds of `refresh_interval_s`: below 1 ms the refresh thread would spin on the directory;
 #: above a day (or NaN/inf) `threading.Event.wait` overflows or the index never refreshes.
@@ -107,8 +108,8 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
     # by type, not ==: 1.0 or numpy's True equal True but would not count as `true` (the
     # tier refuses to start without O_DIRECT only for `o_direct is True`), and an array's ==
     # raises
-    if not (isinstance(o_direct, bool) or isinstance(o_direct, str)
-            and o_direct in O_DIRECT_MODES):
+    if not (isinstance(o_direct, bool)
+            or isinstance(o_direct, str) and o_direct in O_DIRECT_STRINGS):
         raise TierError(f"o_direct: must be \"small-writes\", \"auto\", true or false; got "
                         f"{o_direct!r}")
     interval = config.get("refresh_interval_s", DEFAULT_REFRESH_INTERVAL_S)
