@@ -19,6 +19,8 @@ speed). Contenders:
   rename and an fsync of the folder after it (a new name is durable only once its directory is
   synced: fsync(2), NOTES); reads open, `preadv` and close, no checks;
 - vLLM's `FileSystemTierManager` with its default thread counts (fs only);
+- fs: the disk itself (`tier_disk.py`): the same chunk I/O on as many threads, overwriting one
+  preallocated file in place, so no per-file filesystem work: the ceiling for this chunk size;
 - obj instead of the file loop: raw obstore and boto3 loops at the tier's `io_threads`
   (PUT = write, GET = cold read: an object store has no client-side cache).
 
@@ -48,6 +50,7 @@ from kvhal.tiers.base import JobKind, TierJob
 from kvhal.tiers.fs.remove import remove_tree
 
 from .copy import _size
+from .tier_disk import DiskLoop
 from .vllm_fs import VllmFsTier, vllm_available
 
 ALIGN = 4096
@@ -82,7 +85,8 @@ class ContenderResult:
 @dataclass(frozen=True, slots=True)
 class TierBenchResult:
     """All contenders of one run; `contenders[0]` is the kvhal tier, `[1]` the raw loop and,
-    where measured, `[2]` vLLM's fs tier (obj: `[1]` raw obstore, `[2]` raw boto3)."""
+    where measured, `[2]` vLLM's fs tier (obj: `[1]` raw obstore, `[2]` raw boto3); fs ends
+    with the disk loop (`tier_disk.DiskLoop`)."""
 
     tier: str
     chunk_bytes: int
@@ -98,6 +102,11 @@ class TierBenchResult:
             return None
         kvhal, other = self.contenders[0], self.contenders[baseline]
         return getattr(kvhal, f"{direction}_median") / getattr(other, f"{direction}_median")
+
+    def index(self, name: str) -> int:
+        """Position of the contender called `name`, or `len(contenders)` if none is."""
+        return next((i for i, c in enumerate(self.contenders) if c.name == name),
+                    len(self.contenders))
 
 
 def drop_page_cache(folder: str) -> None:
@@ -282,6 +291,8 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
         if note is None:
             contenders.append(_VllmContender(root, host, chunk, count))
             note = "vllm fs tier measured"
+        if tier_name == "fs":
+            contenders.append(DiskLoop(root, host, chunk, count, kv.threads))
         times = {c.name: ([], []) for c in contenders}
         task = bar.add_task(f"bench tier [{tier_name}]", total=repeats) if bar else None
         for rep in range(repeats):
@@ -331,7 +342,8 @@ def to_json(result: TierBenchResult) -> dict:
     for direction in ("write", "read"):
         out[f"{direction}_vs_raw"] = result.ratio(1, direction)
         if result.tier != "obj":
-            out[f"{direction}_vs_vllm"] = result.ratio(2, direction)
+            out[f"{direction}_vs_vllm"] = result.ratio(result.index(VllmFsTier.name), direction)
+            out[f"{direction}_vs_disk"] = result.ratio(result.index(DiskLoop.name), direction)
         else:
             out[f"{direction}_vs_boto3"] = result.ratio(2, direction)
     return out

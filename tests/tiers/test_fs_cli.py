@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import os
 import resource
 import subprocess
 import sys
 import time
 
+import pytest
+
+from kvhal.bench.tier_disk import DiskLoop
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path
 
@@ -134,7 +138,7 @@ def test_fsck_never_reads_a_huge_file_with_a_chunk_name_into_memory(tmp_path):
     assert [paths[2], f"record size {3 << 30} != expected 16384"] in report["problems"]
 
 
-def test_bench_tier_json_reports_every_pass_of_kvhal_raw_and_vllm(tmp_path):
+def test_bench_tier_json_reports_every_pass_of_kvhal_raw_vllm_and_the_disk(tmp_path):
     out = kvhal("bench", "tier", "--chunk-bytes", "64KiB", "--count", "8", "--repeats", "3",
                 "--root-dir", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
@@ -142,15 +146,23 @@ def test_bench_tier_json_reports_every_pass_of_kvhal_raw_and_vllm(tmp_path):
     assert (result["tier"], result["chunk_bytes"], result["count"]) == ("fs", 65536, 8)
     has_vllm = importlib.util.find_spec("vllm") is not None
     names = [c["name"] for c in result["contenders"]]
-    assert names == ["kvhal fs", "raw loop"] + (["vllm fs"] if has_vllm else [])
+    assert names == ["kvhal fs", "raw loop"] + (["vllm fs"] if has_vllm else []) + [
+        "disk (no files)"]
     kvhal_fs, raw = result["contenders"][:2]
     assert (raw["threads"], raw["durability"]) == (kvhal_fs["threads"], kvhal_fs["durability"])
+    disk = result["contenders"][-1]
+    assert (disk["threads"], disk["o_direct"]) == (kvhal_fs["threads"], kvhal_fs["o_direct_writes"])
+    assert sorted(os.listdir(tmp_path)) == ["disk.img", "raw0", "raw1", "raw2", "tier"] + (
+        ["vllm"] if has_vllm else [])
+    assert os.path.getsize(tmp_path / "disk.img") == 8 * 65536   # written once, overwritten
     for c in result["contenders"]:
         assert len(c["write_gbps"]) == len(c["read_gbps"]) == 3
         assert c["write_median_gbps"] == sorted(c["write_gbps"])[1]
     for direction in ("write", "read"):
         assert result[f"{direction}_vs_raw"] == (kvhal_fs[f"{direction}_median_gbps"]
                                                  / raw[f"{direction}_median_gbps"])
+        assert result[f"{direction}_vs_disk"] == (kvhal_fs[f"{direction}_median_gbps"]
+                                                  / disk[f"{direction}_median_gbps"])
     if has_vllm:
         vllm = result["contenders"][2]
         assert (vllm["threads"], result["vllm"]) == ("16+16", "vllm fs tier measured")
@@ -158,3 +170,21 @@ def test_bench_tier_json_reports_every_pass_of_kvhal_raw_and_vllm(tmp_path):
                                           / vllm["read_median_gbps"])
     else:
         assert (result["vllm"], result["read_vs_vllm"]) == ("vllm not installed: skipped", None)
+
+
+@pytest.mark.parametrize("chunk", [4096 * 3, 6000])
+def test_bench_disk_loop_overwrites_one_file_in_place_and_reads_it_back(tmp_path, chunk):
+    region = mmap.mmap(-1, chunk * 4)
+    host = memoryview(region)
+    host[:] = os.urandom(len(host))
+    disk = DiskLoop(str(tmp_path), host, chunk, 4, (2, 3))
+    assert disk.o_direct is (chunk == 4096 * 3)           # an unaligned chunk goes buffered
+    first, inode = bytes(host), os.stat(tmp_path / "disk.img").st_ino
+    host[:] = os.urandom(len(host))
+    disk.write(0)
+    assert (tmp_path / "disk.img").read_bytes() == bytes(host) != first
+    second = bytes(host)
+    host[:] = b"\0" * len(host)
+    disk.read(1)
+    assert bytes(host) == second
+    assert os.listdir(tmp_path) == ["disk.img"] and os.stat(tmp_path / "disk.img").st_ino == inode
