@@ -26,6 +26,10 @@ speed). Contenders:
 
 Each pass (`--repeats`) uses fresh keys and files; within a pass the contenders take turns in
 an order rotated every pass, and each figure is the median over the passes.
+
+`--full` (fs): the kvhal tier holds exactly `--count` chunks and is filled before the first
+pass, so every timed store evicts (and recycles, `recycle_files`) one chunk of the previous
+pass; the raw loop then deletes the previous pass's file of each chunk before writing it.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ from kvhal.argtypes import json_object, positive_int
 from kvhal.keys import ChunkKey
 from kvhal.report import print_json, print_table, progress
 from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tiers.chunk_format import record_nbytes
 from kvhal.tiers.fs.remove import remove_tree
 
 from .copy import _size
@@ -94,6 +99,9 @@ class TierBenchResult:
     repeats: int
     contenders: tuple[ContenderResult, ...]
     vllm_note: str
+    full: bool = False
+    #: The kvhal tier's `stats()` after the last pass (evictions, files_recycled, ...).
+    kvhal_stats: dict | None = None
 
     def ratio(self, baseline: int, direction: str) -> float | None:
         """Median of the kvhal tier / median of `contenders[baseline]` in `direction`
@@ -182,16 +190,21 @@ class _RawLoop:
 
     def __init__(self, root: str, host: memoryview, chunk: int, count: int,
                  threads: tuple[int, int], durability: str, o_direct: bool,
-                 o_direct_writes: bool) -> None:
+                 o_direct_writes: bool, full: bool = False) -> None:
         self.root, self.host, self.chunk, self.count = root, host, chunk, count
         self.threads, self.durability, self.o_direct = threads, durability, o_direct
         self.o_direct_writes = o_direct_writes
         self._sync = durability == "power-loss"
+        #: `--full`: each write first deletes the previous pass's file of the same chunk, as a
+        #: full tier that deletes and creates (pass -1 is written first, untimed).
+        self._full = full
 
     def _folder(self, rep: int) -> str:
         return os.path.join(self.root, f"raw{rep}")
 
-    def _write_one(self, folder: str, i: int) -> None:
+    def _write_one(self, folder: str, i: int, previous: str | None = None) -> None:
+        if previous is not None:
+            os.unlink(os.path.join(previous, str(i)))
         tmp, final = os.path.join(folder, f"{i}.tmp"), os.path.join(folder, str(i))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         fd = os.open(tmp, flags | (_O_DIRECT if self.o_direct_writes else 0), 0o644)
@@ -223,7 +236,8 @@ class _RawLoop:
 
     def write(self, rep: int) -> None:
         os.makedirs(self._folder(rep))
-        self._map(self._write_one, self.threads[1], rep)
+        previous = self._folder(rep - 1) if self._full and rep >= 0 else None
+        self._map(lambda folder, i: self._write_one(folder, i, previous), self.threads[1], rep)
 
     def read(self, rep: int) -> None:
         self._map(self._read_one, self.threads[0], rep)
@@ -262,15 +276,26 @@ def _timed(fn, *args) -> float:
 
 
 def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
-            repeats: int, bar=None, with_vllm: bool = True) -> TierBenchResult:
+            repeats: int, bar=None, with_vllm: bool = True, full: bool = False
+            ) -> TierBenchResult:
     """Run the benchmark (module docstring) with files under `root`.
 
     Args:
         with_vllm: Add vLLM's fs tier where `tier_name` is "fs" and vLLM is importable.
+        full: fs only: the kvhal tier gets `max_bytes` of exactly `count` chunk files and is
+            filled (untimed) before the first pass, so that every timed store evicts one
+            chunk of the previous pass; the raw loop deletes that pass's file before each
+            write; vLLM's tier, which has no capacity bound, is left out.
 
     Raises:
         RuntimeError: a job failed or a contender loaded other bytes than were stored.
+        ValueError: `full` with a tier other than fs.
     """
+    if full and tier_name != "fs":
+        raise ValueError(f"--full: only for --tier fs (got {tier_name!r})")
+    if full:
+        config = config | {"max_bytes": count * record_nbytes(chunk)}
+        with_vllm = False
     region = mmap.mmap(-1, chunk * count)
     host = memoryview(region)
     array = np.frombuffer(host, dtype=np.uint8)
@@ -285,9 +310,13 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
         contenders += raw_contenders(config | {"type": "obj"}, host, chunk, count)
     else:
         contenders.append(_RawLoop(root, host, chunk, count, kv.threads, kv.durability,
-                                   kv.o_direct, kv.o_direct_writes))
-    note = _vllm_note(tier_name, with_vllm)
+                                   kv.o_direct, kv.o_direct_writes, full))
+    note = "--full: vllm's fs tier has no capacity bound: skipped" if full else _vllm_note(
+        tier_name, with_vllm)
     try:
+        if full:                                  # fill the kvhal tier and the raw loop
+            for c in contenders:
+                c.write(-1)
         if note is None:
             contenders.append(_VllmContender(root, host, chunk, count))
             note = "vllm fs tier measured"
@@ -308,6 +337,7 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
                     raise RuntimeError(f"{c.name}: loaded bytes differ from the stored bytes")
             if bar:
                 bar.advance(task)
+        kvhal_stats = dict(tier.stats())
     finally:
         for c in contenders:
             c.close()
@@ -318,7 +348,7 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
                         tuple(total / t / 1e9 for t in times[c.name][0]),
                         tuple(total / t / 1e9 for t in times[c.name][1]))
         for c in contenders)
-    return TierBenchResult(tier_name, chunk, count, repeats, results, note)
+    return TierBenchResult(tier_name, chunk, count, repeats, results, note, full, kvhal_stats)
 
 
 def _vllm_note(tier_name: str, with_vllm: bool) -> str | None:
@@ -335,7 +365,8 @@ def _vllm_note(tier_name: str, with_vllm: bool) -> str | None:
 def to_json(result: TierBenchResult) -> dict:
     """The `--json` payload: every pass of every contender, medians and kvhal's ratios."""
     out = {"tier": result.tier, "chunk_bytes": result.chunk_bytes, "count": result.count,
-           "repeats": result.repeats, "vllm": result.vllm_note, "contenders": []}
+           "repeats": result.repeats, "full": result.full, "vllm": result.vllm_note,
+           "kvhal_stats": result.kvhal_stats, "contenders": []}
     for c in result.contenders:
         out["contenders"].append(asdict(c) | {"write_median_gbps": c.write_median,
                                               "read_median_gbps": c.read_median})
@@ -363,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with progress(disable=args.json) as bar, _store(args.tier, config) as config:
             result = measure(args.tier, config, root, args.chunk_bytes, args.count,
-                             args.repeats, bar, with_vllm=not args.no_vllm)
+                             args.repeats, bar, with_vllm=not args.no_vllm, full=args.full)
     finally:
         if args.root_dir is None:
             remove_tree(root)
@@ -378,8 +409,10 @@ def run(args: argparse.Namespace) -> int:
         direct = "on" if c.o_direct else "writes" if c.o_direct_writes else "off"
         rows.append([c.name, c.threads, c.durability, direct,
                      round(c.write_median, 3), w, round(c.read_median, 3), r])
-    print_table(f"kvhal bench tier — {result.tier}, {result.count} × {result.chunk_bytes} B "
-                f"chunks, median of {result.repeats} alternating passes (GB/s)",
+    full = " (full: every store evicts)" if result.full else ""
+    print_table(f"kvhal bench tier — {result.tier}{full}, {result.count} × "
+                f"{result.chunk_bytes} B chunks, median of {result.repeats} alternating passes "
+                f"(GB/s)",
                 ["contender", "threads r+w", "durability", "O_DIRECT", "write", "kvhal ×",
                  "cold read", "kvhal ×"], rows)
     print(result.vllm_note)
@@ -410,5 +443,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "'{\"n_write_threads\": 8}'; obj: a \"store_config\" names the bucket "
                         "(default: a local moto_server started for the run)")
     p.add_argument("--no-vllm", action="store_true", help="leave out vLLM's fs tier")
+    p.add_argument("--full", action="store_true",
+                   help="fs: measure a full tier (max_bytes of exactly --count chunks, filled "
+                        "first): every store evicts; the raw loop deletes a file per write; "
+                        "vLLM's tier (no capacity bound) is left out")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

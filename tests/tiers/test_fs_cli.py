@@ -172,6 +172,29 @@ def test_bench_tier_json_reports_every_pass_of_kvhal_raw_vllm_and_the_disk(tmp_p
         assert (result["vllm"], result["read_vs_vllm"]) == ("vllm not installed: skipped", None)
 
 
+def test_bench_tier_full_evicts_with_every_store_and_recycles_the_files(tmp_path):
+    out = kvhal("bench", "tier", "--full", "--chunk-bytes", "64KiB", "--count", "8",
+                "--repeats", "3", "--root-dir", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert [c["name"] for c in result["contenders"]] == ["kvhal fs", "raw loop",
+                                                         "disk (no files)"]
+    assert (result["full"], result["vllm"]) == (
+        True, "--full: vllm's fs tier has no capacity bound: skipped")
+    stats = result["kvhal_stats"]
+    # filled with 8 chunks first: each of the 3 x 8 timed stores evicts one, in its file
+    assert (stats["evictions"], stats["files_recycled"], stats["chunks"]) == (24, 24, 8)
+    assert stats["max_bytes"] == stats["used_bytes"] == 8 * (65536 + 4096)
+    raw = {rep: len(os.listdir(tmp_path / f"raw{rep}")) for rep in (-1, 0, 1, 2)}
+    assert raw == {-1: 0, 0: 0, 1: 0, 2: 8}            # each write deleted the last pass's file
+
+
+def test_bench_tier_full_is_for_the_fs_tier_only(tmp_path):
+    out = kvhal("bench", "tier", "--tier", "obj", "--full", "--count", "2", "--json")
+    assert out.returncode != 0
+    assert "--full: only for --tier fs (got 'obj')" in out.stderr
+
+
 @pytest.mark.parametrize("chunk", [4096 * 3, 6000])
 def test_bench_disk_loop_overwrites_one_file_in_place_and_reads_it_back(tmp_path, chunk):
     region = mmap.mmap(-1, chunk * 4)

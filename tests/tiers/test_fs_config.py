@@ -43,7 +43,8 @@ BAD = [
      "durability: must be one of 'process', 'power-loss'; got True"),
     ({"root_dir": "/x", "rootdir": "/y"}, "rootdir: unknown key for the fs tier; accepted: "
                                           "durability, max_bytes, n_read_threads, "
-                                          "n_write_threads, o_direct, refresh_interval_s, "
+                                          "n_write_threads, o_direct, recycle_files, "
+                                          "refresh_interval_s, "
                                           "root_dir"),
 ]
 

@@ -110,11 +110,16 @@ static PyObject *raise_errno(int err, const char *step, PyObject *path) {
 }
 
 PyDoc_STRVAR(write_file_doc,
-"write_file(tmp, final, bufs, direct, sync, folder, checksum_at=-1, digest_at=-1) -> None\n\n"
+"write_file(tmp, final, bufs, direct, sync, folder, checksum_at=-1, digest_at=-1, reuse=None)\n"
+"    -> bool\n\n"
 "Create `tmp` (O_WRONLY|O_CREAT|O_EXCL|O_CLOEXEC, plus O_DIRECT if `direct`, mode 0644), write\n"
 "the buffers in `bufs` (at most 4, in order, from offset 0; short writes are continued), with\n"
 "`sync` fdatasync it, close it and rename it to `final`; with `sync` also fsync the folder\n"
 "`folder` afterwards. The GIL is released for all of it. On any error `tmp` is unlinked.\n\n"
+"Recycling (`reuse` a path): the file at `reuse` (an evicted chunk file) is renamed to `tmp`\n"
+"and overwritten in place (opened without O_CREAT, truncated to the bytes written), so no\n"
+"inode or block is allocated; if that rename fails, `reuse` is unlinked (best effort) and\n"
+"`tmp` created as above. Returns True if `reuse` was recycled, False if `tmp` was created.\n\n"
 "Sealing (`checksum_at` >= 0; both hashers bound, `set_hasher`): before anything is written,\n"
 "the canonical 16-byte xxh3-128 of `bufs[1]` is stored at byte `checksum_at` of `bufs[0]`,\n"
 "then the little-endian xxh3-64 of `bufs[0][:digest_at]` at byte `digest_at` (the header\n"
@@ -122,18 +127,20 @@ PyDoc_STRVAR(write_file_doc,
 "`bufs[0]` must then be writable.\n\n"
 "Raises:\n"
 "    OSError: errno and `tmp` (or `folder`) of the failing step; its `kvhal_step` attribute\n"
-"        names the step (open, pwritev, fdatasync, close, rename, fsync_dir).\n"
+"        names the step (open, pwritev, ftruncate, fdatasync, close, rename, fsync_dir).\n"
 "    ValueError: more than 4 buffers; sealing asked without both hashers bound, with an\n"
 "        empty buffer or fewer than 2, or with offsets outside `bufs[0]`.\n"
 "    BufferError: sealing with a read-only `bufs[0]`.");
 
 static PyObject *write_file(PyObject *self, PyObject *args) {
-    PyObject *tmp_arg, *final_arg, *folder_arg, *bufs;
-    PyObject *tmp_obj = NULL, *final_obj = NULL, *folder_obj = NULL;
+    PyObject *tmp_arg, *final_arg, *folder_arg, *bufs, *reuse_arg = Py_None;
+    PyObject *tmp_obj = NULL, *final_obj = NULL, *folder_obj = NULL, *reuse_obj = NULL;
     int direct, sync;
     Py_ssize_t checksum_at = -1, digest_at = -1;
-    if (!PyArg_ParseTuple(args, "OOOppO|nn", &tmp_arg, &final_arg, &bufs, &direct, &sync,
-                          &folder_arg, &checksum_at, &digest_at))
+    if (!PyArg_ParseTuple(args, "OOOppO|nnO", &tmp_arg, &final_arg, &bufs, &direct, &sync,
+                          &folder_arg, &checksum_at, &digest_at, &reuse_arg))
+        return NULL;
+    if (reuse_arg != Py_None && !PyUnicode_FSConverter(reuse_arg, &reuse_obj))
         return NULL;
     int seal = checksum_at >= 0;
     if (seal && (hasher == NULL || hasher64 == NULL)) {
@@ -144,6 +151,7 @@ static PyObject *write_file(PyObject *self, PyObject *args) {
         || !PyUnicode_FSConverter(folder_arg, &folder_obj)) {
         Py_XDECREF(tmp_obj);
         Py_XDECREF(final_obj);
+        Py_XDECREF(reuse_obj);
         return NULL;
     }
     Py_buffer views[MAX_BUFS];
@@ -169,7 +177,7 @@ static PyObject *write_file(PyObject *self, PyObject *args) {
     const char *final = PyBytes_AS_STRING(final_obj);
     const char *folder = PyBytes_AS_STRING(folder_obj);
     const char *step = NULL;
-    int err = 0, failed_on_folder = 0;
+    int err = 0, failed_on_folder = 0, reused = 0;
     Py_BEGIN_ALLOW_THREADS
     if (seal) {
         unsigned char *header = (unsigned char *)iov[0].iov_base;
@@ -177,8 +185,19 @@ static PyObject *write_file(PyObject *self, PyObject *args) {
         uint64_t digest = hasher64(header, (size_t)digest_at);
         for (int i = 0; i < 8; i++) header[digest_at + i] = (unsigned char)(digest >> (8 * i));
     }
-    int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0);
-    int fd = open(tmp, flags, 0644);
+    int flags = O_WRONLY | O_CLOEXEC | (direct ? O_DIRECT : 0);
+    int fd = -1;
+    if (reuse_obj != NULL) {
+        const char *reuse = PyBytes_AS_STRING(reuse_obj);
+        if (rename(reuse, tmp) == 0) {
+            fd = open(tmp, flags);
+            reused = fd >= 0;
+            if (fd < 0) unlink(tmp);
+        } else {
+            unlink(reuse);
+        }
+    }
+    if (fd < 0) fd = open(tmp, flags | O_CREAT | O_EXCL, 0644);
     if (fd < 0) {
         err = errno;
         step = "open";
@@ -196,6 +215,10 @@ static PyObject *write_file(PyObject *self, PyObject *args) {
             }
             offset += n;
             left = advance(cur, left, (size_t)n);
+        }
+        if (!err && reused && ftruncate(fd, offset) != 0) {
+            err = errno;
+            step = "ftruncate";
         }
         if (!err && sync && fdatasync(fd) != 0) {
             err = errno;
@@ -224,14 +247,14 @@ static PyObject *write_file(PyObject *self, PyObject *args) {
     if (err) {
         raise_errno(err, step, failed_on_folder ? folder_arg : tmp_arg);
     } else {
-        result = Py_None;
-        Py_INCREF(result);
+        result = PyBool_FromLong(reused);
     }
     release_buffers(views, count);
 out:
     Py_DECREF(tmp_obj);
     Py_DECREF(final_obj);
     Py_DECREF(folder_obj);
+    Py_XDECREF(reuse_obj);
     return result;
 }
 

@@ -37,6 +37,12 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
         torn or zeroed, which the checks on every read and on indexing turn into misses.
         "power-loss": fdatasync the file before the rename and fsync its folder after it, so
         a finished store survives power loss (about 2-3x the write time per chunk here).
+    recycle_files (bool, default true): a store that must evict to make room overwrites an
+        evicted chunk file of its own size in place (renamed to the store's temp name)
+        instead of deleting it and creating a new one: the filesystem allocates and frees no
+        inode and no blocks (and issues no discard) for a full tier's stores. Readers of the
+        evicted chunk get a miss either way. false deletes and creates, as does durability
+        "power-loss".
 Errors name the key (`root_dir: ...`); the config loader prefixes the list position.
 """
 from __future__ import annotations
@@ -62,7 +68,7 @@ MAX_REFRESH_INTERVAL_S = 86400.0
 #: Keys the tier ignores because the config loader or plugin system uses them.
 _PASSTHROUGH = frozenset({"type", "module_path"})
 _KEYS = frozenset({"root_dir", "max_bytes", "n_read_threads", "n_write_threads", "o_direct",
-                   "refresh_interval_s", "durability"})
+                   "refresh_interval_s", "durability", "recycle_files"})
 DURABILITIES = ("process", "power-loss")
 DEFAULT_DURABILITY = "process"
 
@@ -78,6 +84,7 @@ class FsConfig:
     o_direct: str | bool
     refresh_interval_s: float
     durability: str = DEFAULT_DURABILITY
+    recycle_files: bool = True
 
 
 def _positive_int(config: Mapping[str, Any], name: str, default: int | None) -> int | None:
@@ -121,7 +128,10 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
     if not isinstance(durability, str) or durability not in DURABILITIES:
         raise TierError(f"durability: must be one of {', '.join(map(repr, DURABILITIES))}; "
                         f"got {durability!r}")
+    recycle = config.get("recycle_files", True)
+    if not isinstance(recycle, bool):
+        raise TierError(f"recycle_files: must be true or false, got {recycle!r}")
     return FsConfig(root_dir, _positive_int(config, "max_bytes", None),
                     _positive_int(config, "n_read_threads", DEFAULT_THREADS),
                     _positive_int(config, "n_write_threads", DEFAULT_THREADS),
-                    o_direct, float(interval), durability)
+                    o_direct, float(interval), durability, recycle)

@@ -136,7 +136,8 @@ def _split(payload: memoryview) -> tuple[memoryview, int]:
     return payload[:bulk], len(payload) - bulk
 
 
-def _write_all(osm, fd: int, bufs: list[memoryview]) -> None:
+def _write_all(osm, fd: int, bufs: list[memoryview]) -> int:
+    """Write `bufs` in order from offset 0 (short writes continued); returns the bytes written."""
     offset = 0
     bufs = [b for b in bufs if len(b)]
     while bufs:
@@ -149,10 +150,35 @@ def _write_all(osm, fd: int, bufs: list[memoryview]) -> None:
             bufs.pop(0)
         if n:
             bufs[0] = bufs[0][n:]
+    return offset
+
+
+def _open_temp(osm, tmp: str, flags: int, reuse: str | None) -> tuple[int, bool]:
+    """Open `tmp` for writing: the file at `reuse` renamed to `tmp` if given and possible
+    (recycled: no O_CREAT), else a new file. Returns (fd, recycled). Raises OSError from the
+    create; a `reuse` that cannot be renamed is unlinked (best effort), as an eviction would."""
+    if reuse is not None:
+        try:
+            osm.rename(reuse, tmp)
+        except OSError:
+            _unlink_quietly(reuse)
+        else:
+            try:
+                return osm.open(tmp, flags), True
+            except OSError:
+                _unlink_quietly(tmp)
+    return osm.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o644), False
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bool,
-                scratch: Scratch, sync: bool) -> None:
+                scratch: Scratch, sync: bool, reuse: str | None = None) -> bool:
     """Publish `payload` as the chunk file of `key` inside `ns_dir`.
 
     Writes header + payload + zero padding to a unique temp file (O_DIRECT if `direct`, which
@@ -163,8 +189,20 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
     it), and a power loss may leave it missing, short, zeroed or torn, which `read_chunk` and
     the directory scan detect. On any error the temp file is removed.
 
+    `reuse` (the path of an evicted chunk file, or None): that file is renamed to the temp
+    name and overwritten in place instead of a new one being created, so the filesystem
+    allocates no inode and no blocks for the store and frees none for the eviction (issue 13:
+    on this project's ext4 without a journal, creating a file after many deletes costs more
+    than writing it). A reader that opened the evicted file before reads a mix of two chunks,
+    which its key and checksum checks turn into a miss (`read_chunk`); readers that open it
+    later find no file. If `reuse` cannot be renamed it is unlinked and a new file created.
+
+    Returns:
+        True if `reuse` was recycled, False if a new file was created.
+
     Raises:
-        OSError: from any step (ENOSPC, EIO, EACCES, ...); nothing is left behind.
+        OSError: from any step (ENOSPC, EIO, EACCES, ...); nothing is left behind (`reuse`,
+            once renamed, goes with the temp file).
     """
     bulk, rem = _split(payload)
     fast = osm is os and _chunkio is not None
@@ -182,27 +220,26 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
     tmp = temp_path(ns_dir, key)
     final = chunk_path(ns_dir, key)
     if fast:
-        _chunkio.write_file(tmp, final, bufs, direct, sync, os.path.dirname(final),
-                            *((CHECKSUM_OFFSET, digest_at) if seal else ()))
-        return
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
-    fd = osm.open(tmp, flags, 0o644)
+        return _chunkio.write_file(tmp, final, bufs, direct, sync, os.path.dirname(final),
+                                   *((CHECKSUM_OFFSET, digest_at) if seal else (-1, -1)), reuse)
+    flags = os.O_WRONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0)
+    fd, recycled = _open_temp(osm, tmp, flags, reuse)
     try:
         try:
-            _write_all(osm, fd, bufs)
+            written = _write_all(osm, fd, bufs)
+            if recycled:
+                osm.ftruncate(fd, written)
             if sync:
                 osm.fdatasync(fd)
         finally:
             os.close(fd)
         osm.rename(tmp, final)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink_quietly(tmp)
         raise
     if sync:
         fsync_dir(osm, os.path.dirname(final))
+    return recycled
 
 
 def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes, direct: bool,

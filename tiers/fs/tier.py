@@ -12,8 +12,10 @@ from the directory at start (restart keeps every complete chunk; files are not r
 refreshed by a background thread, so chunks written by other processes sharing `root_dir`
 become visible within `refresh_interval_s`. Stores and loads run on separate thread pools.
 Capacity: `max_bytes` covers every namespace under `root_dir` (`budget.py`: namespaces nobody
-uses are deleted first, then this namespace's least recently used chunks); ENOSPC fails the store and evicts about a tenth of
-the namespace.
+uses are deleted first, then this namespace's least recently used chunks); ENOSPC fails the
+store and evicts about a tenth of the namespace. A store that evicts overwrites one evicted
+file of its own size in place (`recycle_files`), so a full tier's stores allocate no inode and
+no blocks; a load that finds its file rewritten under it reads it once more and misses.
 """
 from __future__ import annotations
 
@@ -108,6 +110,9 @@ class FsTier(IndexedTier):
                             f"({_errno_text(exc)})") from None
         self.max_bytes = cfg.max_bytes or self._default_max_bytes()
         self._scratch = threading.local()
+        #: Keys being loaded now (count per key): their files are never recycled meanwhile.
+        self._loading: dict[ChunkKey, int] = {}
+        self._loading_lock = threading.Lock()
         self._load_pool = JobPool(cfg.n_read_threads, "kvhal-fs-read")
         self._store_pool = JobPool(cfg.n_write_threads, "kvhal-fs-write")
         self._stop = threading.Event()
@@ -195,7 +200,8 @@ class FsTier(IndexedTier):
 
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
-        io_errors, quarantined, evictions, enospc, orphaned_temps_removed, refresh_errors,
+        io_errors, quarantined, evictions, files_recycled (evictions whose file a store
+        overwrote in place), enospc, orphaned_temps_removed, refresh_errors,
         namespaces_deleted (absent while 0); plus used_bytes, max_bytes (root-wide),
         other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
         chunks, o_direct (bool, detected at start: every read and write with O_DIRECT),
@@ -240,11 +246,17 @@ class FsTier(IndexedTier):
             held = self.max_bytes - budget
             return (f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
                     + (f" less {held} bytes held by other namespaces in use" if held else ""))
-        self._delete(victims, "evictions")
+        reuse = self._recyclable(victims, nbytes)
+        self._delete([v for v in victims if v[0] != reuse], "evictions")
+        if reuse is not None:
+            self._index.discard(reuse)
+            self._count("evictions")
         try:
-            write_chunk(self._os, self.ns_dir, job.key,
-                        self._host[job.offset:job.offset + job.nbytes], self._direct(job),
-                        self._scratch_buffers(), self._sync)
+            if write_chunk(self._os, self.ns_dir, job.key,
+                           self._host[job.offset:job.offset + job.nbytes], self._direct(job),
+                           self._scratch_buffers(), self._sync,
+                           None if reuse is None else chunk_path(self.ns_dir, reuse)):
+                self._count("files_recycled")
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 self._count("enospc")
@@ -258,14 +270,45 @@ class FsTier(IndexedTier):
         self._count("bytes_stored", job.nbytes)
         return None
 
+    def _recyclable(self, victims: list[tuple[ChunkKey, int]], nbytes: int) -> ChunkKey | None:
+        """The victim whose file a store of `nbytes` overwrites in place (`recycle_files`): one
+        of the same size that no load of this tier is reading; None for none. Never under
+        durability "power-loss": the rename out of the victim's folder would need that folder
+        fsynced too, or a power loss could bring the victim's name back."""
+        if not self.config.recycle_files or self._sync:
+            return None
+        with self._loading_lock:
+            return next((key for key, n in victims if n == nbytes and key not in self._loading),
+                        None)
+
+    def _read(self, job: TierJob, path: str) -> None:
+        """Read and verify the chunk file of `job` (its key's loads are registered meanwhile, so
+        a store does not recycle the file under it). A file that fails its checks is read once
+        more: a recycled file another process was rewriting is gone by then (a miss,
+        FileNotFoundError), and only a file that fails twice is corrupt."""
+        with self._loading_lock:
+            self._loading[job.key] = self._loading.get(job.key, 0) + 1
+        dest = self._host[job.offset:job.offset + job.nbytes]
+        try:
+            try:
+                read_chunk(self._os, path, job.key, dest, self.namespace, self._direct(job),
+                           self._scratch_buffers())
+            except CorruptChunk:
+                read_chunk(self._os, path, job.key, dest, self.namespace, self._direct(job),
+                           self._scratch_buffers())
+        finally:
+            with self._loading_lock:
+                left = self._loading.pop(job.key) - 1
+                if left:
+                    self._loading[job.key] = left
+
     def _load(self, job: TierJob) -> str | None:
         error = self._check_job(job)
         if error:
             return error
         path = chunk_path(self.ns_dir, job.key)
         try:
-            read_chunk(self._os, path, job.key, self._host[job.offset:job.offset + job.nbytes],
-                       self.namespace, self._direct(job), self._scratch_buffers())
+            self._read(job, path)
         except FileNotFoundError:
             self._index.discard(job.key)
             self._count("missing")

@@ -1,0 +1,197 @@
+"""A full fs tier overwrites an evicted chunk file in place instead of deleting it and creating
+a new one (`recycle_files`), on the C and the Python path, and never serves its old or mixed
+bytes: not to a load of this tier, not to another process's reader that had it open."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvhal.tiers.base import JobKind, Lookup, TierError, TierJob
+from kvhal.tiers.chunk_format import ALIGN, record_nbytes
+from kvhal.tiers.fs import FsTier
+from kvhal.tiers.fs.fileio import Scratch, read_chunk, write_chunk
+from kvhal.tiers.fs.format import chunk_path
+
+from .helpers import NAMESPACE, chunk_key, host_region, payload, store, temp_files
+
+NBYTES = 3 * ALIGN
+RECORD = record_nbytes(NBYTES)
+
+
+class PassThroughOs:
+    """The real `os` module behind another object: `fileio` then takes its Python path (one
+    system call per step). Injects nothing."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+class FaultyPausedReadOs(PassThroughOs):
+    """`os`, except that the first `preadv` waits for `resume` (after setting `reading`): holds
+    a reader between opening a chunk file and reading it, so that another tier can recycle
+    the file in that window (a real disk cannot pause a read on demand)."""
+
+    def __init__(self):
+        self.reading, self.resume = threading.Event(), threading.Event()
+
+    def preadv(self, *args):
+        if not self.reading.is_set():
+            self.reading.set()
+            assert self.resume.wait(30)
+        return os.preadv(*args)
+
+
+@pytest.fixture
+def region():
+    return host_region(1 << 20)
+
+
+def _full_tier(root, host, os_module=os, **config):
+    """A tier that holds two chunks of NBYTES: the third store evicts."""
+    return FsTier({"root_dir": str(root), "refresh_interval_s": 3600, "max_bytes": 2 * RECORD}
+                  | config, host, NAMESPACE, os_module=os_module)
+
+
+def _fill(tier, array, seeds):
+    keys = []
+    for seed in seeds:
+        array[:NBYTES] = payload(seed, NBYTES)
+        keys.append(chunk_key(NAMESPACE, seed))
+        assert store(tier, keys[-1], 0, NBYTES).ok
+    return keys
+
+
+def _load_ok(tier, array, key, seed) -> bool:
+    array[ALIGN:ALIGN + NBYTES] = 0
+    tier.submit_load(TierJob(99, JobKind.LOAD, key, ALIGN, NBYTES))
+    tier.drain(30)
+    ok = [r.ok for r in tier.get_finished_jobs()] == [True]
+    return ok and np.array_equal(array[ALIGN:ALIGN + NBYTES], payload(seed, NBYTES))
+
+
+@pytest.mark.parametrize("os_module", [os, PassThroughOs()], ids=["c", "python"])
+def test_a_store_into_a_full_tier_overwrites_the_evicted_file_in_place(tmp_path, region,
+                                                                        os_module):
+    host, array = region
+    tier = _full_tier(tmp_path, host, os_module)
+    old, kept = _fill(tier, array, [1, 2])
+    probe = tmp_path / "probe"                       # a second name for the victim's inode
+    os.link(chunk_path(tier.ns_dir, old), probe)
+    (new,) = _fill(tier, array, [3])
+
+    assert not os.path.exists(chunk_path(tier.ns_dir, old))
+    assert os.path.samefile(probe, chunk_path(tier.ns_dir, new))       # the same inode...
+    with open(chunk_path(tier.ns_dir, new), "rb") as f:
+        assert len(f.read()) == RECORD                                 # ...rewritten whole
+    assert _load_ok(tier, array, new, 3) and _load_ok(tier, array, kept, 2)
+    assert (tier.lookup(old), tier.lookup(new)) == (Lookup.MISS, Lookup.HIT)
+    stats = tier.stats()
+    assert (stats["evictions"], stats["files_recycled"], stats["chunks"]) == (1, 1, 2)
+    assert stats["used_bytes"] == 2 * RECORD and temp_files(tier.ns_dir) == []
+    tier.close()
+
+
+@pytest.mark.parametrize("config, nbytes", [({"recycle_files": False}, NBYTES),
+                                            ({"durability": "power-loss"}, NBYTES),
+                                            ({}, NBYTES - ALIGN)],
+                         ids=["recycle_files-false", "power-loss", "other-size"])
+def test_no_recycling_without_it_under_power_loss_or_for_another_size(tmp_path, region,
+                                                                      config, nbytes):
+    host, array = region
+    tier = _full_tier(tmp_path, host, **config)
+    old, _ = _fill(tier, array, [1, 2])
+    with open(chunk_path(tier.ns_dir, old), "rb") as f:
+        before = f.read()
+    probe = tmp_path / "probe"
+    os.link(chunk_path(tier.ns_dir, old), probe)
+    array[:nbytes] = payload(3, nbytes)
+    new = chunk_key(NAMESPACE, 3)
+    assert store(tier, new, 0, nbytes).ok
+
+    assert probe.read_bytes() == before                  # deleted, not overwritten
+    assert not os.path.exists(chunk_path(tier.ns_dir, old))
+    assert "files_recycled" not in tier.stats() and tier.stats()["evictions"] >= 1
+    array[ALIGN:ALIGN + nbytes] = 0
+    tier.submit_load(TierJob(9, JobKind.LOAD, new, ALIGN, nbytes))
+    tier.drain(30)
+    assert [r.ok for r in tier.get_finished_jobs()] == [True]
+    assert np.array_equal(array[ALIGN:ALIGN + nbytes], payload(3, nbytes))
+    tier.close()
+
+
+def test_recycle_files_must_be_a_boolean(tmp_path, region):
+    with pytest.raises(TierError, match=r"^recycle_files: must be true or false, got 1$"):
+        FsTier({"root_dir": str(tmp_path), "recycle_files": 1}, region[0], NAMESPACE)
+
+
+def test_another_readers_open_file_recycled_under_it_is_a_miss_not_corruption(tmp_path,
+                                                                               region):
+    # two tiers on one folder, as two processes: the reader opened `old` and is paused before
+    # reading it when the writer, full, overwrites that very file with `new`
+    host, array = region
+    reader_host, _ = host_region(1 << 20)
+    writer = _full_tier(tmp_path, host)
+    old, _ = _fill(writer, array, [1, 2])
+    faulty = FaultyPausedReadOs()
+    reader = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600}, reader_host,
+                    NAMESPACE, os_module=faulty)
+    reader.submit_load(TierJob(10, JobKind.LOAD, old, 0, NBYTES))
+    assert faulty.reading.wait(30)
+    (new,) = _fill(writer, array, [3])
+    assert writer.stats()["files_recycled"] == 1
+    faulty.resume.set()
+    reader.drain(30)
+
+    results = reader.get_finished_jobs()
+    assert [(r.job_id, r.ok, r.error) for r in results] == [(10, False, "not found")]
+    stats = reader.stats()
+    assert (stats.get("corrupt", 0), stats.get("quarantined", 0), stats["missing"]) == (0, 0, 1)
+    assert _load_ok(writer, array, new, 3)               # the new chunk was not quarantined
+    writer.close()
+    reader.close()
+
+
+def test_a_file_corrupt_on_both_reads_is_still_quarantined(tmp_path, region):
+    host, array = region
+    tier = _full_tier(tmp_path, host)
+    (key,) = _fill(tier, array, [1])
+    path = chunk_path(tier.ns_dir, key)
+    with open(path, "r+b") as f:
+        f.seek(RECORD - 1)
+        f.write(b"\xff")
+    tier.submit_load(TierJob(5, JobKind.LOAD, key, ALIGN, NBYTES))
+    tier.drain(30)
+    (result,) = tier.get_finished_jobs()
+    assert not result.ok and result.error.startswith("corrupt")
+    assert (tier.stats()["corrupt"], tier.stats()["quarantined"]) == (1, 1)
+    assert not os.path.exists(path)
+    tier.close()
+
+
+@pytest.mark.parametrize("os_module", [os, PassThroughOs()], ids=["c", "python"])
+def test_write_chunk_recycles_a_longer_file_and_creates_when_the_file_is_gone(tmp_path,
+                                                                               os_module):
+    host, array = host_region(1 << 20)
+    for i in range(256):
+        os.makedirs(tmp_path / "chunks" / f"{i:02x}", exist_ok=True)
+    ns_dir = str(tmp_path)
+    spare = tmp_path / "spare"
+    spare.write_bytes(b"\xaa" * (RECORD + 5 * ALIGN))              # longer than the record
+    key = chunk_key(NAMESPACE, 4)
+    array[:NBYTES] = payload(4, NBYTES)
+    assert write_chunk(os_module, ns_dir, key, host[:NBYTES], False, Scratch(), False,
+                       str(spare)) is True
+    assert not spare.exists() and os.path.getsize(chunk_path(ns_dir, key)) == RECORD
+    array[ALIGN:] = 0
+    read_chunk(os, chunk_path(ns_dir, key), key, host[ALIGN:ALIGN + NBYTES], NAMESPACE, False,
+               Scratch())
+    assert np.array_equal(array[ALIGN:ALIGN + NBYTES], payload(4, NBYTES))
+
+    other = chunk_key(NAMESPACE, 5)
+    assert write_chunk(os_module, ns_dir, other, host[:NBYTES], False, Scratch(), False,
+                       str(spare)) is False                        # gone: a new file
+    assert os.path.getsize(chunk_path(ns_dir, other)) == RECORD
+    assert temp_files(ns_dir) == []
