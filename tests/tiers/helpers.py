@@ -17,6 +17,14 @@ NAMESPACE = bytes(range(16))
 OTHER_NAMESPACE = bytes(range(16, 32))
 
 
+class PassThroughOs:
+    """The real `os` module behind another object: `fileio` then takes its Python path (one
+    system call per step), the reference the C path is compared with. Injects nothing."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
 def host_region(nbytes: int = 8 << 20) -> tuple[memoryview, np.ndarray]:
     """A page-aligned anonymous host region and its uint8 numpy view."""
     view = memoryview(mmap.mmap(-1, nbytes))

@@ -14,18 +14,10 @@ from kvhal.tiers.fs import fileio
 from kvhal.tiers.fs.fileio import Scratch, probe_o_direct, read_chunk, write_chunk
 from kvhal.tiers.fs.format import chunk_path
 
-from .helpers import NAMESPACE, chunk_key, host_region, payload, temp_files
+from .helpers import NAMESPACE, PassThroughOs, chunk_key, host_region, payload, temp_files
 
 needs_c = pytest.mark.skipif(not fileio.FAST_IO, reason="kvhal.tiers.fs._chunkio was not "
                                 "built (no C compiler at install time); the Python path runs")
-
-
-class PassThroughOs:
-    """The real `os` module behind another object: `fileio` then takes its Python path (one
-    system call per step), the reference the C path is compared with. Injects nothing."""
-
-    def __getattr__(self, name):
-        return getattr(os, name)
 
 
 @pytest.fixture

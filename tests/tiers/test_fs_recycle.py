@@ -15,18 +15,11 @@ from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.fileio import Scratch, read_chunk, write_chunk
 from kvhal.tiers.fs.format import chunk_path
 
-from .helpers import NAMESPACE, chunk_key, host_region, payload, store, temp_files
+from .helpers import (NAMESPACE, PassThroughOs, chunk_key, host_region, payload, store,
+                      temp_files)
 
 NBYTES = 3 * ALIGN
 RECORD = record_nbytes(NBYTES)
-
-
-class PassThroughOs:
-    """The real `os` module behind another object: `fileio` then takes its Python path (one
-    system call per step). Injects nothing."""
-
-    def __getattr__(self, name):
-        return getattr(os, name)
 
 
 class FaultyPausedReadOs(PassThroughOs):
