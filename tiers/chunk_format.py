@@ -42,7 +42,15 @@ class FormatError(ValueError):
 
 
 class CorruptChunk(Exception):
-    """A stored chunk failed a check (header, size, key or checksum); args[0] says which."""
+    """A stored chunk failed a check (header, size, key or checksum); args[0] says which.
+
+    Attributes:
+        file_id: fs tier: (st_dev, st_ino, st_ctime_ns) of the file that was read, to tell a
+            file damaged at rest from one replaced or rewritten while it was read; None when
+            unknown.
+    """
+
+    file_id: tuple[int, int, int] | None = None
 
 
 class SizeMismatch(Exception):

@@ -143,9 +143,11 @@ def test_the_bound_hasher_is_xxh3_128_and_a_corrupt_payload_is_caught_in_c(ns_di
     array[:2 * ALIGN] = payload(9, 2 * ALIGN)
     write_chunk(os, ns_dir, key, host[:2 * ALIGN], False, Scratch(), sync=False)
     path = chunk_path(ns_dir, key)
-    status, n, digest = _chunkio.read_file(path, [bytearray(ALIGN), host[ALIGN:3 * ALIGN]],
-                                           False, 3 * ALIGN, 1)
+    status, n, digest, file_id = _chunkio.read_file(
+        path, [bytearray(ALIGN), host[ALIGN:3 * ALIGN]], False, 3 * ALIGN, 1)
     assert (status, n, digest) == (0, 3 * ALIGN, xxhash.xxh3_128_digest(payload(9, 2 * ALIGN)))
+    st = os.stat(path)
+    assert file_id == (st.st_dev, st.st_ino, st.st_ctime_ns)
     assert _chunkio.read_file(path, [bytearray(ALIGN), host[ALIGN:3 * ALIGN]], False,
                               3 * ALIGN)[2] is None  # not asked to verify
     with open(path, "r+b") as f:                     # one payload bit flipped

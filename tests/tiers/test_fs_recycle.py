@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -71,14 +72,11 @@ def test_a_store_into_a_full_tier_overwrites_the_evicted_file_in_place(tmp_path,
     host, array = region
     tier = _full_tier(tmp_path, host, os_module)
     old, kept = _fill(tier, array, [1, 2])
-    probe = tmp_path / "probe"                       # a second name for the victim's inode
-    os.link(chunk_path(tier.ns_dir, old), probe)
-    (new,) = _fill(tier, array, [3])
-
-    assert not os.path.exists(chunk_path(tier.ns_dir, old))
-    assert os.path.samefile(probe, chunk_path(tier.ns_dir, new))       # the same inode...
-    with open(chunk_path(tier.ns_dir, new), "rb") as f:
-        assert len(f.read()) == RECORD                                 # ...rewritten whole
+    with open(chunk_path(tier.ns_dir, old), "rb") as probe:   # holds the victim's inode
+        (new,) = _fill(tier, array, [3])
+        assert not os.path.exists(chunk_path(tier.ns_dir, old))
+        with open(chunk_path(tier.ns_dir, new), "rb") as f:
+            assert probe.read() == f.read() and os.fstat(probe.fileno()).st_size == RECORD
     assert _load_ok(tier, array, new, 3) and _load_ok(tier, array, kept, 2)
     assert (tier.lookup(old), tier.lookup(new)) == (Lookup.MISS, Lookup.HIT)
     stats = tier.stats()
@@ -98,13 +96,13 @@ def test_no_recycling_without_it_under_power_loss_or_for_another_size(tmp_path, 
     old, _ = _fill(tier, array, [1, 2])
     with open(chunk_path(tier.ns_dir, old), "rb") as f:
         before = f.read()
-    probe = tmp_path / "probe"
-    os.link(chunk_path(tier.ns_dir, old), probe)
+    probe = open(chunk_path(tier.ns_dir, old), "rb")
     array[:nbytes] = payload(3, nbytes)
     new = chunk_key(NAMESPACE, 3)
     assert store(tier, new, 0, nbytes).ok
 
-    assert probe.read_bytes() == before                  # deleted, not overwritten
+    with probe:
+        assert probe.read() == before                    # deleted, not overwritten
     assert not os.path.exists(chunk_path(tier.ns_dir, old))
     assert "files_recycled" not in tier.stats() and tier.stats()["evictions"] >= 1
     array[ALIGN:ALIGN + nbytes] = 0
@@ -120,12 +118,12 @@ def test_recycle_files_must_be_a_boolean(tmp_path, region):
         FsTier({"root_dir": str(tmp_path), "recycle_files": 1}, region[0], NAMESPACE)
 
 
-def test_another_readers_open_file_recycled_under_it_is_a_miss_not_corruption(tmp_path,
-                                                                               region):
-    # two tiers on one folder, as two processes: the reader opened `old` and is paused before
-    # reading it when the writer, full, overwrites that very file with `new`
+def _paused_reader_races(tmp_path, region, seeds):
+    """Two tiers on one folder, as two processes: the reader opens the chunk of seed 1 and is
+    paused before reading it while the full writer stores `seeds` (the first recycles that
+    very file). Returns (writer, reader, the reader's host array, its finished jobs)."""
     host, array = region
-    reader_host, _ = host_region(1 << 20)
+    reader_host, reader_array = host_region(1 << 20)
     writer = _full_tier(tmp_path, host)
     old, _ = _fill(writer, array, [1, 2])
     faulty = FaultyPausedReadOs()
@@ -133,21 +131,103 @@ def test_another_readers_open_file_recycled_under_it_is_a_miss_not_corruption(tm
                     NAMESPACE, os_module=faulty)
     reader.submit_load(TierJob(10, JobKind.LOAD, old, 0, NBYTES))
     assert faulty.reading.wait(30)
-    (new,) = _fill(writer, array, [3])
-    assert writer.stats()["files_recycled"] == 1
+    _fill(writer, array, seeds)
+    assert writer.stats()["files_recycled"] == len(seeds)
     faulty.resume.set()
     reader.drain(30)
+    return writer, reader, reader_array, reader.get_finished_jobs()
 
-    results = reader.get_finished_jobs()
+
+def test_another_readers_open_file_recycled_under_it_is_a_miss_not_corruption(tmp_path,
+                                                                               region):
+    writer, reader, _, results = _paused_reader_races(tmp_path, region, [3])
+
     assert [(r.job_id, r.ok, r.error) for r in results] == [(10, False, "not found")]
     stats = reader.stats()
     assert (stats.get("corrupt", 0), stats.get("quarantined", 0), stats["missing"]) == (0, 0, 1)
-    assert _load_ok(writer, array, new, 3)               # the new chunk was not quarantined
+    assert _load_ok(writer, region[1], chunk_key(NAMESPACE, 3), 3)   # not quarantined
     writer.close()
     reader.close()
 
 
-def test_a_file_corrupt_on_both_reads_is_still_quarantined(tmp_path, region):
+def test_a_file_replaced_under_a_reader_by_a_new_copy_of_its_chunk_is_read_again(tmp_path,
+                                                                                 region):
+    # seed 3 recycles the reader's file, then seed 1 is stored anew: the first read fails its
+    # checks, the path names another file now, and that one is served
+    writer, reader, reader_array, results = _paused_reader_races(tmp_path, region, [3, 1])
+
+    assert [(r.job_id, r.ok) for r in results] == [(10, True)]
+    assert np.array_equal(reader_array[:NBYTES], payload(1, NBYTES))
+    stats = reader.stats()
+    assert (stats.get("corrupt", 0), stats.get("quarantined", 0)) == (0, 0)
+    assert os.path.exists(chunk_path(writer.ns_dir, chunk_key(NAMESPACE, 1)))
+    writer.close()
+    reader.close()
+
+
+def _plant(path, kind, outside):
+    """Put a FIFO, a symlink to `outside` or a second hard link `outside` at `path`."""
+    if kind == "fifo":
+        os.unlink(path)
+        os.mkfifo(path)
+    elif kind == "symlink":
+        os.rename(path, outside)
+        os.symlink(outside, path)
+    else:
+        os.link(path, outside)
+
+
+@pytest.mark.parametrize("os_module", [os, PassThroughOs()], ids=["c", "python"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "hardlink"])
+def test_a_victim_that_is_not_a_lone_regular_file_is_deleted_not_recycled(tmp_path, region,
+                                                                         kind, os_module):
+    host, array = region
+    tier = _full_tier(tmp_path / "tier", host, os_module)
+    old, kept = _fill(tier, array, [1, 2])
+    outside = tmp_path / "outside"
+    _plant(chunk_path(tier.ns_dir, old), kind, outside)
+    before = None if kind == "fifo" else outside.read_bytes()
+    (new,) = _fill(tier, array, [3])                     # returns: a FIFO never blocks it
+
+    assert not os.path.lexists(chunk_path(tier.ns_dir, old))
+    if before is not None:
+        assert outside.read_bytes() == before            # the file outside is untouched
+    assert "files_recycled" not in tier.stats()
+    assert _load_ok(tier, array, new, 3) and _load_ok(tier, array, kept, 2)
+    assert temp_files(tier.ns_dir) == []
+    tier.close()
+
+
+class TempMtimeOs(PassThroughOs):
+    """`os`, recording the mtime of every file renamed to a temp name (`*.tmp`). Injects
+    nothing."""
+
+    def __init__(self):
+        self.temp_mtimes = []
+
+    def rename(self, src, dst):
+        os.rename(src, dst)
+        if dst.endswith(".tmp"):
+            self.temp_mtimes.append(os.stat(dst).st_mtime)
+
+
+def test_a_recycled_file_takes_its_temp_name_with_a_fresh_mtime(tmp_path, region):
+    # a temp file's age is its mtime (orphan removal): an evicted file written an hour ago
+    # must not look like an hour-old temp file of a dead writer
+    host, array = region
+    spy = TempMtimeOs()
+    tier = _full_tier(tmp_path, host, spy)
+    old, _ = _fill(tier, array, [1, 2])
+    os.utime(chunk_path(tier.ns_dir, old), (1.0e9, 1.0e9))       # written long ago
+    before = time.time()
+    _fill(tier, array, [3])
+
+    assert tier.stats()["files_recycled"] == 1
+    assert len(spy.temp_mtimes) == 1 and spy.temp_mtimes[0] >= before - 1
+    tier.close()
+
+
+def test_a_file_damaged_at_rest_is_quarantined(tmp_path, region):
     host, array = region
     tier = _full_tier(tmp_path, host)
     (key,) = _fill(tier, array, [1])

@@ -116,10 +116,12 @@ PyDoc_STRVAR(write_file_doc,
 "the buffers in `bufs` (at most 4, in order, from offset 0; short writes are continued), with\n"
 "`sync` fdatasync it, close it and rename it to `final`; with `sync` also fsync the folder\n"
 "`folder` afterwards. The GIL is released for all of it. On any error `tmp` is unlinked.\n\n"
-"Recycling (`reuse` a path): the file at `reuse` (an evicted chunk file) is renamed to `tmp`\n"
-"and overwritten in place (opened without O_CREAT, truncated to the bytes written), so no\n"
-"inode or block is allocated; if that rename fails, `reuse` is unlinked (best effort) and\n"
-"`tmp` created as above. Returns True if `reuse` was recycled, False if `tmp` was created.\n\n"
+"Recycling (`reuse` a path): the file at `reuse` (an evicted chunk file), if it is a regular\n"
+"file with one link, gets the current mtime, is renamed to `tmp` and overwritten in place\n"
+"(opened O_NOFOLLOW|O_NONBLOCK without O_CREAT and checked again, truncated to the bytes\n"
+"written), so no inode or block is allocated. Otherwise, or if a step fails, `reuse` (or what\n"
+"took `tmp`) is unlinked (best effort) and `tmp` created as above. Returns True if `reuse`\n"
+"was recycled, False if `tmp` was created.\n\n"
 "Sealing (`checksum_at` >= 0; both hashers bound, `set_hasher`): before anything is written,\n"
 "the canonical 16-byte xxh3-128 of `bufs[1]` is stored at byte `checksum_at` of `bufs[0]`,\n"
 "then the little-endian xxh3-64 of `bufs[0][:digest_at]` at byte `digest_at` (the header\n"
@@ -188,9 +190,22 @@ static PyObject *write_file(PyObject *self, PyObject *args) {
     int flags = O_WRONLY | O_CLOEXEC | (direct ? O_DIRECT : 0);
     int fd = -1;
     if (reuse_obj != NULL) {
+        /* only a regular file with no other name (a symlink's target or a hard link's other
+         * name lies outside the tier); its mtime is made fresh before it takes the temp name,
+         * so that no scan takes it for a dead writer's old temp file */
         const char *reuse = PyBytes_AS_STRING(reuse_obj);
-        if (rename(reuse, tmp) == 0) {
-            fd = open(tmp, flags);
+        struct stat st;
+        if (lstat(reuse, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1
+            && utimensat(AT_FDCWD, reuse, NULL, AT_SYMLINK_NOFOLLOW) == 0
+            && rename(reuse, tmp) == 0) {
+            /* O_NOFOLLOW|O_NONBLOCK: whatever took its place meanwhile never blocks the open
+             * (a FIFO) nor leads out of the folder; checked again, then O_NONBLOCK cleared */
+            fd = open(tmp, flags | O_NOFOLLOW | O_NONBLOCK);
+            if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1
+                            || fcntl(fd, F_SETFL, direct ? O_DIRECT : 0) != 0)) {
+                close(fd);
+                fd = -1;
+            }
             reused = fd >= 0;
             if (fd < 0) unlink(tmp);
         } else {
@@ -259,14 +274,15 @@ out:
 }
 
 PyDoc_STRVAR(read_file_doc,
-"read_file(path, bufs, direct, expected, verify=-1) -> (status, value, digest)\n\n"
+"read_file(path, bufs, direct, expected, verify=-1) -> (status, value, digest, file_id)\n\n"
 "Open `path` (O_RDONLY|O_CLOEXEC|O_NONBLOCK, plus O_DIRECT if `direct`), fstat it and, when it\n"
 "is a regular file of exactly `expected` bytes, preadv it from offset 0 into the writable\n"
 "buffers `bufs` (at most 4, in order; one call, as the Python path does). The GIL is released\n"
 "for all of it. Returns (0, bytes read), (1, st_mode) for a file that is not regular, or\n"
 "(2, size) for a regular file of another size (nothing read). `digest` is the 16-byte\n"
 "xxh3-128 of `bufs[verify]` after a complete read, computed without the GIL, when\n"
-"`verify` >= 0 and a hasher is bound (`set_hasher`); else None.\n\n"
+"`verify` >= 0 and a hasher is bound (`set_hasher`); else None. `file_id` is the opened\n"
+"file's (st_dev, st_ino, st_ctime_ns) from that fstat.\n\n"
 "Raises:\n"
 "    OSError: errno and `path` of the failing open, fstat or preadv (ENOENT, EACCES, EIO...).\n"
 "    ValueError: more than 4 buffers.");
@@ -286,7 +302,7 @@ static PyObject *read_file(PyObject *self, PyObject *args) {
     const char *path = PyBytes_AS_STRING(path_obj);
     const char *step = NULL;
     int err = 0, status = 0, hashed = 0;
-    long long value = 0;
+    long long value = 0, dev = 0, ino = 0, ctime_ns = 0;
     unsigned char digest[16];
     xxh128_fn hash = hasher;
     if (verify >= count) verify = -1;
@@ -297,7 +313,13 @@ static PyObject *read_file(PyObject *self, PyObject *args) {
         step = "open";
     } else {
         struct stat st;
-        if (fstat(fd, &st) != 0) {
+        int stated = fstat(fd, &st) == 0;
+        if (stated) {
+            dev = (long long)st.st_dev;
+            ino = (long long)st.st_ino;
+            ctime_ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
+        }
+        if (!stated) {
             err = errno;
             step = "fstat";
         } else if (!S_ISREG(st.st_mode)) {
@@ -328,9 +350,10 @@ static PyObject *read_file(PyObject *self, PyObject *args) {
     if (err)
         raise_errno(err, step, path_arg);
     else if (hashed)
-        result = Py_BuildValue("iLy#", status, value, (const char *)digest, (Py_ssize_t)16);
+        result = Py_BuildValue("iLy#(LLL)", status, value, (const char *)digest,
+                               (Py_ssize_t)16, dev, ino, ctime_ns);
     else
-        result = Py_BuildValue("iLO", status, value, Py_None);
+        result = Py_BuildValue("iLO(LLL)", status, value, Py_None, dev, ino, ctime_ns);
     release_buffers(views, count);
 out:
     Py_DECREF(path_obj);

@@ -18,6 +18,7 @@ chunk instead of two (issue 13).
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -153,20 +154,41 @@ def _write_all(osm, fd: int, bufs: list[memoryview]) -> int:
     return offset
 
 
+def _single_regular_file(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
 def _open_temp(osm, tmp: str, flags: int, reuse: str | None) -> tuple[int, bool]:
     """Open `tmp` for writing: the file at `reuse` renamed to `tmp` if given and possible
     (recycled: no O_CREAT), else a new file. Returns (fd, recycled). Raises OSError from the
-    create; a `reuse` that cannot be renamed is unlinked (best effort), as an eviction would."""
+    create. The steps and checks of `_chunkio.write_file`'s recycling: only a regular file
+    with one link (never a symlink's target or a hard link's other name), its mtime made
+    fresh before the rename (no scan takes it for a dead writer's temp file), opened
+    O_NOFOLLOW|O_NONBLOCK (a FIFO put in its place never blocks) and checked again; a
+    `reuse` that fails any of it is unlinked (best effort), as an eviction would."""
     if reuse is not None:
         try:
+            if not _single_regular_file(os.lstat(reuse)):
+                raise OSError(errno.EINVAL, "not a regular file with one link", reuse)
+            os.utime(reuse, follow_symlinks=False)
             osm.rename(reuse, tmp)
         except OSError:
             _unlink_quietly(reuse)
         else:
             try:
-                return osm.open(tmp, flags), True
+                fd = osm.open(tmp, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
             except OSError:
                 _unlink_quietly(tmp)
+            else:
+                try:
+                    if not _single_regular_file(os.fstat(fd)):
+                        raise OSError(errno.EINVAL, "replaced while recycled", tmp)
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & O_DIRECT)
+                except OSError:
+                    os.close(fd)
+                    _unlink_quietly(tmp)
+                else:
+                    return fd, True
     return osm.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o644), False
 
 
@@ -252,9 +274,34 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
     Raises:
         OSError: the file cannot be opened or read (ENOENT, EACCES, EIO, ...).
         CorruptChunk: not a regular file, short file, bad header, other key or namespace,
-            checksum mismatch.
+            checksum mismatch; its `file_id` names the file read (`same_file`).
         SizeMismatch: a valid file whose payload size is not `len(dest)`.
     """
+    found: list[tuple[int, int, int]] = []
+    try:
+        _read_verified(osm, path, key, dest, namespace, direct, scratch, found)
+    except CorruptChunk as exc:
+        exc.file_id = found[0] if found else None
+        raise
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int, int]:
+    """(st_dev, st_ino, st_ctime_ns): a file, and whether it changed since."""
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def same_file(path: str, file_id: tuple[int, int, int]) -> bool:
+    """True if `path` still names the file `file_id` (`CorruptChunk.file_id`) unchanged: not
+    replaced, renamed away, rewritten or gone since it was read."""
+    try:
+        return _file_id(os.stat(path)) == file_id
+    except OSError:
+        return False
+
+
+def _read_verified(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes,
+                   direct: bool, scratch: Scratch, found: list) -> None:
+    """`read_chunk`'s work; appends the opened file's `_file_id` to `found`."""
     expected = record_nbytes(len(dest))
     bulk, rem = _split(dest)
     bufs = [b for b in [scratch.header, bulk] + ([scratch.tail] if rem else []) if len(b)]
@@ -262,7 +309,8 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
     if osm is os and _chunkio is not None:
         # the payload is verified in C when it lies whole in `bulk` (bufs[1]): no tail block
         verify = 1 if HASH_IN_C and not rem and len(bulk) else -1
-        status, n, digest = _chunkio.read_file(path, bufs, direct, expected, verify)
+        status, n, digest, file_id = _chunkio.read_file(path, bufs, direct, expected, verify)
+        found.append(file_id)
         if status == _NOT_REGULAR:
             raise CorruptChunk(f"not a regular file (mode {stat.filemode(n)})")
         if status == _OTHER_SIZE:
@@ -274,6 +322,7 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
     else:
         fd = osm.open(path, _READ_FLAGS | (O_DIRECT if direct else 0))
         try:
+            found.append(_file_id(os.fstat(fd)))
             size = _regular_file_size(fd)
             if size != expected:
                 _raise_size_problem(osm, fd, size, expected, scratch)

@@ -3,9 +3,10 @@
 One file per chunk (`format.py`), written to a unique temp name and renamed atomically
 (`fileio.write_chunk`; with `durability: "power-loss"` also fdatasynced before the rename and
 the folder fsynced after it); every load verifies header, size and the xxh3-128 payload
-checksum (`fileio.read_chunk`), so a file torn or zeroed by a power loss is a miss. A failed check, a missing file or an I/O
-error fails the job (a MISS for the engine), bumps a counter, and moves a bad file into the
-namespace's `quarantine/` folder; nothing is raised into the caller.
+checksum (`fileio.read_chunk`), so a file torn or zeroed by a power loss is a miss. A failed
+check, a missing file or an I/O error fails the job (a MISS for the engine), bumps a counter,
+and moves a bad file into the namespace's `quarantine/` folder; nothing is raised into the
+caller.
 
 `lookup` answers from an in-memory index (`index.py`) without disk I/O. The index is built
 from the directory at start (restart keeps every complete chunk; files are not rewritten) and
@@ -35,7 +36,7 @@ from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex
 from ..jobs import IndexedTier, JobBoard, JobPool
 from .config import SMALL_WRITE_BYTES, parse_config
-from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
+from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk, same_file,
                      write_chunk)
 from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
@@ -283,19 +284,31 @@ class FsTier(IndexedTier):
 
     def _read(self, job: TierJob, path: str) -> None:
         """Read and verify the chunk file of `job` (its key's loads are registered meanwhile, so
-        a store does not recycle the file under it). A file that fails its checks is read once
-        more: a recycled file another process was rewriting is gone by then (a miss,
-        FileNotFoundError), and only a file that fails twice is corrupt."""
+        a store of this tier does not recycle the file under it).
+
+        A file that fails its checks is corrupt only if `path` still names it unchanged
+        (`same_file`); one that another process replaced, recycled or rewrote while it was
+        read is a race: what `path` holds now is read once more, and a second race is a miss.
+
+        Raises:
+            CorruptChunk: the file at `path` is damaged (quarantine it).
+            FileNotFoundError: no file, or it changed under both reads.
+            SizeMismatch, OSError: from `read_chunk`.
+        """
         with self._loading_lock:
             self._loading[job.key] = self._loading.get(job.key, 0) + 1
         dest = self._host[job.offset:job.offset + job.nbytes]
         try:
-            try:
-                read_chunk(self._os, path, job.key, dest, self.namespace, self._direct(job),
-                           self._scratch_buffers())
-            except CorruptChunk:
-                read_chunk(self._os, path, job.key, dest, self.namespace, self._direct(job),
-                           self._scratch_buffers())
+            for attempt in range(2):
+                try:
+                    return read_chunk(self._os, path, job.key, dest, self.namespace,
+                                      self._direct(job), self._scratch_buffers())
+                except CorruptChunk as exc:
+                    if exc.file_id is None or same_file(path, exc.file_id):
+                        raise
+                    if attempt:
+                        raise FileNotFoundError(errno.ENOENT, "rewritten while read twice",
+                                                path) from None
         finally:
             with self._loading_lock:
                 left = self._loading.pop(job.key) - 1
