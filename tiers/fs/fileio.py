@@ -120,13 +120,12 @@ def fsync_dir(osm, folder: str) -> None:
         os.close(fd)
 
 
-def _regular_file_size(fd: int) -> int:
-    """Size of the open file `fd` in bytes.
+def _regular_file_size(st: os.stat_result) -> int:
+    """Size in bytes of the file whose (f)stat is `st`.
 
     Raises:
-        CorruptChunk: `fd` is not a regular file (a FIFO, device, socket or folder).
+        CorruptChunk: not a regular file (a FIFO, device, socket or folder).
     """
-    st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise CorruptChunk(f"not a regular file (mode {stat.filemode(st.st_mode)})")
     return st.st_size
@@ -277,11 +276,47 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
             checksum mismatch; its `file_id` names the file read (`same_file`).
         SizeMismatch: a valid file whose payload size is not `len(dest)`.
     """
-    found: list[tuple[int, int, int]] = []
+    expected = record_nbytes(len(dest))
+    bulk, rem = _split(dest)
+    bufs = [b for b in [scratch.header, bulk] + ([scratch.tail] if rem else []) if len(b)]
+    digest = file_id = None
     try:
-        _read_verified(osm, path, key, dest, namespace, direct, scratch, found)
+        if osm is os and _chunkio is not None:
+            # the payload is verified in C when it lies whole in `bulk` (bufs[1]): no tail block
+            verify = 1 if HASH_IN_C and not rem and len(bulk) else -1
+            status, n, digest, file_id = _chunkio.read_file(path, bufs, direct, expected,
+                                                            verify)
+            if status == _NOT_REGULAR:
+                raise CorruptChunk(f"not a regular file (mode {stat.filemode(n)})")
+            if status == _OTHER_SIZE:
+                fd = os.open(path, _READ_FLAGS)
+                try:
+                    _raise_size_problem(os, fd, n, expected, scratch)
+                finally:
+                    os.close(fd)
+        else:
+            fd = osm.open(path, _READ_FLAGS | (O_DIRECT if direct else 0))
+            try:
+                st = os.fstat(fd)
+                file_id = _file_id(st)
+                size = _regular_file_size(st)
+                if size != expected:
+                    _raise_size_problem(osm, fd, size, expected, scratch)
+                n = osm.preadv(fd, bufs, 0)
+            finally:
+                os.close(fd)
+        if n != expected:
+            raise CorruptChunk(f"short read: {n} of {expected} bytes")
+        header = checked_header(scratch.header, key, namespace)
+        if header.payload_nbytes != len(dest):
+            raise SizeMismatch(f"payload {header.payload_nbytes} bytes != requested "
+                               f"{len(dest)}")
+        if rem:
+            dest[len(bulk):] = scratch.tail[:rem]
+        if (digest if digest is not None else payload_checksum(dest)) != header.checksum:
+            raise CorruptChunk("checksum mismatch")
     except CorruptChunk as exc:
-        exc.file_id = found[0] if found else None
+        exc.file_id = file_id
         raise
 
 
@@ -297,47 +332,6 @@ def same_file(path: str, file_id: tuple[int, int, int]) -> bool:
         return _file_id(os.stat(path)) == file_id
     except OSError:
         return False
-
-
-def _read_verified(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes,
-                   direct: bool, scratch: Scratch, found: list) -> None:
-    """`read_chunk`'s work; appends the opened file's `_file_id` to `found`."""
-    expected = record_nbytes(len(dest))
-    bulk, rem = _split(dest)
-    bufs = [b for b in [scratch.header, bulk] + ([scratch.tail] if rem else []) if len(b)]
-    digest = None
-    if osm is os and _chunkio is not None:
-        # the payload is verified in C when it lies whole in `bulk` (bufs[1]): no tail block
-        verify = 1 if HASH_IN_C and not rem and len(bulk) else -1
-        status, n, digest, file_id = _chunkio.read_file(path, bufs, direct, expected, verify)
-        found.append(file_id)
-        if status == _NOT_REGULAR:
-            raise CorruptChunk(f"not a regular file (mode {stat.filemode(n)})")
-        if status == _OTHER_SIZE:
-            fd = os.open(path, _READ_FLAGS)
-            try:
-                _raise_size_problem(os, fd, n, expected, scratch)
-            finally:
-                os.close(fd)
-    else:
-        fd = osm.open(path, _READ_FLAGS | (O_DIRECT if direct else 0))
-        try:
-            found.append(_file_id(os.fstat(fd)))
-            size = _regular_file_size(fd)
-            if size != expected:
-                _raise_size_problem(osm, fd, size, expected, scratch)
-            n = osm.preadv(fd, bufs, 0)
-        finally:
-            os.close(fd)
-    if n != expected:
-        raise CorruptChunk(f"short read: {n} of {expected} bytes")
-    header = checked_header(scratch.header, key, namespace)
-    if header.payload_nbytes != len(dest):
-        raise SizeMismatch(f"payload {header.payload_nbytes} bytes != requested {len(dest)}")
-    if rem:
-        dest[len(bulk):] = scratch.tail[:rem]
-    if (digest if digest is not None else payload_checksum(dest)) != header.checksum:
-        raise CorruptChunk("checksum mismatch")
 
 
 #: `_chunkio.read_file` statuses (besides 0, read): not a regular file, a file of another size.
@@ -367,7 +361,7 @@ def read_header(path: str, namespace: bytes) -> tuple[Header, int]:
     """
     fd = os.open(path, _READ_FLAGS)
     try:
-        size = _regular_file_size(fd)
+        size = _regular_file_size(os.fstat(fd))
         block = os.pread(fd, HEADER_BYTES, 0)
     finally:
         os.close(fd)
@@ -386,7 +380,7 @@ def verify_file(path: str, namespace: bytes, key: ChunkKey | None) -> Header:
         CorruptChunk: any check fails.
     """
     with open(os.open(path, _READ_FLAGS), "rb", buffering=0) as f:
-        size = _regular_file_size(f.fileno())
+        size = _regular_file_size(os.fstat(f.fileno()))
         header = checked_header(f.read(HEADER_BYTES), key, namespace)
         check_record_size(header, size, None)  # before reading the payload
         payload = f.read(header.payload_nbytes)

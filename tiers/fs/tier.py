@@ -248,10 +248,7 @@ class FsTier(IndexedTier):
             return (f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
                     + (f" less {held} bytes held by other namespaces in use" if held else ""))
         reuse = self._recyclable(victims, nbytes)
-        self._delete([v for v in victims if v[0] != reuse], "evictions")
-        if reuse is not None:
-            self._index.discard(reuse)
-            self._count("evictions")
+        self._delete(victims, "evictions", keep=reuse)
         try:
             if write_chunk(self._os, self.ns_dir, job.key,
                            self._host[job.offset:job.offset + job.nbytes], self._direct(job),
@@ -355,11 +352,15 @@ class FsTier(IndexedTier):
         if quarantine_file(self.ns_dir, path):
             self._count("quarantined")
 
-    def _delete(self, victims: list[tuple[ChunkKey, int]], counter: str) -> None:
+    def _delete(self, victims: list[tuple[ChunkKey, int]], counter: str,
+                keep: ChunkKey | None = None) -> None:
+        """Evict `victims` from the index and unlink their files, except the file of `keep`
+        (recycled by the store that evicts it)."""
         for key, _ in victims:
-            try:
-                os.unlink(chunk_path(self.ns_dir, key))
-            except OSError:
-                pass
+            if key != keep:
+                try:
+                    os.unlink(chunk_path(self.ns_dir, key))
+                except OSError:
+                    pass
             self._index.discard(key)
             self._count(counter)
