@@ -24,6 +24,13 @@ from kvhal.keys import ChunkKey
 MAX_REMEMBERED_REMOVALS = 1 << 16
 
 
+class StoresInFlight(Exception):
+    """`ChunkIndex.reserve` refused a store: the reservations of stores in flight leave too
+    little of `max_bytes` for it even with every indexed chunk evicted (nothing was evicted).
+    Only a tier smaller than its write threads' chunks in flight meets it; the store is a
+    miss, and the tier stays within `max_bytes`. The message gives the bytes."""
+
+
 class ChunkIndex:
     """Thread-safe LRU map of chunk key → stored bytes, with byte accounting.
 
@@ -136,10 +143,17 @@ class ChunkIndex:
     def reserve(self, nbytes: int, max_bytes: int) -> list[tuple[ChunkKey, int]] | None:
         """Reserve `nbytes` for a store, taking least recently used entries out of the index
         until everything fits in `max_bytes`. Returns the victims (key, bytes), whose stored
-        objects the caller deletes, or None if `nbytes` alone exceeds `max_bytes`."""
+        objects the caller deletes, or None if `nbytes` alone exceeds `max_bytes`.
+
+        Raises:
+            StoresInFlight: other reservations hold more than `max_bytes - nbytes` bytes.
+        """
         with self._lock:
             if nbytes > max_bytes:
                 return None
+            if self._reserved + nbytes > max_bytes:
+                raise StoresInFlight(f"{nbytes} bytes do not fit in max_bytes {max_bytes} while "
+                                     f"stores in flight hold {self._reserved} bytes")
             victims = []
             while self._lru and self._indexed + self._reserved + nbytes > max_bytes:
                 victims.append(self._pop_lru())

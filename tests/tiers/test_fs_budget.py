@@ -3,15 +3,17 @@ deleted first, namespaces in use shrink this one's budget."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 
-from kvhal.tiers.base import Lookup
+from kvhal.tiers.base import JobKind, Lookup, TierJob
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.budget import IN_USE_FILE, MIN_STALE_S
 
-from .helpers import NAMESPACE, OTHER_NAMESPACE, chunk_key, host_region, payload, store
+from .helpers import (NAMESPACE, OTHER_NAMESPACE, PassThroughOs, chunk_key, host_region, payload,
+                      store, wait_for)
 
 #: File bytes of a 4096-byte chunk (header page + payload).
 FILE = 8192
@@ -81,3 +83,49 @@ def test_a_chunk_that_fits_only_without_namespaces_in_use_fails_naming_them(tmp_
                                          "namespaces in use")
     other.close()
     new.close()
+
+
+class FaultyPausedWriteOs(PassThroughOs):
+    """`os`, except that the first `pwritev` waits for `resume` (after setting `writing`):
+    keeps one store in flight, holding its reservation, while the test submits another (a
+    real disk cannot hold a write on demand)."""
+
+    def __init__(self):
+        self.writing, self.resume = threading.Event(), threading.Event()
+
+    def pwritev(self, *args):
+        if not self.writing.is_set():
+            self.writing.set()
+            assert self.resume.wait(30)
+        return os.pwritev(*args)
+
+
+def test_a_store_in_flight_keeps_a_second_one_from_taking_the_tier_past_max_bytes(tmp_path,
+                                                                                    region):
+    host, array = region
+    array[:2 * 4096] = payload(7, 2 * 4096)
+    osm = FaultyPausedWriteOs()
+    tier = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600,
+                   "max_bytes": FILE + FILE // 2, "n_write_threads": 2}, host, NAMESPACE,
+                  os_module=osm)
+    first, second = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
+    tier.submit_store(TierJob(1, JobKind.STORE, first, 0, 4096))
+    assert osm.writing.wait(30)
+
+    tier.submit_store(TierJob(2, JobKind.STORE, second, 4096, 4096))
+    results = []
+    wait_for(lambda: results.extend(tier.get_finished_jobs()) or results, what="job 2's result")
+    refused = results[0]
+    osm.resume.set()
+    tier.drain(30)
+
+    assert refused.job_id == 2
+    assert (refused.ok, refused.error) == (False, f"chunk file: {FILE} bytes do not fit in "
+                                           f"max_bytes {FILE + FILE // 2} while stores in flight "
+                                           f"hold {FILE} bytes")
+    assert [r.ok for r in tier.get_finished_jobs()] == [True]
+    assert tier.stats()["used_bytes"] == FILE
+    assert store(tier, second, 4096, 4096).ok          # with nothing in flight: evicts the first
+    assert [tier.lookup(first), tier.lookup(second)] == [Lookup.MISS, Lookup.HIT]
+    assert tier.stats()["used_bytes"] == FILE
+    tier.close()

@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
+
 from kvhal.keys import ChunkKey
-from kvhal.tiers.index import ChunkIndex
+from kvhal.tiers.index import ChunkIndex, StoresInFlight
 
 from .helpers import NAMESPACE
 
@@ -26,6 +28,22 @@ def test_reserve_evicts_least_recently_used_and_reports_them_removed():
     assert index.used_bytes == 350
     assert index.take_removed() == [_key(1), _key(2)]
     assert index.take_removed() == []
+
+
+def test_reserve_refuses_what_stores_in_flight_leave_no_room_for_and_evicts_nothing():
+    index = ChunkIndex()
+    index.add(_key(0), 100)
+    assert index.reserve(350, max_bytes=400) == [(_key(0), 100)]
+    index.add(_key(1), 100)
+
+    with pytest.raises(StoresInFlight, match="200 bytes do not fit in max_bytes 400 while "
+                                             "stores in flight hold 350 bytes"):
+        index.reserve(200, max_bytes=400)
+
+    assert (_key(1) in index, index.used_bytes, index.take_removed()) == (True, 450, [_key(0)])
+    index.release(350)
+    assert index.reserve(200, max_bytes=400) == []
+    assert index.used_bytes == 300
 
 
 def test_discard_reports_only_keys_that_were_indexed():

@@ -33,7 +33,7 @@ from kvhal.keys import ChunkKey
 
 from ..base import JobKind, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
-from ..index import ChunkIndex
+from ..index import ChunkIndex, StoresInFlight
 from ..jobs import IndexedTier, JobBoard, JobPool
 from .config import SMALL_WRITE_BYTES, parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk, same_file,
@@ -242,7 +242,10 @@ class FsTier(IndexedTier):
         # power loss (the scan left it out), or be another process's copy of the same chunk
         nbytes = record_nbytes(job.nbytes)
         budget = self._budget.room_for(self._index.used_bytes + nbytes, self.max_bytes)
-        victims = self._index.reserve(nbytes, budget)
+        try:
+            victims = self._index.reserve(nbytes, budget)
+        except StoresInFlight as exc:
+            return f"chunk file: {exc}"
         if victims is None:
             held = self.max_bytes - budget
             return (f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"

@@ -32,7 +32,7 @@ from ..base import TierError, TierJob, job_problem
 from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)
-from ..index import ChunkIndex
+from ..index import ChunkIndex, StoresInFlight
 from ..jobs import IndexedTier, JobBoard, JobPool
 from .client import S3Client, StoreFailure
 from .config import parse_config
@@ -170,7 +170,10 @@ class ObjTier(IndexedTier):
         if self._index.touch(job.key):
             return None
         nbytes = record_nbytes(job.nbytes)
-        victims = self._index.reserve(nbytes, self.max_bytes)
+        try:
+            victims = self._index.reserve(nbytes, self.max_bytes)
+        except StoresInFlight as exc:
+            return f"chunk record: {exc}"
         if victims is None:
             return f"chunk record of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
         if victims:

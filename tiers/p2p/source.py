@@ -31,7 +31,7 @@ from kvhal.keys import ChunkKey
 
 from ..base import HostAccess
 from ..chunk_format import payload_checksum
-from ..index import ChunkIndex
+from ..index import ChunkIndex, StoresInFlight
 from .wire import EPOCH_BYTES, MAX_KEYS_PER_FRAME
 
 #: Events a feed keeps for subscribers that fell behind; one further back must resync.
@@ -217,11 +217,15 @@ class OwnStore:
 
     def put(self, key: ChunkKey, payload: memoryview) -> str | None:
         """Copy `payload` in as `key` (evicting least recently used chunks); an existing key
-        keeps its first bytes. Returns None, or why not (larger than `max_bytes`)."""
+        keeps its first bytes. Returns None, or why not (larger than `max_bytes`, or puts in
+        flight hold the room)."""
         if self._index.touch(key):
             return None
         nbytes = len(payload)
-        victims = self._index.reserve(nbytes, self.max_bytes)
+        try:
+            victims = self._index.reserve(nbytes, self.max_bytes)
+        except StoresInFlight as exc:
+            return f"chunk: {exc}"
         if victims is None:
             return f"chunk of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
         data = bytes(payload)
