@@ -112,8 +112,10 @@ def encode_header_fields(out: memoryview, key: ChunkKey, payload_nbytes: int,
     return len(fields)
 
 
-def decode_header(block: memoryview | bytes) -> Header:
-    """Parse and check a header block (at least the header fields' bytes).
+def decode_header(block: memoryview | bytes, expected: ChunkKey | None = None) -> Header:
+    """Parse and check a header block (at least the header fields' bytes). A key that
+    serialises as `expected` is returned as `expected` itself (no second key is built: the
+    load path, once per chunk).
 
     Raises:
         FormatError: bad magic, unknown version, bad header size, header digest mismatch or a
@@ -132,12 +134,16 @@ def decode_header(block: memoryview | bytes) -> Header:
     if len(block) < end + _DIGEST.size:
         raise FormatError("header truncated inside the key")
     (digest,) = _DIGEST.unpack_from(block, end)
-    if digest != xxhash.xxh3_64_intdigest(bytes(block[:end])):
+    if digest != xxhash.xxh3_64_intdigest(block[:end]):
         raise FormatError("header digest mismatch")
-    try:
-        key = ChunkKey.from_bytes(bytes(block[_FIXED.size:end]))
-    except KeyFormatError as exc:
-        raise FormatError(f"bad key: {exc}") from None
+    key_bytes = bytes(block[_FIXED.size:end])
+    if expected is not None and key_bytes == expected.to_bytes():
+        key = expected
+    else:
+        try:
+            key = ChunkKey.from_bytes(key_bytes)
+        except KeyFormatError as exc:
+            raise FormatError(f"bad key: {exc}") from None
     if key.namespace != namespace:
         raise FormatError("key namespace differs from header namespace")
     return Header(key, nbytes, bytes(checksum))
@@ -152,7 +158,7 @@ def checked_header(block: memoryview | bytes, key: ChunkKey | None,
         CorruptChunk: malformed header (see `decode_header`), another namespace or another key.
     """
     try:
-        header = decode_header(block)
+        header = decode_header(block, key)
     except FormatError as exc:
         raise CorruptChunk(str(exc)) from None
     if header.key.namespace != namespace:

@@ -30,7 +30,7 @@ from ..chunk_format import (ALIGN, CHECKSUM_OFFSET, HEADER_BYTES, CorruptChunk, 
                             Header, SizeMismatch, check_record_size, checked_header,
                             decode_header, encode_header, encode_header_fields,
                             payload_checksum, record_nbytes, verify_payload)
-from .format import QUARANTINE_DIR, chunk_path, temp_path
+from .format import QUARANTINE_DIR, chunk_paths
 
 try:  # the C helper (`_chunkio.c`, built by setup.py where a C compiler is found)
     from . import _chunkio
@@ -238,10 +238,9 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
         scratch.tail[:rem] = payload[len(bulk):]
         scratch.tail[rem:] = bytes(ALIGN - rem)
         bufs.append(scratch.tail)
-    tmp = temp_path(ns_dir, key)
-    final = chunk_path(ns_dir, key)
+    folder, final, tmp = chunk_paths(ns_dir, key)
     if fast:
-        return _chunkio.write_file(tmp, final, bufs, direct, sync, os.path.dirname(final),
+        return _chunkio.write_file(tmp, final, bufs, direct, sync, folder,
                                    *((CHECKSUM_OFFSET, digest_at) if seal else (-1, -1)), reuse)
     flags = os.O_WRONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0)
     fd, recycled = _open_temp(osm, tmp, flags, reuse)
@@ -259,7 +258,7 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
         _unlink_quietly(tmp)
         raise
     if sync:
-        fsync_dir(osm, os.path.dirname(final))
+        fsync_dir(osm, folder)
     return recycled
 
 

@@ -40,22 +40,31 @@ def namespace_dir(root_dir: str, namespace: bytes) -> str:
 
 def chunk_path(ns_dir: str, key: ChunkKey) -> str:
     """Content-addressed path of the chunk file of `key` inside its namespace folder."""
-    return os.path.join(ns_dir, CHUNKS_DIR, f"{key.block_hash[0]:02x}", key.hex() + CHUNK_SUFFIX)
+    return f"{ns_dir}/{CHUNKS_DIR}/{key.block_hash[0]:02x}/{key.hex()}{CHUNK_SUFFIX}"
 
 
-#: Temp-name tokens: 64 random bits drawn once per process, then a counter (no system call
-#: per chunk; a forked child has another pid, and a reused pid other random bits).
-_TOKEN_PREFIX = os.urandom(8).hex()
+#: Temp-name tokens: "<pid>.<64 random bits>", drawn again in a forked child (so a reused pid
+#: gets other random bits), then a counter: no system call per chunk.
 _TOKENS = itertools.count()
 
 
-def temp_path(ns_dir: str, key: ChunkKey) -> str:
-    """A fresh temp-file path for writing `key`, in the folder of its chunk file: unique per
-    process (pid and random bits) and per call (a counter), so writers in several processes
-    never share one."""
-    return os.path.join(ns_dir, CHUNKS_DIR, f"{key.block_hash[0]:02x}",
-                        f"{key.hex()}.{os.getpid()}.{_TOKEN_PREFIX}{next(_TOKENS):x}"
-                        f"{TEMP_SUFFIX}")
+def _new_token_prefix() -> None:
+    global _TOKEN_PREFIX
+    _TOKEN_PREFIX = f"{os.getpid()}.{os.urandom(8).hex()}"
+
+
+_new_token_prefix()
+os.register_at_fork(after_in_child=_new_token_prefix)
+
+
+def chunk_paths(ns_dir: str, key: ChunkKey) -> tuple[str, str, str]:
+    """(folder, chunk file path, temp-file path) for writing `key`: the chunk file's folder, its
+    `chunk_path`, and a fresh temp name next to it, unique per process (pid and random bits)
+    and per call (a counter), so writers in several processes never share one."""
+    folder = f"{ns_dir}/{CHUNKS_DIR}/{key.block_hash[0]:02x}"
+    name = key.hex()
+    return (folder, f"{folder}/{name}{CHUNK_SUFFIX}",
+            f"{folder}/{name}.{_TOKEN_PREFIX}{next(_TOKENS):x}{TEMP_SUFFIX}")
 
 
 def key_from_name(namespace: bytes, name: str) -> ChunkKey | None:

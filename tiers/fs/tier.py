@@ -276,7 +276,7 @@ class FsTier(IndexedTier):
         of the same size that no load of this tier is reading; None for none. Never under
         durability "power-loss": the rename out of the victim's folder would need that folder
         fsynced too, or a power loss could bring the victim's name back."""
-        if not self.config.recycle_files or self._sync:
+        if not victims or not self.config.recycle_files or self._sync:
             return None
         with self._loading_lock:
             return next((key for key, n in victims if n == nbytes and key not in self._loading),
