@@ -25,7 +25,13 @@ speed). Contenders:
   (PUT = write, GET = cold read: an object store has no client-side cache).
 
 Each pass (`--repeats`) uses fresh keys and files; within a pass the contenders take turns in
-an order rotated every pass, and each figure is the median over the passes.
+an order rotated every pass, and each figure is the median over the passes. Besides GB/s, each
+timed write and read reports the CPU time this process spent meanwhile (user + system, all
+threads: `getrusage(RUSAGE_SELF)`) per chunk, in microseconds: the contenders take turns, so
+it is the cost of the one running (plus the kvhal tier's idle refresh thread, which is there
+for every contender). Kernel threads' work (writeback, extent conversion, interrupts) is not
+in it. CPU time depends far less than throughput on what the filesystem did in the minutes
+before (issue 13: ext4 without a journal), so it compares contenders' own work across runs.
 
 `--full` (fs): the kvhal tier holds exactly `--count` chunks and is filled before the first
 pass, so every timed store evicts (and recycles, `recycle_files`) one chunk of the previous
@@ -38,6 +44,7 @@ import contextlib
 import hashlib
 import mmap
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -66,7 +73,8 @@ DEFAULT_DURABILITY = "power-loss"
 
 @dataclass(frozen=True, slots=True)
 class ContenderResult:
-    """One contender's figures: GB/s (1e9 bytes per second) of payload bytes, one per pass."""
+    """One contender's figures, one per pass: GB/s (1e9 bytes per second) of payload bytes, and
+    this process's CPU time (user + system) in microseconds per chunk (module docstring)."""
 
     name: str
     threads: str
@@ -75,6 +83,8 @@ class ContenderResult:
     o_direct_writes: bool   # the writes (True with `o_direct`)
     write_gbps: tuple[float, ...]
     read_gbps: tuple[float, ...]
+    write_cpu_us: tuple[float, ...]
+    read_cpu_us: tuple[float, ...]
 
     @property
     def write_median(self) -> float:
@@ -85,6 +95,10 @@ class ContenderResult:
     def read_median(self) -> float:
         """Median cold-read throughput over the passes, GB/s."""
         return statistics.median(self.read_gbps)
+
+    def cpu_median(self, direction: str) -> float:
+        """Median CPU time per chunk over the passes in `direction` ("write" or "read"), µs."""
+        return statistics.median(getattr(self, f"{direction}_cpu_us"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,10 +283,14 @@ class _VllmContender:
         self.tier.close()
 
 
-def _timed(fn, *args) -> float:
+def _timed(fn, *args) -> tuple[float, float]:
+    """Run `fn(*args)`: (wall seconds, CPU seconds of this process, user + system)."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     fn(*args)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
@@ -345,8 +363,10 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
     results = tuple(
         ContenderResult(c.name, f"{c.threads[0]}+{c.threads[1]}", c.durability, c.o_direct,
                         bool(getattr(c, "o_direct_writes", c.o_direct)),
-                        tuple(total / t / 1e9 for t in times[c.name][0]),
-                        tuple(total / t / 1e9 for t in times[c.name][1]))
+                        tuple(total / wall / 1e9 for wall, _ in times[c.name][0]),
+                        tuple(total / wall / 1e9 for wall, _ in times[c.name][1]),
+                        tuple(cpu / count * 1e6 for _, cpu in times[c.name][0]),
+                        tuple(cpu / count * 1e6 for _, cpu in times[c.name][1]))
         for c in contenders)
     return TierBenchResult(tier_name, chunk, count, repeats, results, note, full, kvhal_stats)
 
@@ -369,7 +389,9 @@ def to_json(result: TierBenchResult) -> dict:
            "kvhal_stats": result.kvhal_stats, "contenders": []}
     for c in result.contenders:
         out["contenders"].append(asdict(c) | {"write_median_gbps": c.write_median,
-                                              "read_median_gbps": c.read_median})
+                                              "read_median_gbps": c.read_median,
+                                              "write_median_cpu_us": c.cpu_median("write"),
+                                              "read_median_cpu_us": c.cpu_median("read")})
     for direction in ("write", "read"):
         out[f"{direction}_vs_raw"] = result.ratio(1, direction)
         if result.tier != "obj":
@@ -408,13 +430,14 @@ def run(args: argparse.Namespace) -> int:
         r = "" if i == 0 else f"{kvhal.read_median / c.read_median:.2f}"
         direct = "on" if c.o_direct else "writes" if c.o_direct_writes else "off"
         rows.append([c.name, c.threads, c.durability, direct,
-                     round(c.write_median, 3), w, round(c.read_median, 3), r])
+                     round(c.write_median, 3), w, round(c.cpu_median("write")),
+                     round(c.read_median, 3), r, round(c.cpu_median("read"))])
     full = " (full: every store evicts)" if result.full else ""
     print_table(f"kvhal bench tier — {result.tier}{full}, {result.count} × "
                 f"{result.chunk_bytes} B chunks, median of {result.repeats} alternating passes "
-                f"(GB/s)",
+                f"(GB/s; CPU µs: this process's CPU time per chunk)",
                 ["contender", "threads r+w", "durability", "O_DIRECT", "write", "kvhal ×",
-                 "cold read", "kvhal ×"], rows)
+                 "CPU µs", "cold read", "kvhal ×", "CPU µs"], rows)
     print(result.vllm_note)
     return 0
 

@@ -158,6 +158,9 @@ def test_bench_tier_json_reports_every_pass_of_kvhal_raw_vllm_and_the_disk(tmp_p
     for c in result["contenders"]:
         assert len(c["write_gbps"]) == len(c["read_gbps"]) == 3
         assert c["write_median_gbps"] == sorted(c["write_gbps"])[1]
+        assert len(c["write_cpu_us"]) == len(c["read_cpu_us"]) == 3
+        assert c["read_median_cpu_us"] == sorted(c["read_cpu_us"])[1]
+        assert min(c["write_cpu_us"] + c["read_cpu_us"]) > 0    # every pass makes system calls
     for direction in ("write", "read"):
         assert result[f"{direction}_vs_raw"] == (kvhal_fs[f"{direction}_median_gbps"]
                                                  / raw[f"{direction}_median_gbps"])
