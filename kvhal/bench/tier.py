@@ -170,10 +170,14 @@ class _TierContender:
                         getattr(config, "n_write_threads", io_threads))
         self.durability = str(stats.get("durability", DEFAULT_DURABILITY))
         aligned = chunk % ALIGN == 0
-        self.o_direct = bool(stats.get("o_direct", False)) and aligned
-        #: Writes with O_DIRECT (all with `o_direct`, or small chunks under "small-writes").
-        self.o_direct_writes = self.o_direct or (
-            aligned and chunk < int(stats.get("o_direct_writes_below", 0)))
+        every = bool(stats.get("o_direct", False)) and aligned
+        #: Writes / reads with O_DIRECT (all with the tier's `o_direct`, or chunks of this size
+        #: under "small" or "small-writes": the tier's `o_direct_*_below`).
+        self.o_direct_writes, reads = (
+            every or (aligned and chunk < int(stats.get(f"o_direct_{d}_below", 0)))
+            for d in ("writes", "reads"))
+        #: Every read and write of this run with O_DIRECT.
+        self.o_direct = self.o_direct_writes and reads
         self.name = f"kvhal {name}"
 
     def _run(self, kind: JobKind, rep: int) -> None:

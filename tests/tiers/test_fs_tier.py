@@ -17,7 +17,7 @@ from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, Lookup, TierError, TierJob
 from kvhal.tiers.chunk_format import ALIGN
 from kvhal.tiers.fs import FsTier
-from kvhal.tiers.fs.config import SMALL_WRITE_BYTES
+from kvhal.tiers.fs.config import SMALL_CHUNK_BYTES
 from kvhal.tiers.fs.fileio import probe_o_direct
 from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path
 
@@ -43,15 +43,17 @@ def _store_chunks(tier, array, count, nbytes) -> list[ChunkKey]:
     return keys
 
 
-@pytest.mark.parametrize("o_direct", ["auto", False, "small-writes"])
+@pytest.mark.parametrize("o_direct", ["auto", False, "small", "small-writes"])
 def test_o_direct_is_detected_and_reported(tmp_path, region, o_direct):
     tier = _open(tmp_path, region[0], o_direct=o_direct)
     tier.close()
     supported = probe_o_direct(str(tmp_path))
     expected = o_direct == "auto" and supported
-    below = SMALL_WRITE_BYTES if o_direct == "small-writes" and supported else 0
+    writes = SMALL_CHUNK_BYTES if o_direct in ("small", "small-writes") and supported else 0
+    reads = SMALL_CHUNK_BYTES if o_direct == "small" and supported else 0
     assert (tier.o_direct, tier.stats()["o_direct"]) == (expected, expected)
-    assert tier.o_direct_writes_below == tier.stats()["o_direct_writes_below"] == below
+    assert tier.o_direct_writes_below == tier.stats()["o_direct_writes_below"] == writes
+    assert tier.o_direct_reads_below == tier.stats()["o_direct_reads_below"] == reads
 
 
 def _spy_direct(monkeypatch) -> list[tuple[str, int, bool]]:
@@ -70,31 +72,34 @@ def _spy_direct(monkeypatch) -> list[tuple[str, int, bool]]:
     return calls
 
 
-def test_small_writes_alone_use_o_direct_by_default(tmp_path, monkeypatch):
+@pytest.mark.parametrize("o_direct", [None, "small-writes"], ids=["default", "small-writes"])
+def test_small_chunks_alone_use_o_direct_by_default_and_small_writes_only_to_write(
+        tmp_path, monkeypatch, o_direct):
     if not probe_o_direct(str(tmp_path)):
         pytest.skip(f"{tmp_path}: the filesystem refuses O_DIRECT")
     calls = _spy_direct(monkeypatch)
     host, array = host_region(4 << 20)
     array[:] = np.random.default_rng(3).integers(0, 256, len(array), dtype=np.uint8)
-    tier = _open(tmp_path, host)
-    small, large = SMALL_WRITE_BYTES // 4, 2 * SMALL_WRITE_BYTES
+    tier = _open(tmp_path, host, **({} if o_direct is None else {"o_direct": o_direct}))
+    small, large = SMALL_CHUNK_BYTES // 4, 2 * SMALL_CHUNK_BYTES
     try:
         for i, nbytes in enumerate((small, large)):
             assert store(tier, chunk_key(NAMESPACE, i), 0, nbytes).ok
             assert load(tier, chunk_key(NAMESPACE, i), 0, nbytes).ok
     finally:
         tier.close()
-    assert calls == [("write_chunk", small, True), ("read_chunk", small, False),
+    assert calls == [("write_chunk", small, True), ("read_chunk", small, o_direct is None),
                      ("write_chunk", large, False), ("read_chunk", large, False)]
 
 
 @pytest.mark.parametrize("fast_io", [True, False], ids=["c", "python"])
 @pytest.mark.parametrize("durability", ["process", "power-loss"])
-def test_small_writes_at_the_threshold_and_unaligned_read_back_buffered(
+def test_small_chunks_at_the_threshold_and_unaligned_read_back_into_another_slot(
         tmp_path, monkeypatch, fast_io, durability):
-    # payloads just under / at SMALL_WRITE_BYTES, ragged tails, host offsets O_DIRECT cannot
-    # take (buffered fallback); each read back buffered into another, zeroed slot, also after
-    # a restart, and by fsck
+    # payloads just under / at SMALL_CHUNK_BYTES, ragged tails, host offsets O_DIRECT cannot
+    # take (buffered fallback); each read back into another, aligned and zeroed slot (with
+    # O_DIRECT below the threshold, a ragged tail through the scratch block), also after a
+    # restart, and by fsck
     from kvhal.tiers.fs import fileio
     from kvhal.tiers.fs.check import check_dir
 
@@ -107,7 +112,7 @@ def test_small_writes_at_the_threshold_and_unaligned_read_back_buffered(
     calls = _spy_direct(monkeypatch)
     host, array = host_region(4 << 20)
     array[:2 << 20] = np.random.default_rng(5).integers(0, 256, 2 << 20, dtype=np.uint8)
-    cases = [(1, 0), (4097, 0), (SMALL_WRITE_BYTES - 1, 0), (SMALL_WRITE_BYTES, 0),
+    cases = [(1, 0), (4097, 0), (SMALL_CHUNK_BYTES - 1, 0), (SMALL_CHUNK_BYTES, 0),
              (5000, 1), (5000, 512)]
     tier = _open(tmp_path, host, durability=durability)
     try:
@@ -127,7 +132,7 @@ def test_small_writes_at_the_threshold_and_unaligned_read_back_buffered(
                                   array[offset:offset + nbytes]), (nbytes, offset)
     finally:
         tier.close()
-    assert not any(c[2] for c in calls)
+    assert [c[2] for c in calls] == [True, True, True, False, True, True]
     report = check_dir(str(tmp_path))
     assert (report.good, report.corrupt) == (len(cases), 0)
 

@@ -8,11 +8,12 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
     n_read_threads, n_write_threads (int > 0): sizes of the load and store thread pools
         (default 16 each, as vLLM's fs tier: each thread keeps one request in flight, and the
         GIL is released for the I/O of a chunk (one call, `_chunkio.c`) and its checksum).
-    o_direct ("small-writes" | "auto" | true | false): "small-writes" (default) writes chunk
-        files whose payload is less than `SMALL_WRITE_BYTES` (1 MiB) with O_DIRECT where the
-        filesystem supports it and its host bytes are `ALIGN`-aligned, and does every other
-        write and every read through the page cache; "auto" uses O_DIRECT for every write
-        and read where supported; true refuses to start without it; false never uses it.
+    o_direct ("small" | "small-writes" | "auto" | true | false): "small" (default) writes
+        and reads chunk files whose payload is less than `SMALL_CHUNK_BYTES` (1 MiB) with
+        O_DIRECT where the filesystem supports it and its host bytes are `ALIGN`-aligned, and
+        moves every larger one through the page cache; "small-writes" does so for writes
+        only (every read buffered); "auto" uses O_DIRECT for every write and read where
+        supported; true refuses to start without it; false never uses it.
         Measured with `kvhal bench tier` (issue 13), kvhal against vLLM's fs tier (which uses
         O_DIRECT):
         - Buffered is faster for 2 MiB chunks on both machines measured (writes 1.5-4.9x
@@ -21,9 +22,16 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
           kernel), and read-ahead keeps the disk busier. With O_DIRECT: writes 0.87x.
         - For 256 KiB chunks, on a VM where touching fresh memory costs ~0.7 GB/s (page
           faults), buffered writes measured 0.54-0.71x vLLM; O_DIRECT writes 1.39-1.40x in
-          two runs of "auto" (whose O_DIRECT reads were 0.91-0.97x) and 0.83-1.03x in three
-          runs of "small-writes" (buffered reads 1.15-1.23x): a small write then takes the
-          kernel path vLLM's takes, where kvhal's one-call write is at least at par.
+          two runs of "auto" and 0.83-1.03x in three runs of "small-writes": a small write
+          then takes the kernel path vLLM's takes, where kvhal's one-call write is at least at
+          par.
+        - Reads of 256 KiB chunks, "small-writes" (buffered) against "small" (O_DIRECT) in one
+          run of 7 alternating passes on the project's VM (session 7): median 1.15 against
+          1.37 GB/s (vLLM 1.44), at 225 against 153 us of CPU per chunk: the copy out of the
+          page cache and its bookkeeping were a third of the read threads' CPU time (`perf`).
+          A small chunk is written with O_DIRECT, so the page cache never holds it for a read
+          to hit (a session-5 machine had measured buffered reads 1.15-1.23x vLLM, in runs
+          other than its O_DIRECT reads' 0.91-0.97x).
         O_DIRECT costs no CPU copy and keeps chunk files out of the page cache (no second
         copy of chunks the host tier may still hold), at device speed: prefer "auto" when
         CPU is scarce (on a 2-core machine at load 20-35 buffered I/O measured 0.26 GB/s
@@ -53,13 +61,14 @@ from typing import Any, Mapping
 from ..base import TierError
 
 DEFAULT_THREADS = 16
-#: O_DIRECT for small writes, buffered otherwise (see the module docstring's measurements).
-DEFAULT_O_DIRECT = "small-writes"
-#: Chunk payloads below this many bytes are written with O_DIRECT under "small-writes"
-#: (between the 256 KiB chunks where O_DIRECT writes won and the 2 MiB where buffered did).
-SMALL_WRITE_BYTES = 1 << 20
+#: O_DIRECT for small chunks, buffered otherwise (see the module docstring's measurements).
+DEFAULT_O_DIRECT = "small"
+#: Chunk payloads below this many bytes are written (and under "small" read) with O_DIRECT
+#: under "small" and "small-writes" (between the 256 KiB chunks where O_DIRECT won and the
+#: 2 MiB where buffered did).
+SMALL_CHUNK_BYTES = 1 << 20
 #: The string values of `o_direct` (the others are the booleans true and false).
-O_DIRECT_STRINGS = ("small-writes", "auto")
+O_DIRECT_STRINGS = ("small", "small-writes", "auto")
 DEFAULT_REFRESH_INTERVAL_S = 1.0
 #: Bounds of `refresh_interval_s`: below 1 ms the refresh thread would spin on the directory;
 #: above a day (or NaN/inf) `threading.Event.wait` overflows or the index never refreshes.
@@ -117,8 +126,8 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
     # raises
     if not (isinstance(o_direct, bool)
             or isinstance(o_direct, str) and o_direct in O_DIRECT_STRINGS):
-        raise TierError(f"o_direct: must be \"small-writes\", \"auto\", true or false; got "
-                        f"{o_direct!r}")
+        raise TierError(f"o_direct: must be \"small\", \"small-writes\", \"auto\", true or "
+                        f"false; got {o_direct!r}")
     interval = config.get("refresh_interval_s", DEFAULT_REFRESH_INTERVAL_S)
     if (not isinstance(interval, (int, float)) or isinstance(interval, bool)
             or not MIN_REFRESH_INTERVAL_S <= interval <= MAX_REFRESH_INTERVAL_S):

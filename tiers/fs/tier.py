@@ -35,7 +35,7 @@ from ..base import JobKind, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex, StoresInFlight
 from ..jobs import IndexedTier, JobBoard, JobPool
-from .config import SMALL_WRITE_BYTES, parse_config
+from .config import SMALL_CHUNK_BYTES, parse_config
 from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk, same_file,
                      write_chunk)
 from .budget import RootBudget, mark_in_use
@@ -89,13 +89,17 @@ class FsTier(IndexedTier):
         supported = probe_o_direct(os.path.join(self.ns_dir, CHUNKS_DIR, "00"))
         if cfg.o_direct is True and not supported:
             raise TierError(f"o_direct: true, but the filesystem at {cfg.root_dir!r} does not "
-                            "support O_DIRECT; use \"small-writes\", \"auto\" or false")
+                            "support O_DIRECT; use \"small\", \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
         self.o_direct = supported and cfg.o_direct in ("auto", True)
-        #: Under "small-writes": payloads below this many bytes are written with O_DIRECT
-        #: (0: none, or every one with `o_direct`).
-        self.o_direct_writes_below = (SMALL_WRITE_BYTES if supported
-                                      and cfg.o_direct == "small-writes" else 0)
+        #: Under "small" and "small-writes": payloads below this many bytes are written with
+        #: O_DIRECT (0: none, or every one with `o_direct`).
+        self.o_direct_writes_below = (SMALL_CHUNK_BYTES if supported
+                                      and cfg.o_direct in ("small", "small-writes") else 0)
+        #: Under "small": payloads below this many bytes are read with O_DIRECT (0: none, or
+        #: every one with `o_direct`).
+        self.o_direct_reads_below = (SMALL_CHUNK_BYTES if supported and cfg.o_direct == "small"
+                                     else 0)
         self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
@@ -206,14 +210,15 @@ class FsTier(IndexedTier):
         namespaces_deleted (absent while 0); plus used_bytes, max_bytes (root-wide),
         other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
         chunks, o_direct (bool, detected at start: every read and write with O_DIRECT),
-        o_direct_writes_below (bytes: payloads below it are written with O_DIRECT; 0 for
-        none) and durability (the config value)."""
+        o_direct_writes_below and o_direct_reads_below (bytes: payloads below them are
+        written / read with O_DIRECT; 0 for none) and durability (the config value)."""
         deleted = self._budget.namespaces_deleted
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
                    "chunks": len(self._index), "o_direct": self.o_direct,
                    "o_direct_writes_below": self.o_direct_writes_below,
+                   "o_direct_reads_below": self.o_direct_reads_below,
                    "durability": self.config.durability})
 
     # -- jobs ---------------------------------------------------------------------------------
@@ -222,8 +227,9 @@ class FsTier(IndexedTier):
 
     def _direct(self, job: TierJob) -> bool:
         """Whether `job` moves its chunk file with O_DIRECT (its host bytes must be aligned)."""
-        direct = self.o_direct or (job.kind is JobKind.STORE
-                                   and job.nbytes < self.o_direct_writes_below)
+        direct = self.o_direct or job.nbytes < (self.o_direct_writes_below
+                                                if job.kind is JobKind.STORE
+                                                else self.o_direct_reads_below)
         return direct and (self._host_addr + job.offset) % ALIGN == 0
 
     def _scratch_buffers(self) -> Scratch:
