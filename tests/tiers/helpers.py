@@ -6,6 +6,7 @@ import glob
 import mmap
 import os
 import subprocess
+import threading
 import time
 from typing import Callable
 
@@ -23,6 +24,28 @@ class PassThroughOs:
 
     def __getattr__(self, name):
         return getattr(os, name)
+
+
+class FaultyPausedOs(PassThroughOs):
+    """`os`, except that the first call of `method` ("preadv" or "pwritev") sets `paused` and
+    waits for `resume`: holds one read or write of a tier in flight on demand, which a real
+    disk cannot do. Every other call goes straight through."""
+
+    def __init__(self, method: str):
+        self.paused, self.resume = threading.Event(), threading.Event()
+        self._method = method
+
+    def __getattr__(self, name):
+        real = getattr(os, name)
+        if name != self._method:
+            return real
+
+        def paused_call(*args):
+            if not self.paused.is_set():
+                self.paused.set()
+                assert self.resume.wait(30)
+            return real(*args)
+        return paused_call
 
 
 def host_region(nbytes: int = 8 << 20) -> tuple[memoryview, np.ndarray]:

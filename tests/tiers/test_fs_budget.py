@@ -3,7 +3,6 @@ deleted first, namespaces in use shrink this one's budget."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
@@ -12,8 +11,8 @@ from kvhal.tiers.base import JobKind, Lookup, TierJob
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.budget import IN_USE_FILE, MIN_STALE_S
 
-from .helpers import (NAMESPACE, OTHER_NAMESPACE, PassThroughOs, chunk_key, host_region, payload,
-                      store, wait_for)
+from .helpers import (NAMESPACE, OTHER_NAMESPACE, FaultyPausedOs, chunk_key, host_region,
+                      payload, store, wait_for)
 
 #: File bytes of a 4096-byte chunk (header page + payload).
 FILE = 8192
@@ -85,32 +84,17 @@ def test_a_chunk_that_fits_only_without_namespaces_in_use_fails_naming_them(tmp_
     new.close()
 
 
-class FaultyPausedWriteOs(PassThroughOs):
-    """`os`, except that the first `pwritev` waits for `resume` (after setting `writing`):
-    keeps one store in flight, holding its reservation, while the test submits another (a
-    real disk cannot hold a write on demand)."""
-
-    def __init__(self):
-        self.writing, self.resume = threading.Event(), threading.Event()
-
-    def pwritev(self, *args):
-        if not self.writing.is_set():
-            self.writing.set()
-            assert self.resume.wait(30)
-        return os.pwritev(*args)
-
-
 def test_a_store_in_flight_keeps_a_second_one_from_taking_the_tier_past_max_bytes(tmp_path,
                                                                                     region):
     host, array = region
     array[:2 * 4096] = payload(7, 2 * 4096)
-    osm = FaultyPausedWriteOs()
+    osm = FaultyPausedOs("pwritev")
     tier = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600,
                    "max_bytes": FILE + FILE // 2, "n_write_threads": 2}, host, NAMESPACE,
                   os_module=osm)
     first, second = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
     tier.submit_store(TierJob(1, JobKind.STORE, first, 0, 4096))
-    assert osm.writing.wait(30)
+    assert osm.paused.wait(30)
 
     tier.submit_store(TierJob(2, JobKind.STORE, second, 4096, 4096))
     results = []

@@ -4,7 +4,6 @@ bytes: not to a load of this tier, not to another process's reader that had it o
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import numpy as np
@@ -16,26 +15,11 @@ from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.fileio import Scratch, read_chunk, write_chunk
 from kvhal.tiers.fs.format import chunk_path
 
-from .helpers import (NAMESPACE, PassThroughOs, chunk_key, host_region, payload, store,
-                      temp_files)
+from .helpers import (NAMESPACE, FaultyPausedOs, PassThroughOs, chunk_key, host_region, payload,
+                      store, temp_files)
 
 NBYTES = 3 * ALIGN
 RECORD = record_nbytes(NBYTES)
-
-
-class FaultyPausedReadOs(PassThroughOs):
-    """`os`, except that the first `preadv` waits for `resume` (after setting `reading`): holds
-    a reader between opening a chunk file and reading it, so that another tier can recycle
-    the file in that window (a real disk cannot pause a read on demand)."""
-
-    def __init__(self):
-        self.reading, self.resume = threading.Event(), threading.Event()
-
-    def preadv(self, *args):
-        if not self.reading.is_set():
-            self.reading.set()
-            assert self.resume.wait(30)
-        return os.preadv(*args)
 
 
 @pytest.fixture
@@ -126,11 +110,11 @@ def _paused_reader_races(tmp_path, region, seeds):
     reader_host, reader_array = host_region(1 << 20)
     writer = _full_tier(tmp_path, host)
     old, _ = _fill(writer, array, [1, 2])
-    faulty = FaultyPausedReadOs()
+    faulty = FaultyPausedOs("preadv")
     reader = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600}, reader_host,
                     NAMESPACE, os_module=faulty)
     reader.submit_load(TierJob(10, JobKind.LOAD, old, 0, NBYTES))
-    assert faulty.reading.wait(30)
+    assert faulty.paused.wait(30)
     _fill(writer, array, seeds)
     assert writer.stats()["files_recycled"] == len(seeds)
     faulty.resume.set()

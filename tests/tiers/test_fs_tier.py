@@ -21,8 +21,8 @@ from kvhal.tiers.fs.config import SMALL_CHUNK_BYTES
 from kvhal.tiers.fs.fileio import probe_o_direct
 from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path
 
-from .helpers import (NAMESPACE, OTHER_NAMESPACE, chunk_key, dead_pid, host_region, load,
-                      payload, store, temp_files)
+from .helpers import (NAMESPACE, OTHER_NAMESPACE, FaultyPausedOs, chunk_key, dead_pid, host_region,
+                      load, payload, store, temp_files)
 
 
 @pytest.fixture
@@ -354,33 +354,16 @@ def test_another_instance_sees_new_and_deleted_chunks_after_refresh(tmp_path, re
 
 
 
-class FaultyPausedReadOs:
-    """The `os` module, except that `preadv` first waits for `resume` (after setting
-    `reading`): holds a load between opening its file and reading it, so that a test can evict
-    the chunk in that window (a real disk cannot pause a read on demand)."""
-
-    def __init__(self):
-        self.reading, self.resume = threading.Event(), threading.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(os, name)
-
-    def preadv(self, *args):
-        self.reading.set()
-        assert self.resume.wait(30)
-        return os.preadv(*args)
-
-
 def test_a_chunk_evicted_while_being_read_is_served_once_and_stays_evicted(tmp_path, region):
     host, array = region
-    faulty = FaultyPausedReadOs()
+    faulty = FaultyPausedOs("preadv")
     tier = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600,
                    "max_bytes": 4096 + 8192}, host, NAMESPACE, os_module=faulty)
     old, new = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
     array[:8192] = payload(1, 8192)
     assert store(tier, old, 0, 8192).ok
     tier.submit_load(TierJob(10, JobKind.LOAD, old, 8192, 8192))
-    assert faulty.reading.wait(30)
+    assert faulty.paused.wait(30)
     array[:8192] = payload(2, 8192)
     tier.submit_store(TierJob(11, JobKind.STORE, new, 0, 8192))    # evicts old mid-read
     results, deadline = [], time.monotonic() + 30
