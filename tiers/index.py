@@ -102,12 +102,15 @@ class ChunkIndex:
     def add(self, key: ChunkKey, nbytes: int) -> None:
         """Index a stored chunk of `nbytes` stored bytes (most recently used)."""
         with self._lock:
-            if key in self._lru:
-                self._lru.move_to_end(key)
-                return
-            self._lru[key] = nbytes
-            self._indexed += nbytes
-            self._added_epoch[key] = self._epoch  # protected from listings begun before
+            self._add(key, nbytes)
+
+    def _add(self, key: ChunkKey, nbytes: int) -> None:
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return
+        self._lru[key] = nbytes
+        self._indexed += nbytes
+        self._added_epoch[key] = self._epoch  # protected from listings begun before
 
     def discard(self, key: ChunkKey) -> None:
         """Forget `key` after its stored object was deleted or found unusable (a listing that
@@ -160,10 +163,14 @@ class ChunkIndex:
             self._reserved += nbytes
             return victims
 
-    def release(self, nbytes: int) -> None:
-        """Return a reservation (the store finished or failed)."""
+    def release(self, nbytes: int, stored: ChunkKey | None = None) -> None:
+        """End a reservation of `nbytes`: a failed store's, or with `stored` a finished one's,
+        whose chunk is indexed (as `add`) in the same step, so that its bytes count all along
+        (a store reserving in between would otherwise see room that is not there)."""
         with self._lock:
             self._reserved -= nbytes
+            if stored is not None:
+                self._add(stored, nbytes)
 
     def evict_lru(self, nbytes: int) -> list[tuple[ChunkKey, int]]:
         """Take least recently used entries totalling at least `nbytes` out of the index; the

@@ -46,6 +46,20 @@ def test_reserve_refuses_what_stores_in_flight_leave_no_room_for_and_evicts_noth
     assert index.used_bytes == 300
 
 
+def test_a_finished_store_is_indexed_in_the_step_that_ends_its_reservation():
+    index = ChunkIndex()
+    assert index.reserve(100, max_bytes=400) == []
+    index.release(100, _key(1))                  # its bytes never stop counting
+    assert (index.used_bytes, _key(1) in index) == (100, True)
+    assert index.reserve(100, max_bytes=400) == []
+    index.add(_key(2), 100)                      # a listing indexed the new file first
+    index.release(100, _key(2))
+    assert index.used_bytes == 200
+    assert index.reserve(100, max_bytes=400) == []
+    index.release(100)                           # a failed store: nothing indexed
+    assert (index.used_bytes, len(index)) == (200, 2)
+
+
 def test_discard_reports_only_keys_that_were_indexed():
     index = ChunkIndex()
     index.add(_key(1), 10)

@@ -258,12 +258,14 @@ class FsTier(IndexedTier):
                     + (f" less {held} bytes held by other namespaces in use" if held else ""))
         reuse = self._recyclable(victims, nbytes)
         self._delete(victims, "evictions", keep=reuse)
+        stored = None
         try:
             if write_chunk(self._os, self.ns_dir, job.key,
                            self._host[job.offset:job.offset + job.nbytes], self._direct(job),
                            self._scratch_buffers(), self._sync,
                            None if reuse is None else chunk_path(self.ns_dir, reuse)):
                 self._count("files_recycled")
+            stored = job.key
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 self._count("enospc")
@@ -272,8 +274,7 @@ class FsTier(IndexedTier):
                              "evictions")
             return _errno_text(exc)
         finally:
-            self._index.release(nbytes)
-        self._index.add(job.key, nbytes)
+            self._index.release(nbytes, stored)      # indexed as the reservation ends
         self._count("bytes_stored", job.nbytes)
         return None
 

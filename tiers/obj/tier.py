@@ -179,6 +179,7 @@ class ObjTier(IndexedTier):
         if victims:
             self._jobs.count("evictions", len(victims))
             self._delete_later([key for key, _ in victims])
+        stored = None
         try:
             payload = self._host[job.offset:job.offset + job.nbytes]
             record = self._record_buffer(job.nbytes)
@@ -186,12 +187,12 @@ class ObjTier(IndexedTier):
             record[HEADER_BYTES:HEADER_BYTES + job.nbytes] = payload
             record[HEADER_BYTES + job.nbytes:] = bytes(len(record) - HEADER_BYTES - job.nbytes)
             written = self._client.put(self.object_name(job.key), record)
+            stored = job.key
         except StoreFailure as failure:
             self._jobs.count("request_errors")
             return str(failure)
         finally:
-            self._index.release(nbytes)
-        self._index.add(job.key, nbytes)
+            self._index.release(nbytes, stored)      # indexed as the reservation ends
         self._jobs.count("bytes_stored" if written else "already_stored",
                          job.nbytes if written else 1)
         return None

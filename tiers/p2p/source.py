@@ -228,14 +228,17 @@ class OwnStore:
             return f"chunk: {exc}"
         if victims is None:
             return f"chunk of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
-        data = bytes(payload)
-        checksum = payload_checksum(data)
-        with self._lock:
-            for victim, _ in victims:
-                self._data.pop(victim, None)
-            self._data[key] = (data, checksum)
-        self._index.release(nbytes)
-        self._index.add(key, nbytes)
+        stored = None
+        try:
+            data = bytes(payload)
+            checksum = payload_checksum(data)
+            with self._lock:
+                for victim, _ in victims:
+                    self._data.pop(victim, None)
+                self._data[key] = (data, checksum)
+            stored = key
+        finally:
+            self._index.release(nbytes, stored)      # indexed as the reservation ends
         self._feed.publish([key], [v for v, _ in victims])
         return None
 
