@@ -413,6 +413,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tier: {args.tier!r} is not a registered tier type; registered: "
                          f"{', '.join(registered)}")
     config = json_object(args.config, "--config") if args.config else {}
+    if args.root_dir is not None and os.path.isdir(args.root_dir) and os.listdir(args.root_dir):
+        raise ValueError(f"--root-dir: {args.root_dir!r} is not empty; every contender writes "
+                         "fresh files there: name a new or empty folder")
     root = args.root_dir or tempfile.mkdtemp(prefix="kvhal-bench-tier-")
     os.makedirs(root, exist_ok=True)
     if args.tier == "fs":

@@ -76,6 +76,7 @@ class VllmFsTier:
         self.o_direct = bool(self._tier._use_o_direct)
         self.durability = VLLM_DURABILITY
         self._context = ReqContext("kvhal-bench")
+        self._chunk_bytes = chunk_bytes
         self._next_job = 0
 
     def _run(self, submit, keys: list[bytes], is_promotion: bool) -> None:
@@ -88,7 +89,10 @@ class VllmFsTier:
         self._tier.drain_jobs()
         failed = [r for r in self._tier.get_finished_jobs() if not r.success]
         if failed:
-            raise RuntimeError(f"vllm fs tier: {len(failed)} jobs failed")
+            hint = (f" (its O_DIRECT I/O takes only multiples of 4096 bytes, not "
+                    f"{self._chunk_bytes}-byte chunks: use --no-vllm or another --chunk-bytes)"
+                    if self.o_direct and self._chunk_bytes % 4096 else "")
+            raise RuntimeError(f"vllm fs tier: {len(failed)} jobs failed{hint}")
 
     @staticmethod
     def key(block_hash: bytes) -> bytes:

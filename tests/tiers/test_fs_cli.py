@@ -192,6 +192,24 @@ def test_bench_tier_full_evicts_with_every_store_and_recycles_the_files(tmp_path
     assert raw == {-1: 0, 0: 0, 1: 0, 2: 8}            # each write deleted the last pass's file
 
 
+def test_bench_tier_refuses_a_root_dir_that_holds_files(tmp_path):
+    (tmp_path / "left-over").write_bytes(b"x")
+    out = kvhal("bench", "tier", "--count", "1", "--repeats", "1", "--root-dir", str(tmp_path))
+    assert out.returncode != 0
+    assert f"--root-dir: {str(tmp_path)!r} is not empty" in out.stderr
+    assert os.listdir(tmp_path) == ["left-over"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_bench_tier_says_why_vllms_tier_fails_a_chunk_size_o_direct_cannot_take(tmp_path):
+    out = kvhal("bench", "tier", "--chunk-bytes", "4097", "--count", "2", "--repeats", "1",
+                "--root-dir", str(tmp_path / "run"))
+    if out.returncode == 0:                      # a filesystem without O_DIRECT: vLLM buffers
+        return
+    assert ("vllm fs tier: 2 jobs failed (its O_DIRECT I/O takes only multiples of 4096 bytes, "
+            "not 4097-byte chunks: use --no-vllm or another --chunk-bytes)") in out.stderr
+
+
 def test_bench_tier_full_is_for_the_fs_tier_only(tmp_path):
     out = kvhal("bench", "tier", "--tier", "obj", "--full", "--count", "2", "--json")
     assert out.returncode != 0
