@@ -467,7 +467,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="alternating passes; medians are reported (default 3)")
     p.add_argument("--root-dir", default=None,
-                   help="folder for the files (default: a temp folder, removed afterwards)")
+                   help="a new or empty folder for the files, kept afterwards (default: a "
+                        "temp folder, removed afterwards)")
     p.add_argument("--config", default=None,
                    help="JSON object merged into the tier's config, e.g. "
                         "'{\"n_write_threads\": 8}'; obj: a \"store_config\" names the bucket "
