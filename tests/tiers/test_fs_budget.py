@@ -84,13 +84,18 @@ def test_a_chunk_that_fits_only_without_namespaces_in_use_fails_naming_them(tmp_
     new.close()
 
 
+@pytest.mark.parametrize("others", [False, True], ids=["alone", "other-namespace-in-use"])
 def test_a_store_in_flight_keeps_a_second_one_from_taking_the_tier_past_max_bytes(tmp_path,
-                                                                                    region):
+                                                                                    region,
+                                                                                    others):
     host, array = region
+    other = _fill(tmp_path, host, array, OTHER_NAMESPACE, 2) if others else None
+    held = (other.stats()["used_bytes"] + os.path.getsize(os.path.join(other.ns_dir, IN_USE_FILE))
+            if others else 0)
     array[:2 * 4096] = payload(7, 2 * 4096)
     osm = FaultyPausedOs("pwritev")
     tier = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600,
-                   "max_bytes": FILE + FILE // 2, "n_write_threads": 2}, host, NAMESPACE,
+                   "max_bytes": FILE + FILE // 2 + held, "n_write_threads": 2}, host, NAMESPACE,
                   os_module=osm)
     first, second = chunk_key(NAMESPACE, 1), chunk_key(NAMESPACE, 2)
     tier.submit_store(TierJob(1, JobKind.STORE, first, 0, 4096))
@@ -104,12 +109,16 @@ def test_a_store_in_flight_keeps_a_second_one_from_taking_the_tier_past_max_byte
     tier.drain(30)
 
     assert refused.job_id == 2
+    why = (f" (max_bytes {FILE + FILE // 2 + held} less {held} bytes held by other namespaces "
+           "in use)" if others else "")
     assert (refused.ok, refused.error) == (False, f"chunk file: {FILE} bytes do not fit in "
                                            f"max_bytes {FILE + FILE // 2} while stores in flight "
-                                           f"hold {FILE} bytes")
+                                           f"hold {FILE} bytes{why}")
     assert [r.ok for r in tier.get_finished_jobs()] == [True]
     assert tier.stats()["used_bytes"] == FILE
     assert store(tier, second, 4096, 4096).ok          # with nothing in flight: evicts the first
     assert [tier.lookup(first), tier.lookup(second)] == [Lookup.MISS, Lookup.HIT]
     assert tier.stats()["used_bytes"] == FILE
     tier.close()
+    if other is not None:
+        other.close()

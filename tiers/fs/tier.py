@@ -248,12 +248,13 @@ class FsTier(IndexedTier):
         # power loss (the scan left it out), or be another process's copy of the same chunk
         nbytes = record_nbytes(job.nbytes)
         budget = self._budget.room_for(self._index.used_bytes + nbytes, self.max_bytes)
+        held = self.max_bytes - budget
         try:
             victims = self._index.reserve(nbytes, budget)
         except StoresInFlight as exc:
-            return f"chunk file: {exc}"
+            return f"chunk file: {exc}" + (f" (max_bytes {self.max_bytes} less {held} bytes held "
+                                           "by other namespaces in use)" if held else "")
         if victims is None:
-            held = self.max_bytes - budget
             return (f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
                     + (f" less {held} bytes held by other namespaces in use" if held else ""))
         reuse = self._recyclable(victims, nbytes)
