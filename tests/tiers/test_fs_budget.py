@@ -115,7 +115,7 @@ def test_a_store_in_flight_keeps_a_second_one_from_taking_the_tier_past_max_byte
                                            f"max_bytes {FILE + FILE // 2} while stores in flight "
                                            f"hold {FILE} bytes{why}")
     assert [r.ok for r in tier.get_finished_jobs()] == [True]
-    assert tier.stats()["used_bytes"] == FILE
+    assert (tier.stats()["used_bytes"], tier.stats()["refused_in_flight"]) == (FILE, 1)
     assert store(tier, second, 4096, 4096).ok          # with nothing in flight: evicts the first
     assert [tier.lookup(first), tier.lookup(second)] == [Lookup.MISS, Lookup.HIT]
     assert tier.stats()["used_bytes"] == FILE

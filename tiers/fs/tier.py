@@ -206,7 +206,8 @@ class FsTier(IndexedTier):
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
         io_errors, quarantined, evictions, files_recycled (evictions whose file a store
-        overwrote in place), enospc, orphaned_temps_removed, refresh_errors,
+        overwrote in place), refused_in_flight (stores failed because stores in flight held
+        the room: `index.StoresInFlight`), enospc, orphaned_temps_removed, refresh_errors,
         namespaces_deleted (absent while 0); plus used_bytes, max_bytes (root-wide),
         other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
         chunks, o_direct (bool, detected at start: every read and write with O_DIRECT),
@@ -252,6 +253,7 @@ class FsTier(IndexedTier):
         try:
             victims = self._index.reserve(nbytes, budget)
         except StoresInFlight as exc:
+            self._count("refused_in_flight")
             return f"chunk file: {exc}" + (f" (max_bytes {self.max_bytes} less {held} bytes held "
                                            "by other namespaces in use)" if held else "")
         if victims is None:

@@ -147,9 +147,10 @@ class ObjTier(IndexedTier):
 
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, already_stored,
-        corrupt, missing, request_errors, evictions, deleted, delete_errors, refresh_errors
-        (absent while 0); plus used_bytes, max_bytes, chunks and conditional_put (whether the
-        server honours If-None-Match)."""
+        corrupt, missing, request_errors, evictions, refused_in_flight (stores failed because
+        stores in flight held the room: `index.StoresInFlight`), deleted, delete_errors,
+        refresh_errors (absent while 0); plus used_bytes, max_bytes, chunks and conditional_put
+        (whether the server honours If-None-Match)."""
         return self._jobs.counters() | {"used_bytes": self._index.used_bytes,
                                         "max_bytes": self.max_bytes, "chunks": len(self._index),
                                         "conditional_put": self._client.conditional_put}
@@ -173,6 +174,7 @@ class ObjTier(IndexedTier):
         try:
             victims = self._index.reserve(nbytes, self.max_bytes)
         except StoresInFlight as exc:
+            self._jobs.count("refused_in_flight")
             return f"chunk record: {exc}"
         if victims is None:
             return f"chunk record of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
