@@ -169,15 +169,14 @@ class _TierContender:
         self.threads = (getattr(config, "n_read_threads", io_threads),
                         getattr(config, "n_write_threads", io_threads))
         self.durability = str(stats.get("durability", DEFAULT_DURABILITY))
-        aligned = chunk % ALIGN == 0
-        every = bool(stats.get("o_direct", False)) and aligned
-        #: Writes / reads with O_DIRECT (all with the tier's `o_direct`, or chunks of this size
-        #: under "small" or "small-writes": the tier's `o_direct_*_below`).
-        self.o_direct_writes, reads = (
-            every or (aligned and chunk < int(stats.get(f"o_direct_{d}_below", 0)))
-            for d in ("writes", "reads"))
+        # chunk i lies at i * chunk of a page-aligned region: aligned iff chunk is; a tier
+        # without `o_direct_for` (obj) moves no file
+        direct_for = getattr(tier, "o_direct_for", None)
+        aligned = chunk % ALIGN == 0 and direct_for is not None
+        #: Writes with O_DIRECT (the tier's own rule for this chunk size).
+        self.o_direct_writes = aligned and direct_for(JobKind.STORE, chunk)
         #: Every read and write of this run with O_DIRECT.
-        self.o_direct = self.o_direct_writes and reads
+        self.o_direct = self.o_direct_writes and direct_for(JobKind.LOAD, chunk)
         self.name = f"kvhal {name}"
 
     def _run(self, kind: JobKind, rep: int) -> None:

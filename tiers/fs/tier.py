@@ -226,12 +226,17 @@ class FsTier(IndexedTier):
     def _check_job(self, job: TierJob) -> str | None:
         return job_problem(job, len(self._host), self.namespace)
 
+    def o_direct_for(self, kind: JobKind, nbytes: int) -> bool:
+        """Whether a `kind` job (STORE or LOAD) of `nbytes` payload bytes whose host bytes are
+        `ALIGN`-aligned moves its chunk file with O_DIRECT (`o_direct` and the `*_below`
+        sizes); a job at an unaligned host offset never does."""
+        return self.o_direct or nbytes < (self.o_direct_writes_below if kind is JobKind.STORE
+                                          else self.o_direct_reads_below)
+
     def _direct(self, job: TierJob) -> bool:
         """Whether `job` moves its chunk file with O_DIRECT (its host bytes must be aligned)."""
-        direct = self.o_direct or job.nbytes < (self.o_direct_writes_below
-                                                if job.kind is JobKind.STORE
-                                                else self.o_direct_reads_below)
-        return direct and (self._host_addr + job.offset) % ALIGN == 0
+        return (self.o_direct_for(job.kind, job.nbytes)
+                and (self._host_addr + job.offset) % ALIGN == 0)
 
     def _scratch_buffers(self) -> Scratch:
         scratch = getattr(self._scratch, "buffers", None)
