@@ -38,9 +38,13 @@ def namespace_dir(root_dir: str, namespace: bytes) -> str:
     return os.path.join(root_dir, namespace.hex())
 
 
+def _chunk_folder(ns_dir: str, key: ChunkKey) -> str:
+    return f"{ns_dir}/{CHUNKS_DIR}/{key.block_hash[0]:02x}"
+
+
 def chunk_path(ns_dir: str, key: ChunkKey) -> str:
     """Content-addressed path of the chunk file of `key` inside its namespace folder."""
-    return f"{ns_dir}/{CHUNKS_DIR}/{key.block_hash[0]:02x}/{key.hex()}{CHUNK_SUFFIX}"
+    return f"{_chunk_folder(ns_dir, key)}/{key.hex()}{CHUNK_SUFFIX}"
 
 
 #: Temp-name tokens: "<pid>.<64 random bits>", drawn again in a forked child (so a reused pid
@@ -61,7 +65,7 @@ def chunk_paths(ns_dir: str, key: ChunkKey) -> tuple[str, str, str]:
     """(folder, chunk file path, temp-file path) for writing `key`: the chunk file's folder, its
     `chunk_path`, and a fresh temp name next to it, unique per process (pid and random bits)
     and per call (a counter), so writers in several processes never share one."""
-    folder = f"{ns_dir}/{CHUNKS_DIR}/{key.block_hash[0]:02x}"
+    folder = _chunk_folder(ns_dir, key)
     name = key.hex()
     return (folder, f"{folder}/{name}{CHUNK_SUFFIX}",
             f"{folder}/{name}.{_TOKEN_PREFIX}{next(_TOKENS):x}{TEMP_SUFFIX}")
