@@ -20,6 +20,8 @@ from .base import JobResult, Lookup, SecondaryTier, TierJob
 from .index import ChunkIndex
 
 JobFn = Callable[[TierJob], "str | None"]
+#: A batch job function: one outcome (None or an error string) per job, in order.
+BatchFn = Callable[[list[TierJob]], "list[str | None]"]
 
 
 class JobPool:
@@ -47,10 +49,13 @@ class JobPool:
         Raises:
             RuntimeError: the pool was shut down.
         """
+        self._put((fn, args))
+
+    def _put(self, item: Any) -> None:
         with self._lock:
             if self._shutdown:
                 raise RuntimeError(f"{self._name}: cannot submit after shutdown")
-            self._queue.put((fn, args))
+            self._queue.put(item)
             if not self._threads:
                 self._threads = [threading.Thread(target=self._work, daemon=True,
                                                   name=f"{self._name}_{i}")
@@ -84,6 +89,54 @@ class JobPool:
                 thread.join()
 
 
+class BatchPool(JobPool):
+    """A `JobPool` whose workers hand queued items to one function, `run(items)`, in batches: a
+    worker takes the next item and, while the queue holds more than one item per thread, up to
+    `max_batch - 1` more, so a deep queue costs one call (one GIL release in the fs tier's C
+    helper) per batch while a shallow one still keeps every thread busy with single items
+    (issue 13).
+
+    Args:
+        threads: Number of worker threads (> 0).
+        name: Thread name prefix.
+        run: Called with a non-empty list of items; exceptions escaping it are swallowed.
+        max_batch: Most items per call (>= 1).
+    """
+
+    def __init__(self, threads: int, name: str, run: Callable[[list], Any], max_batch: int):
+        super().__init__(threads, name)
+        self._run_items, self._max_batch = run, max_batch
+
+    def submit(self, item: Any) -> None:  # type: ignore[override]
+        """Queue `item` for a later `run` call.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        self._put(item)
+
+    def _work(self) -> None:
+        todo = self._queue
+        while True:
+            item = todo.get()
+            if item is None:
+                return
+            batch = [item]
+            for _ in range(min(self._max_batch - 1, todo.qsize() // self._size)):
+                try:
+                    item = todo.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:  # another thread's stop: left for it
+                    todo.put(None)
+                    break
+                batch.append(item)
+            try:
+                self._run_items(batch)
+            except Exception:  # noqa: BLE001 - `JobBoard.run_batch` reports its own errors
+                pass
+
+
 class JobBoard:
     """Pending and finished jobs of one tier instance, plus its counters. Thread-safe.
 
@@ -110,16 +163,21 @@ class JobBoard:
         with self._cond:
             return self._pending
 
-    def submit(self, pool: JobPool, fn: JobFn, job: TierJob) -> None:
-        """Run `fn(job)` on `pool`; its outcome becomes the job's result. A closed board fails
-        the job at once (the result is still reported exactly once)."""
+    def submit(self, pool: JobPool, fn: JobFn | None, job: TierJob) -> None:
+        """Run `fn(job)` on `pool`; its outcome becomes the job's result. On a `BatchPool`
+        (`fn` unused: None) the job goes to the pool's `run`, which must be `run_batch` with
+        this board. A closed board fails the job at once (the result is still reported
+        exactly once)."""
         with self._cond:
             if self._closed:
                 self._finish(job, 0.0, "tier closed")
                 return
             self._pending += 1
         try:
-            pool.submit(self._run, fn, job)
+            if isinstance(pool, BatchPool):
+                pool.submit(job)
+            else:
+                pool.submit(self._run, fn, job)
         except RuntimeError:  # the pool shut down between the check and the submit
             with self._cond:
                 self._pending -= 1
@@ -142,6 +200,25 @@ class JobBoard:
             self._finish(job, time.perf_counter() - t0, error)
             self._pending -= 1
             if not self._pending:  # only `drain` waits, for zero: no wake-up per job
+                self._cond.notify_all()
+
+    def run_batch(self, fn: BatchFn, jobs: list[TierJob]) -> None:
+        """Run `fn(jobs)` (on a `BatchPool` thread) and report its outcomes as the jobs'
+        results, each job with the batch's seconds; if `fn` raises, or returns another number
+        of outcomes, every job of the batch fails as an internal error."""
+        t0 = time.perf_counter()
+        try:
+            errors = fn(jobs)
+            if len(errors) != len(jobs):
+                raise RuntimeError(f"{len(errors)} outcomes for {len(jobs)} jobs")
+        except Exception as exc:  # a bug must still end each job exactly once
+            errors = [f"internal error: {type(exc).__name__}: {exc}"] * len(jobs)
+        seconds = time.perf_counter() - t0
+        with self._cond:
+            for job, error in zip(jobs, errors):
+                self._finish(job, seconds, error)
+            self._pending -= len(jobs)
+            if not self._pending:
                 self._cond.notify_all()
 
     def _finish(self, job: TierJob, seconds: float, error: str | None) -> None:

@@ -201,3 +201,45 @@ def test_a_sealed_write_is_the_header_encode_header_writes_and_bad_seals_are_ref
         _chunkio.write_file(str(tmp_path / "t"), str(final), [bytes(HEADER_BYTES), header],
                             False, False, str(tmp_path), CHECKSUM_OFFSET, digest_at)
     assert sorted(os.listdir(tmp_path)) == ["f"]
+
+
+@needs_c
+def test_a_batch_returns_each_jobs_error_and_still_runs_the_others(tmp_path):
+    from kvhal.tiers.fs import _chunkio
+
+    good, data = tmp_path / "good", bytes(range(256)) * 32
+    outcomes = _chunkio.write_files([
+        (str(tmp_path / "t1"), str(good), [data], False, False, str(tmp_path)),
+        (str(tmp_path / "no" / "t2"), str(tmp_path / "no" / "f"), [data], False, False,
+         str(tmp_path))])
+    assert outcomes[0] is False
+    assert isinstance(outcomes[1], FileNotFoundError)
+    assert (outcomes[1].errno, outcomes[1].kvhal_step) == (errno.ENOENT, "open")
+    assert good.read_bytes() == data
+
+    into = [bytearray(len(data)), bytearray(len(data))]
+    outcomes = _chunkio.read_files([(str(tmp_path / "missing"), [into[0]], False, len(data)),
+                                    (str(good), [into[1]], False, len(data), 0)])
+    assert isinstance(outcomes[0], FileNotFoundError) and outcomes[0].kvhal_step == "open"
+    status, n, digest, file_id = outcomes[1]
+    assert (status, n, digest) == (0, len(data), _chunkio.xxh3_128(data))
+    assert file_id[1] == os.stat(good).st_ino
+    assert bytes(into[1]) == data
+
+
+@needs_c
+def test_a_batch_with_refused_arguments_runs_no_job(tmp_path):
+    from kvhal.tiers.fs import _chunkio
+
+    fine = (str(tmp_path / "t1"), str(tmp_path / "f1"), [b"x" * 10], False, False,
+            str(tmp_path))
+    with pytest.raises(ValueError, match="bufs: at most 4 buffers, got 5"):
+        _chunkio.write_files([fine, (str(tmp_path / "t2"), str(tmp_path / "f2"),
+                                     [bytearray(1)] * 5, False, False, str(tmp_path))])
+    with pytest.raises(TypeError, match=r"jobs\[1\]: an argument tuple, not list"):
+        _chunkio.write_files([fine, list(fine)])
+    with pytest.raises(BufferError):
+        _chunkio.read_files([(str(tmp_path / "f1"), [bytearray(10)], False, 10),
+                             (str(tmp_path / "f1"), [b"read-only"], False, 10)])
+    assert os.listdir(tmp_path) == []
+    assert _chunkio.write_files([]) == [] and _chunkio.read_files(()) == []

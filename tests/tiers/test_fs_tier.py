@@ -57,8 +57,9 @@ def test_o_direct_is_detected_and_reported(tmp_path, region, o_direct):
 
 
 def _spy_direct(monkeypatch) -> list[tuple[str, int, bool]]:
-    """Record (function, payload bytes, `direct`) of each write_chunk / read_chunk the tier
-    calls, then do the I/O."""
+    """Record (function, payload bytes, `direct`) of each chunk the tier writes or reads, one
+    by one (write_chunk / read_chunk) or in a batch (write_chunks / read_chunks: one entry per
+    chunk, named as the single call), then do the I/O."""
     import kvhal.tiers.fs.tier as fs_tier
 
     calls = []
@@ -69,6 +70,14 @@ def _spy_direct(monkeypatch) -> list[tuple[str, int, bool]]:
             calls.append((_name, len(args[3]), args[4] if _name == "write_chunk" else args[5]))
             return _real(*args)
         monkeypatch.setattr(fs_tier, name, spy)
+    # (argument holding the jobs, index of the payload in a job)
+    for name, at, payload in (("write_chunks", 1, 1), ("read_chunks", 0, 2)):
+        real = getattr(fs_tier, name)
+
+        def batch_spy(*args, _real=real, _name=name[:-1], _at=at, _payload=payload):
+            calls.extend((_name, len(job[_payload]), job[_payload + 1]) for job in args[_at])
+            return _real(*args)
+        monkeypatch.setattr(fs_tier, name, batch_spy)
     return calls
 
 
@@ -438,3 +447,99 @@ def test_jobs_after_close_fail_once_and_close_is_idempotent(tmp_path, region):
     assert [(r.job_id, r.ok, r.error) for r in tier.get_finished_jobs()] == [
         (7, False, "tier closed")]
     assert tier.get_finished_jobs() == []
+
+
+def _needs_batches():
+    from kvhal.tiers.fs import fileio
+
+    if not fileio.HASH_IN_C:
+        pytest.skip("kvhal.tiers.fs._chunkio was not built, or python-xxhash's C hashers "
+                    "could not be bound: no batches")
+
+
+def test_a_load_batch_reads_the_batchable_jobs_in_one_call_and_sorts_out_each_failure(
+        tmp_path, monkeypatch):
+    # one batch: a good chunk, a corrupt one, a missing one, a ragged one (not batchable: read
+    # alone), a job outside the host region; each gets the outcome it gets alone
+    _needs_batches()
+    host, array = host_region(8 << 20)
+    tier = _open(tmp_path, host)
+    chunk = 64 * ALIGN
+    keys = [chunk_key(NAMESPACE, i) for i in range(4)]
+    try:
+        for i, (key, nbytes) in enumerate(zip(keys, (chunk, chunk, chunk, 5000))):
+            array[:nbytes] = payload(i, nbytes)
+            assert store(tier, key, 0, nbytes).ok
+        del keys[2:3]
+        missing = chunk_key(NAMESPACE, 99)
+        with open(chunk_path(tier.ns_dir, keys[1]), "r+b") as f:
+            f.seek(2 * ALIGN)
+            f.write(b"\xff\x00\xff")
+        calls = _spy_direct(monkeypatch)
+        array[:] = 0
+        jobs = [TierJob(0, JobKind.LOAD, keys[0], 0, chunk),
+                TierJob(1, JobKind.LOAD, keys[1], chunk, chunk),
+                TierJob(2, JobKind.LOAD, missing, 2 * chunk, chunk),
+                TierJob(3, JobKind.LOAD, keys[2], 3 * chunk, 5000),
+                TierJob(4, JobKind.LOAD, keys[0], len(host) - ALIGN, chunk)]
+        outcomes = tier._load_batch(jobs)
+        stats = tier.stats()
+        corrupt_forgotten = tier.lookup(keys[1]) is Lookup.MISS
+    finally:
+        tier.close()
+
+    assert outcomes[0] is None and outcomes[3] is None
+    assert outcomes[1] == "corrupt: checksum mismatch"
+    assert outcomes[2] == "not found"
+    assert outcomes[4] == (f"slot [{len(host) - ALIGN}, {len(host) - ALIGN + chunk}) outside the "
+                           f"host region of {len(host)} bytes")
+    assert corrupt_forgotten
+    assert np.array_equal(array[:chunk], payload(0, chunk))
+    assert np.array_equal(array[3 * chunk:3 * chunk + 5000], payload(3, 5000))
+    # the batch read jobs 0-2 at once; the corrupt and missing ones were read again alone,
+    # then the ragged one (the job outside the host region reads nothing)
+    assert [c[:2] for c in calls] == [("read_chunk", chunk)] * 5 + [("read_chunk", 5000)]
+    assert (stats["corrupt"], stats["quarantined"], stats["missing"]) == (1, 1, 1)
+    assert stats["bytes_loaded"] == chunk + 5000
+    assert os.listdir(os.path.join(tier.ns_dir, QUARANTINE_DIR))
+
+
+def test_a_store_batch_writes_the_batchable_jobs_in_one_call_and_keeps_the_budget(tmp_path):
+    # one batch: two new chunks, one already stored, a ragged one (written alone), one larger
+    # than max_bytes, one outside the host region; each ends as it does alone and every
+    # reservation ends (used_bytes counts exactly the files written)
+    _needs_batches()
+    from kvhal.tiers.chunk_format import record_nbytes
+
+    host, array = host_region(8 << 20)
+    chunk = 64 * ALIGN
+    tier = _open(tmp_path, host, max_bytes=8 * record_nbytes(chunk))
+    keys = [chunk_key(NAMESPACE, i) for i in range(5)]
+    try:
+        for i in range(4):
+            array[i * chunk:(i + 1) * chunk] = payload(i, chunk)
+        assert store(tier, keys[2], 2 * chunk, chunk).ok
+        jobs = [TierJob(0, JobKind.STORE, keys[0], 0, chunk),
+                TierJob(1, JobKind.STORE, keys[1], chunk, chunk),
+                TierJob(2, JobKind.STORE, keys[2], 2 * chunk, chunk),
+                TierJob(3, JobKind.STORE, keys[3], 3 * chunk, 5000),
+                TierJob(4, JobKind.STORE, keys[4], 0, 9 * chunk),
+                TierJob(5, JobKind.STORE, keys[4], len(host), chunk)]
+        outcomes = tier._store_batch(jobs)
+        stats = tier.stats()
+        array[:] = 0
+        reads = [load(tier, key, i * chunk, chunk if i != 3 else 5000).ok
+                 for i, key in enumerate(keys[:4])]
+    finally:
+        tier.close()
+
+    assert outcomes[:4] == [None] * 4
+    assert "exceeds max_bytes" in outcomes[4]
+    assert outcomes[5] == f"slot [{len(host)}, {len(host) + chunk}) outside the host region of " \
+                          f"{len(host)} bytes"
+    assert reads == [True] * 4
+    for i in range(3):
+        assert np.array_equal(array[i * chunk:(i + 1) * chunk], payload(i, chunk))
+    assert stats["used_bytes"] == 3 * record_nbytes(chunk) + record_nbytes(5000)
+    assert stats["chunks"] == 4
+    assert stats["bytes_stored"] == 3 * chunk + 5000

@@ -1,5 +1,6 @@
 """JobBoard: every job yields exactly one result, also when its function raises or the tier is
-closed; drain honours its deadline."""
+closed; drain honours its deadline. BatchPool: a deep queue is handed over in batches, every
+item exactly once."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +10,7 @@ import pytest
 
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, TierJob
-from kvhal.tiers.jobs import JobBoard
+from kvhal.tiers.jobs import BatchPool, JobBoard
 
 from .helpers import NAMESPACE
 
@@ -57,3 +58,87 @@ def test_drain_times_out_while_a_job_runs():
         release.set()
         board.drain(10)
     assert [r.ok for r in board.take_finished()] == [True]
+
+
+def test_a_batch_pool_batches_a_deep_queue_and_runs_every_item_once():
+    release, started = threading.Event(), threading.Event()
+    batches: list[list[int]] = []
+
+    def run(items):
+        started.set()
+        release.wait(10)
+        batches.append(items)
+
+    pool = BatchPool(2, "toy", run, max_batch=4)
+    pool.submit(0)
+    assert started.wait(10)  # one thread holds item 0; the queue fills behind it
+    for i in range(1, 30):
+        pool.submit(i)
+    release.set()
+    pool.shutdown(wait=True)
+
+    assert sorted(i for batch in batches for i in batch) == list(range(30))
+    assert max(len(batch) for batch in batches) == 4
+
+
+def test_a_batch_pool_hands_a_shallow_queue_over_item_by_item():
+    batches: list[list[int]] = []
+    done = threading.Semaphore(0)
+
+    def run(items):
+        batches.append(items)
+        done.release()
+
+    pool = BatchPool(2, "toy", run, max_batch=4)
+    for i in range(5):
+        pool.submit(i)
+        assert done.acquire(timeout=10)
+    pool.shutdown(wait=True)
+
+    assert batches == [[0], [1], [2], [3], [4]]
+
+
+def test_a_batch_pool_survives_a_raising_run_and_stops_all_threads():
+    seen: list[int] = []
+
+    def run(items):
+        seen.extend(items)
+        raise RuntimeError("bug")
+
+    pool = BatchPool(3, "toy", run, max_batch=8)
+    for i in range(50):
+        pool.submit(i)
+    pool.shutdown(wait=True)  # returns only once every thread took its stop
+
+    assert sorted(seen) == list(range(50))
+    with pytest.raises(RuntimeError, match="toy: cannot submit after shutdown"):
+        pool.submit(50)
+
+
+@pytest.mark.parametrize("fn", [lambda jobs: 1 / 0, lambda jobs: []],
+                         ids=["raises", "no-outcomes"])
+def test_run_batch_fails_every_job_of_a_broken_batch(fn):
+    board = JobBoard("toy")
+    pool = BatchPool(1, "toy", lambda jobs: board.run_batch(fn, jobs), max_batch=4)
+    for i in range(3):
+        board.submit(pool, None, _job(i))
+    board.drain(10)
+    pool.shutdown()
+
+    results = board.take_finished()
+    assert sorted(r.job_id for r in results) == [0, 1, 2]
+    assert all(not r.ok and r.error.startswith("internal error: ") for r in results)
+    assert board.counters() == {"load_failed": 3}
+
+
+def test_run_batch_reports_each_outcome():
+    board = JobBoard("toy")
+    pool = BatchPool(1, "toy", lambda jobs: board.run_batch(
+        lambda batch: [None if job.job_id % 2 else "not found" for job in batch], jobs), 4)
+    for i in range(6):
+        board.submit(pool, None, _job(i))
+    board.drain(10)
+    pool.shutdown()
+
+    assert sorted((r.job_id, r.ok, r.error) for r in board.take_finished()) == [
+        (i, bool(i % 2), None if i % 2 else "not found") for i in range(6)]

@@ -1,11 +1,14 @@
-/* kvhal.tiers.fs._chunkio: one chunk file written or read in a single GIL-free call.
+/* kvhal.tiers.fs._chunkio: one chunk file (or a batch of them) written or read in a single
+ * GIL-free call.
  *
  * The fs tier's Python path (fileio.py) makes four or five system calls per chunk (open,
  * pwritev/preadv, fstat, close, rename), and each one hands the GIL back and forth; with 16+16
  * tier threads on a few cores those handoffs, not the disk, bound throughput (profiled in issue
- * 13). These two functions make the same calls, in the same order and with the same flags, with
- * the GIL released once around all of them. fileio.py stays the single description of the
- * file format and its checks; this module only moves bytes.
+ * 13). `write_file` and `read_file` make the same calls, in the same order and with the same
+ * flags, with the GIL released once around all of them; `write_files` and `read_files` do that
+ * for a batch of chunks, one GIL release per batch (a pool thread takes a batch while more jobs
+ * than threads are queued: `tiers/jobs.py` BatchPool). fileio.py stays the single description
+ * of the file format and its checks; this module only moves bytes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -96,17 +99,176 @@ static int advance(struct iovec *iov, int count, size_t n) {
     return count - i;
 }
 
-static PyObject *raise_errno(int err, const char *step, PyObject *path) {
+/* An OSError(err, strerror(err), path) with its `kvhal_step` attribute naming the step; NULL
+ * with a Python exception set if it cannot be built. */
+static PyObject *errno_error(int err, const char *step, PyObject *path) {
     PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", err, strerror(err), path);
     if (exc == NULL) return NULL;
     PyObject *note = PyUnicode_FromString(step);
-    if (note != NULL) {
-        PyObject_SetAttrString(exc, "kvhal_step", note);
-        Py_DECREF(note);
+    if (note == NULL || PyObject_SetAttrString(exc, "kvhal_step", note) < 0) {
+        Py_XDECREF(note);
+        Py_DECREF(exc);
+        return NULL;
     }
-    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-    Py_DECREF(exc);
-    return NULL;
+    Py_DECREF(note);
+    return exc;
+}
+
+/* One chunk file to write: the arguments of `write_file`, converted, and its outcome. */
+struct write_job {
+    PyObject *tmp_arg, *folder_arg;                      /* borrowed, for errors */
+    PyObject *tmp_obj, *final_obj, *folder_obj, *reuse_obj; /* owned bytes (reuse: or NULL) */
+    Py_buffer views[MAX_BUFS];
+    struct iovec iov[MAX_BUFS];
+    int count, direct, sync, seal;
+    Py_ssize_t checksum_at, digest_at;
+    /* outcome */
+    int err, failed_on_folder, reused;
+    const char *step;
+};
+
+static void write_job_release(struct write_job *j) {
+    release_buffers(j->views, j->count);
+    j->count = 0;
+    Py_CLEAR(j->tmp_obj);
+    Py_CLEAR(j->final_obj);
+    Py_CLEAR(j->folder_obj);
+    Py_CLEAR(j->reuse_obj);
+}
+
+/* Convert `write_file`'s argument tuple into `j` (zeroed by the caller). Returns 0, or -1 with a
+ * Python exception set and nothing held. */
+static int write_job_parse(PyObject *args, struct write_job *j) {
+    PyObject *final_arg, *bufs, *reuse_arg = Py_None;
+    j->checksum_at = j->digest_at = -1;
+    if (!PyArg_ParseTuple(args, "OOOppO|nnO", &j->tmp_arg, &final_arg, &bufs, &j->direct,
+                          &j->sync, &j->folder_arg, &j->checksum_at, &j->digest_at, &reuse_arg))
+        return -1;
+    j->seal = j->checksum_at >= 0;
+    if (j->seal && (hasher == NULL || hasher64 == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "checksum_at: sealing needs both hashers bound");
+        return -1;
+    }
+    if ((reuse_arg != Py_None && !PyUnicode_FSConverter(reuse_arg, &j->reuse_obj))
+        || !PyUnicode_FSConverter(j->tmp_arg, &j->tmp_obj)
+        || !PyUnicode_FSConverter(final_arg, &j->final_obj)
+        || !PyUnicode_FSConverter(j->folder_arg, &j->folder_obj)) {
+        write_job_release(j);
+        return -1;
+    }
+    Py_ssize_t given = j->seal ? PyObject_Length(bufs) : 0;
+    int count = given < 0 ? -1 : get_buffers(bufs, j->views, j->iov, j->seal);
+    if (count < 0) {
+        write_job_release(j);
+        return -1;
+    }
+    j->count = count;
+    /* sealing writes into bufs[0] and hashes bufs[1]: both must be there and non-empty (an
+     * empty buffer is skipped, which would shift iov[0] onto another buffer); the offsets are
+     * compared by subtraction, so huge values cannot overflow past the check */
+    Py_ssize_t header_len = count ? (Py_ssize_t)j->iov[0].iov_len : 0;
+    if (j->seal && (count < 2 || count != given || j->checksum_at > header_len - 16
+                    || j->digest_at < 0 || j->digest_at > header_len - 8)) {
+        PyErr_Format(PyExc_ValueError, "checksum_at=%zd, digest_at=%zd: outside a header of "
+                     "%zd bytes, or an empty or missing header or payload buffer",
+                     j->checksum_at, j->digest_at, header_len);
+        write_job_release(j);
+        return -1;
+    }
+    return 0;
+}
+
+/* The system calls of one write (see write_file_doc); runs without the GIL. */
+static void write_job_run(struct write_job *j) {
+    const char *tmp = PyBytes_AS_STRING(j->tmp_obj);
+    const char *final = PyBytes_AS_STRING(j->final_obj);
+    const char *folder = PyBytes_AS_STRING(j->folder_obj);
+    struct iovec *iov = j->iov;
+    if (j->seal) {
+        unsigned char *header = (unsigned char *)iov[0].iov_base;
+        canonical(hasher(iov[1].iov_base, iov[1].iov_len), header + j->checksum_at);
+        uint64_t digest = hasher64(header, (size_t)j->digest_at);
+        for (int i = 0; i < 8; i++) header[j->digest_at + i] = (unsigned char)(digest >> (8 * i));
+    }
+    int flags = O_WRONLY | O_CLOEXEC | (j->direct ? O_DIRECT : 0);
+    int fd = -1;
+    if (j->reuse_obj != NULL) {
+        /* only a regular file with no other name (a symlink's target or a hard link's other
+         * name lies outside the tier); its mtime is made fresh before it takes the temp name,
+         * so that no scan takes it for a dead writer's old temp file */
+        const char *reuse = PyBytes_AS_STRING(j->reuse_obj);
+        struct stat st;
+        if (lstat(reuse, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1
+            && utimensat(AT_FDCWD, reuse, NULL, AT_SYMLINK_NOFOLLOW) == 0
+            && rename(reuse, tmp) == 0) {
+            /* O_NOFOLLOW|O_NONBLOCK: whatever took its place meanwhile never blocks the open
+             * (a FIFO) nor leads out of the folder; checked again, then O_NONBLOCK cleared */
+            fd = open(tmp, flags | O_NOFOLLOW | O_NONBLOCK);
+            if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1
+                            || fcntl(fd, F_SETFL, j->direct ? O_DIRECT : 0) != 0)) {
+                close(fd);
+                fd = -1;
+            }
+            j->reused = fd >= 0;
+            if (fd < 0) unlink(tmp);
+        } else {
+            unlink(reuse);
+        }
+    }
+    if (fd < 0) fd = open(tmp, flags | O_CREAT | O_EXCL, 0644);
+    if (fd < 0) {
+        j->err = errno;
+        j->step = "open";
+        return;
+    }
+    off_t offset = 0;
+    struct iovec *cur = iov;
+    int left = j->count;
+    while (left > 0) {
+        ssize_t n = pwritev(fd, cur, left, offset);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            j->err = n < 0 ? errno : EIO;
+            j->step = "pwritev";
+            break;
+        }
+        offset += n;
+        left = advance(cur, left, (size_t)n);
+    }
+    if (!j->err && j->reused && ftruncate(fd, offset) != 0) {
+        j->err = errno;
+        j->step = "ftruncate";
+    }
+    if (!j->err && j->sync && fdatasync(fd) != 0) {
+        j->err = errno;
+        j->step = "fdatasync";
+    }
+    if (close(fd) != 0 && !j->err) {
+        j->err = errno;
+        j->step = "close";
+    }
+    if (!j->err && rename(tmp, final) != 0) {
+        j->err = errno;
+        j->step = "rename";
+    }
+    if (j->err) unlink(tmp);
+    if (!j->err && j->sync) {
+        int dfd = open(folder, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (dfd < 0 || fsync(dfd) != 0) {
+            j->err = errno;
+            j->step = "fsync_dir";
+            j->failed_on_folder = 1;
+        }
+        if (dfd >= 0) close(dfd);
+    }
+}
+
+/* The outcome of a write that ran: True/False (recycled), or its OSError (NULL: an exception
+ * is set). */
+static PyObject *write_job_outcome(struct write_job *j) {
+    if (j->err)
+        return errno_error(j->err, j->step, j->failed_on_folder ? j->folder_arg : j->tmp_arg);
+    return PyBool_FromLong(j->reused);
 }
 
 PyDoc_STRVAR(write_file_doc,
@@ -135,142 +297,112 @@ PyDoc_STRVAR(write_file_doc,
 "    BufferError: sealing with a read-only `bufs[0]`.");
 
 static PyObject *write_file(PyObject *self, PyObject *args) {
-    PyObject *tmp_arg, *final_arg, *folder_arg, *bufs, *reuse_arg = Py_None;
-    PyObject *tmp_obj = NULL, *final_obj = NULL, *folder_obj = NULL, *reuse_obj = NULL;
-    int direct, sync;
-    Py_ssize_t checksum_at = -1, digest_at = -1;
-    if (!PyArg_ParseTuple(args, "OOOppO|nnO", &tmp_arg, &final_arg, &bufs, &direct, &sync,
-                          &folder_arg, &checksum_at, &digest_at, &reuse_arg))
-        return NULL;
-    if (reuse_arg != Py_None && !PyUnicode_FSConverter(reuse_arg, &reuse_obj))
-        return NULL;
-    int seal = checksum_at >= 0;
-    if (seal && (hasher == NULL || hasher64 == NULL)) {
-        PyErr_SetString(PyExc_ValueError, "checksum_at: sealing needs both hashers bound");
-        return NULL;
+    struct write_job j = {0};
+    if (write_job_parse(args, &j) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    write_job_run(&j);
+    Py_END_ALLOW_THREADS
+    PyObject *result = write_job_outcome(&j);
+    write_job_release(&j);
+    if (result != NULL && j.err) {
+        PyErr_SetObject((PyObject *)Py_TYPE(result), result);
+        Py_CLEAR(result);
     }
-    if (!PyUnicode_FSConverter(tmp_arg, &tmp_obj) || !PyUnicode_FSConverter(final_arg, &final_obj)
-        || !PyUnicode_FSConverter(folder_arg, &folder_obj)) {
-        Py_XDECREF(tmp_obj);
-        Py_XDECREF(final_obj);
-        Py_XDECREF(reuse_obj);
-        return NULL;
-    }
+    return result;
+}
+
+/* One chunk file to read: the arguments of `read_file`, converted, and its outcome. */
+struct read_job {
+    PyObject *path_arg;  /* borrowed, for errors */
+    PyObject *path_obj;  /* owned bytes */
     Py_buffer views[MAX_BUFS];
     struct iovec iov[MAX_BUFS];
-    PyObject *result = NULL;
-    Py_ssize_t given = seal ? PyObject_Length(bufs) : 0;
-    if (given < 0) goto out;
-    int count = get_buffers(bufs, views, iov, seal);
-    if (count < 0) goto out;
-    /* sealing writes into bufs[0] and hashes bufs[1]: both must be there and non-empty (an
-     * empty buffer is skipped, which would shift iov[0] onto another buffer); the offsets are
-     * compared by subtraction, so huge values cannot overflow past the check */
-    Py_ssize_t header_len = count ? (Py_ssize_t)iov[0].iov_len : 0;
-    if (seal && (count < 2 || count != given || checksum_at > header_len - 16 || digest_at < 0
-                 || digest_at > header_len - 8)) {
-        PyErr_Format(PyExc_ValueError, "checksum_at=%zd, digest_at=%zd: outside a header of "
-                     "%zd bytes, or an empty or missing header or payload buffer", checksum_at,
-                     digest_at, header_len);
-        release_buffers(views, count);
-        goto out;
+    int count, direct, verify;
+    long long expected;
+    /* outcome */
+    int err, status, hashed;
+    const char *step;
+    long long value, dev, ino, ctime_ns;
+    unsigned char digest[16];
+};
+
+static void read_job_release(struct read_job *j) {
+    release_buffers(j->views, j->count);
+    j->count = 0;
+    Py_CLEAR(j->path_obj);
+}
+
+/* Convert `read_file`'s argument tuple into `j` (zeroed by the caller). Returns 0, or -1 with a
+ * Python exception set and nothing held. */
+static int read_job_parse(PyObject *args, struct read_job *j) {
+    PyObject *bufs;
+    j->verify = -1;
+    if (!PyArg_ParseTuple(args, "OOpL|i", &j->path_arg, &bufs, &j->direct, &j->expected,
+                          &j->verify))
+        return -1;
+    if (!PyUnicode_FSConverter(j->path_arg, &j->path_obj)) return -1;
+    int count = get_buffers(bufs, j->views, j->iov, 1);
+    if (count < 0) {
+        read_job_release(j);
+        return -1;
     }
-    const char *tmp = PyBytes_AS_STRING(tmp_obj);
-    const char *final = PyBytes_AS_STRING(final_obj);
-    const char *folder = PyBytes_AS_STRING(folder_obj);
-    const char *step = NULL;
-    int err = 0, failed_on_folder = 0, reused = 0;
-    Py_BEGIN_ALLOW_THREADS
-    if (seal) {
-        unsigned char *header = (unsigned char *)iov[0].iov_base;
-        canonical(hasher(iov[1].iov_base, iov[1].iov_len), header + checksum_at);
-        uint64_t digest = hasher64(header, (size_t)digest_at);
-        for (int i = 0; i < 8; i++) header[digest_at + i] = (unsigned char)(digest >> (8 * i));
-    }
-    int flags = O_WRONLY | O_CLOEXEC | (direct ? O_DIRECT : 0);
-    int fd = -1;
-    if (reuse_obj != NULL) {
-        /* only a regular file with no other name (a symlink's target or a hard link's other
-         * name lies outside the tier); its mtime is made fresh before it takes the temp name,
-         * so that no scan takes it for a dead writer's old temp file */
-        const char *reuse = PyBytes_AS_STRING(reuse_obj);
-        struct stat st;
-        if (lstat(reuse, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1
-            && utimensat(AT_FDCWD, reuse, NULL, AT_SYMLINK_NOFOLLOW) == 0
-            && rename(reuse, tmp) == 0) {
-            /* O_NOFOLLOW|O_NONBLOCK: whatever took its place meanwhile never blocks the open
-             * (a FIFO) nor leads out of the folder; checked again, then O_NONBLOCK cleared */
-            fd = open(tmp, flags | O_NOFOLLOW | O_NONBLOCK);
-            if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1
-                            || fcntl(fd, F_SETFL, direct ? O_DIRECT : 0) != 0)) {
-                close(fd);
-                fd = -1;
-            }
-            reused = fd >= 0;
-            if (fd < 0) unlink(tmp);
-        } else {
-            unlink(reuse);
-        }
-    }
-    if (fd < 0) fd = open(tmp, flags | O_CREAT | O_EXCL, 0644);
+    j->count = count;
+    if (j->verify >= count) j->verify = -1;
+    return 0;
+}
+
+/* The system calls of one read, and its checksum (see read_file_doc); runs without the GIL. */
+static void read_job_run(struct read_job *j, xxh128_fn hash) {
+    int fd = open(PyBytes_AS_STRING(j->path_obj),
+                  O_RDONLY | O_CLOEXEC | O_NONBLOCK | (j->direct ? O_DIRECT : 0));
     if (fd < 0) {
-        err = errno;
-        step = "open";
+        j->err = errno;
+        j->step = "open";
+        return;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        j->err = errno;
+        j->step = "fstat";
     } else {
-        off_t offset = 0;
-        struct iovec *cur = iov;
-        int left = count;
-        while (left > 0) {
-            ssize_t n = pwritev(fd, cur, left, offset);
-            if (n < 0 && errno == EINTR) continue;
-            if (n <= 0) {
-                err = n < 0 ? errno : EIO;
-                step = "pwritev";
-                break;
+        j->dev = (long long)st.st_dev;
+        j->ino = (long long)st.st_ino;
+        j->ctime_ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
+        if (!S_ISREG(st.st_mode)) {
+            j->status = 1;
+            j->value = (long long)st.st_mode;
+        } else if ((long long)st.st_size != j->expected) {
+            j->status = 2;
+            j->value = (long long)st.st_size;
+        } else {
+            ssize_t n;
+            do {
+                n = preadv(fd, j->iov, j->count, 0);
+            } while (n < 0 && errno == EINTR);
+            if (n < 0) {
+                j->err = errno;
+                j->step = "preadv";
+            } else {
+                j->value = (long long)n;
+                if (n == j->expected && j->verify >= 0 && hash != NULL) {
+                    canonical(hash(j->iov[j->verify].iov_base, j->iov[j->verify].iov_len),
+                              j->digest);
+                    j->hashed = 1;
+                }
             }
-            offset += n;
-            left = advance(cur, left, (size_t)n);
-        }
-        if (!err && reused && ftruncate(fd, offset) != 0) {
-            err = errno;
-            step = "ftruncate";
-        }
-        if (!err && sync && fdatasync(fd) != 0) {
-            err = errno;
-            step = "fdatasync";
-        }
-        if (close(fd) != 0 && !err) {
-            err = errno;
-            step = "close";
-        }
-        if (!err && rename(tmp, final) != 0) {
-            err = errno;
-            step = "rename";
-        }
-        if (err) unlink(tmp);
-        if (!err && sync) {
-            int dfd = open(folder, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-            if (dfd < 0 || fsync(dfd) != 0) {
-                err = errno;
-                step = "fsync_dir";
-                failed_on_folder = 1;
-            }
-            if (dfd >= 0) close(dfd);
         }
     }
-    Py_END_ALLOW_THREADS
-    if (err) {
-        raise_errno(err, step, failed_on_folder ? folder_arg : tmp_arg);
-    } else {
-        result = PyBool_FromLong(reused);
-    }
-    release_buffers(views, count);
-out:
-    Py_DECREF(tmp_obj);
-    Py_DECREF(final_obj);
-    Py_DECREF(folder_obj);
-    Py_XDECREF(reuse_obj);
-    return result;
+    close(fd);
+}
+
+/* The outcome of a read that ran: (status, value, digest, file_id), or its OSError (NULL: an
+ * exception is set). */
+static PyObject *read_job_outcome(struct read_job *j) {
+    if (j->err) return errno_error(j->err, j->step, j->path_arg);
+    if (j->hashed)
+        return Py_BuildValue("iLy#(LLL)", j->status, j->value, (const char *)j->digest,
+                             (Py_ssize_t)16, j->dev, j->ino, j->ctime_ns);
+    return Py_BuildValue("iLO(LLL)", j->status, j->value, Py_None, j->dev, j->ino, j->ctime_ns);
 }
 
 PyDoc_STRVAR(read_file_doc,
@@ -288,77 +420,98 @@ PyDoc_STRVAR(read_file_doc,
 "    ValueError: more than 4 buffers.");
 
 static PyObject *read_file(PyObject *self, PyObject *args) {
-    PyObject *path_arg, *path_obj = NULL, *bufs;
-    int direct, verify = -1;
-    long long expected;
-    if (!PyArg_ParseTuple(args, "OOpL|i", &path_arg, &bufs, &direct, &expected, &verify))
-        return NULL;
-    if (!PyUnicode_FSConverter(path_arg, &path_obj)) return NULL;
-    Py_buffer views[MAX_BUFS];
-    struct iovec iov[MAX_BUFS];
-    PyObject *result = NULL;
-    int count = get_buffers(bufs, views, iov, 1);
-    if (count < 0) goto out;
-    const char *path = PyBytes_AS_STRING(path_obj);
-    const char *step = NULL;
-    int err = 0, status = 0, hashed = 0;
-    long long value = 0, dev = 0, ino = 0, ctime_ns = 0;
-    unsigned char digest[16];
+    struct read_job j = {0};
+    if (read_job_parse(args, &j) < 0) return NULL;
     xxh128_fn hash = hasher;
-    if (verify >= count) verify = -1;
     Py_BEGIN_ALLOW_THREADS
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | (direct ? O_DIRECT : 0));
-    if (fd < 0) {
-        err = errno;
-        step = "open";
-    } else {
-        struct stat st;
-        int stated = fstat(fd, &st) == 0;
-        if (stated) {
-            dev = (long long)st.st_dev;
-            ino = (long long)st.st_ino;
-            ctime_ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
-        }
-        if (!stated) {
-            err = errno;
-            step = "fstat";
-        } else if (!S_ISREG(st.st_mode)) {
-            status = 1;
-            value = (long long)st.st_mode;
-        } else if ((long long)st.st_size != expected) {
-            status = 2;
-            value = (long long)st.st_size;
-        } else {
-            ssize_t n;
-            do {
-                n = preadv(fd, iov, count, 0);
-            } while (n < 0 && errno == EINTR);
-            if (n < 0) {
-                err = errno;
-                step = "preadv";
-            } else {
-                value = (long long)n;
-                if (n == expected && verify >= 0 && hash != NULL) {
-                    canonical(hash(iov[verify].iov_base, iov[verify].iov_len), digest);
-                    hashed = 1;
-                }
-            }
-        }
-        close(fd);
-    }
+    read_job_run(&j, hash);
     Py_END_ALLOW_THREADS
-    if (err)
-        raise_errno(err, step, path_arg);
-    else if (hashed)
-        result = Py_BuildValue("iLy#(LLL)", status, value, (const char *)digest,
-                               (Py_ssize_t)16, dev, ino, ctime_ns);
-    else
-        result = Py_BuildValue("iLO(LLL)", status, value, Py_None, dev, ino, ctime_ns);
-    release_buffers(views, count);
-out:
-    Py_DECREF(path_obj);
+    PyObject *result = read_job_outcome(&j);
+    read_job_release(&j);
+    if (result != NULL && j.err) {
+        PyErr_SetObject((PyObject *)Py_TYPE(result), result);
+        Py_CLEAR(result);
+    }
     return result;
 }
+
+/* The batch functions: parse every job (GIL held), run them all in order in one GIL release,
+ * then build a list of outcomes. `kind` selects writes (1) or reads (0). */
+static PyObject *run_batch(PyObject *jobs_arg, int kind) {
+    PyObject *fast = PySequence_Fast(jobs_arg, "jobs must be a sequence of argument tuples");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    size_t size = kind ? sizeof(struct write_job) : sizeof(struct read_job);
+    char *jobs = PyMem_Calloc(n ? (size_t)n : 1, size);
+    PyObject *result = NULL;
+    Py_ssize_t parsed = 0;
+    if (jobs == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (; parsed < n; parsed++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, parsed);
+        if (!PyTuple_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "jobs[%zd]: an argument tuple, not %.80s", parsed,
+                         Py_TYPE(item)->tp_name);
+            goto out;
+        }
+        int rc = kind ? write_job_parse(item, (struct write_job *)(jobs + parsed * size))
+                      : read_job_parse(item, (struct read_job *)(jobs + parsed * size));
+        if (rc < 0) goto out;
+    }
+    xxh128_fn hash = hasher;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (kind)
+            write_job_run((struct write_job *)(jobs + i * size));
+        else
+            read_job_run((struct read_job *)(jobs + i * size), hash);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *outcome = kind ? write_job_outcome((struct write_job *)(jobs + i * size))
+                                 : read_job_outcome((struct read_job *)(jobs + i * size));
+        if (outcome == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, outcome);
+    }
+out:
+    for (Py_ssize_t i = 0; jobs != NULL && i < parsed; i++) {
+        if (kind)
+            write_job_release((struct write_job *)(jobs + i * size));
+        else
+            read_job_release((struct read_job *)(jobs + i * size));
+    }
+    PyMem_Free(jobs);
+    Py_DECREF(fast);
+    return result;
+}
+
+PyDoc_STRVAR(write_files_doc,
+"write_files(jobs) -> list[bool | OSError]\n\n"
+"`write_file(*args)` for every argument tuple in `jobs`, in order, with the GIL released once\n"
+"for all of them: one outcome per job, True/False as `write_file` returns, or the OSError it\n"
+"would raise (returned, not raised: the other jobs still run).\n\n"
+"Raises:\n"
+"    TypeError, ValueError, BufferError: a job's arguments are refused as `write_file` refuses\n"
+"        them; then no job runs.");
+
+static PyObject *write_files(PyObject *self, PyObject *jobs) { return run_batch(jobs, 1); }
+
+PyDoc_STRVAR(read_files_doc,
+"read_files(jobs) -> list[tuple | OSError]\n\n"
+"`read_file(*args)` for every argument tuple in `jobs`, in order, with the GIL released once\n"
+"for all of them: one outcome per job, the tuple `read_file` returns, or the OSError it would\n"
+"raise (returned, not raised: the other jobs still run).\n\n"
+"Raises:\n"
+"    TypeError, ValueError: a job's arguments are refused as `read_file` refuses them; then no\n"
+"        job runs.");
+
+static PyObject *read_files(PyObject *self, PyObject *jobs) { return run_batch(jobs, 0); }
 
 PyDoc_STRVAR(set_hasher_doc,
 "set_hasher(address, address64=0) -> None\n\n"
@@ -415,6 +568,8 @@ static PyMethodDef methods[] = {
     {"xxh3_128", xxh3_128, METH_VARARGS, xxh3_128_doc},
     {"write_file", write_file, METH_VARARGS, write_file_doc},
     {"read_file", read_file, METH_VARARGS, read_file_doc},
+    {"write_files", write_files, METH_O, write_files_doc},
+    {"read_files", read_files, METH_O, read_files_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,7 +13,9 @@ threads the handoffs, not the disk, bounded throughput: issue 13). `FAST_IO` say
 runs; checks and header fields stay here, in Python, for both. The payload checksum (and, for
 a write, the header digest over it) is computed in that same call when python-xxhash's C
 functions could be bound (`HASH_IN_C`) and the payload is whole blocks: one GIL handoff per
-chunk instead of two (issue 13).
+chunk instead of two (issue 13). `write_chunks` and `read_chunks` move a batch of such chunks in
+one call, one GIL handoff per batch: measured at 256 KiB with 16+16 threads, a cold read's CPU
+per chunk fell from 133 to 94-99 µs (vLLM's tier: 68-76).
 """
 from __future__ import annotations
 
@@ -77,13 +79,16 @@ _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class Scratch:
-    """Two `ALIGN`-aligned blocks (from an anonymous mmap): `header` and `tail`. One per thread."""
+    """`ALIGN`-aligned blocks (from an anonymous mmap): `headers` (`batch` of them, one per chunk
+    of a `write_chunks` / `read_chunks` batch), `header` (the first) and `tail`. One per thread.
+    """
 
-    def __init__(self) -> None:
-        self._mm = mmap.mmap(-1, 2 * ALIGN)
+    def __init__(self, batch: int = 1) -> None:
+        self._mm = mmap.mmap(-1, (batch + 1) * ALIGN)
         view = memoryview(self._mm)
-        self.header = view[:ALIGN]
-        self.tail = view[ALIGN:]
+        self.headers = [view[i * ALIGN:(i + 1) * ALIGN] for i in range(batch)]
+        self.header = self.headers[0]
+        self.tail = view[batch * ALIGN:]
 
 
 def probe_o_direct(folder: str) -> bool:
@@ -260,6 +265,69 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
     if sync:
         fsync_dir(osm, folder)
     return recycled
+
+
+def batchable(payload: memoryview) -> bool:
+    """True if `write_chunks` and `read_chunks` take `payload` (with the real `os` module): the
+    C helper is built with its hashers bound, and the payload is whole `ALIGN` blocks of a
+    writable buffer (no tail block passes through the scratch buffer)."""
+    return (_chunkio is not None and HASH_IN_C and len(payload) > 0 and len(payload) % ALIGN == 0
+            and not payload.readonly)
+
+
+def write_chunks(ns_dir: str, jobs: list[tuple[ChunkKey, memoryview, bool, str | None]],
+                 sync: bool, scratch: Scratch) -> list[bool | OSError]:
+    """`write_chunk` (with the real `os` module) for each (key, payload, direct, reuse) of
+    `jobs`, in order, in one GIL-free call of the C helper: one outcome per job, the bool
+    `write_chunk` returns or the OSError it would raise. Every payload must be `batchable`;
+    `jobs` holds at most `len(scratch.headers)` jobs.
+
+    Raises:
+        ValueError: more jobs than header blocks (nothing is written).
+    """
+    if len(jobs) > len(scratch.headers):
+        raise ValueError(f"{len(jobs)} jobs for {len(scratch.headers)} header blocks")
+    args = []
+    for (key, payload, direct, reuse), header in zip(jobs, scratch.headers):
+        digest_at = encode_header_fields(header, key, len(payload))
+        folder, final, tmp = chunk_paths(ns_dir, key)
+        args.append((tmp, final, [header, payload], direct, sync, folder, CHECKSUM_OFFSET,
+                     digest_at, reuse))
+    return _chunkio.write_files(args)
+
+
+def read_chunks(jobs: list[tuple[str, ChunkKey, memoryview, bool]], namespace: bytes,
+                scratch: Scratch) -> list[bool]:
+    """Read the chunk file at path into dest for each (path, key, dest, direct) of `jobs`, in
+    order, in one GIL-free call of the C helper, and verify each as `read_chunk` does. Returns
+    per job True (complete and verified) or False (any failure: the caller then learns what
+    failed from `read_chunk`, which reads the file again). A False job's dest is garbage. Every
+    dest must be `batchable`; `jobs` holds at most `len(scratch.headers)` jobs.
+
+    Raises:
+        ValueError: more jobs than header blocks (nothing is read).
+    """
+    if len(jobs) > len(scratch.headers):
+        raise ValueError(f"{len(jobs)} jobs for {len(scratch.headers)} header blocks")
+    outcomes = _chunkio.read_files([(path, [header, dest], direct, record_nbytes(len(dest)), 1)
+                                    for (path, _, dest, direct), header
+                                    in zip(jobs, scratch.headers)])
+    return [_verified(outcome, header, key, len(dest), namespace)
+            for (_, key, dest, _), header, outcome in zip(jobs, scratch.headers, outcomes)]
+
+
+def _verified(outcome: tuple | OSError, header_block: memoryview, key: ChunkKey,
+              payload_nbytes: int, namespace: bytes) -> bool:
+    if isinstance(outcome, OSError):
+        return False
+    status, n, digest, _ = outcome
+    if status or n != record_nbytes(payload_nbytes) or digest is None:
+        return False
+    try:
+        header = checked_header(header_block, key, namespace)
+    except CorruptChunk:
+        return False
+    return header.payload_nbytes == payload_nbytes and digest == header.checksum
 
 
 def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes, direct: bool,

@@ -25,6 +25,7 @@ import os
 import shutil
 import threading
 import time
+from functools import partial
 from typing import Any, Mapping
 
 import numpy as np
@@ -34,10 +35,10 @@ from kvhal.keys import ChunkKey
 from ..base import JobKind, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex, StoresInFlight
-from ..jobs import IndexedTier, JobBoard, JobPool
+from ..jobs import BatchPool, IndexedTier, JobBoard
 from .config import SMALL_CHUNK_BYTES, parse_config
-from .fileio import (Scratch, fsync_dir, probe_o_direct, quarantine_file, read_chunk, same_file,
-                     write_chunk)
+from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
+                     read_chunks, same_file, write_chunk, write_chunks)
 from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
 from .scan import orphaned_temp_files, scan_namespace
@@ -48,6 +49,9 @@ DEFAULT_SPACE_SHARE = 0.9
 ROOT_SCAN_INTERVAL_S = 10.0
 #: The refresh thread waits at least this many times as long as its last scan took.
 REFRESH_DUTY_FACTOR = 20
+#: Most chunks one pool thread moves in one GIL-free call of the C helper (`BatchPool`: only
+#: while more jobs than threads are queued).
+MAX_BATCH = 8
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
 _BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
 
@@ -118,8 +122,10 @@ class FsTier(IndexedTier):
         #: Keys being loaded now (count per key): their files are never recycled meanwhile.
         self._loading: dict[ChunkKey, int] = {}
         self._loading_lock = threading.Lock()
-        self._load_pool = JobPool(cfg.n_read_threads, "kvhal-fs-read")
-        self._store_pool = JobPool(cfg.n_write_threads, "kvhal-fs-write")
+        self._load_pool = BatchPool(cfg.n_read_threads, "kvhal-fs-read",
+                                    partial(self._jobs.run_batch, self._load_batch), MAX_BATCH)
+        self._store_pool = BatchPool(cfg.n_write_threads, "kvhal-fs-write",
+                                     partial(self._jobs.run_batch, self._store_batch), MAX_BATCH)
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvhal-fs-refresh",
                                            daemon=True)
@@ -241,13 +247,71 @@ class FsTier(IndexedTier):
     def _scratch_buffers(self) -> Scratch:
         scratch = getattr(self._scratch, "buffers", None)
         if scratch is None:
-            scratch = self._scratch.buffers = Scratch()
+            scratch = self._scratch.buffers = Scratch(MAX_BATCH)
         return scratch
+
+    def _batched(self, job: TierJob) -> bool:
+        """Whether `job` (already checked) moves its chunk in a batch (`fileio.batchable`)."""
+        return (self._os is os and job.nbytes > 0
+                and batchable(self._host[job.offset:job.offset + job.nbytes]))
+
+    def _store_batch(self, jobs: list[TierJob]) -> list[str | None]:
+        """`_store` for each of `jobs` (a `BatchPool` batch): the batchable ones' files are
+        written in one call (`fileio.write_chunks`), the others one by one."""
+        outcomes: list[str | None] = [None] * len(jobs)
+        begun: list[tuple[int, tuple[int, ChunkKey | None]]] = []
+        for i, job in enumerate(jobs):
+            if self._check_job(job) or not self._batched(job):
+                outcomes[i] = self._store(job)
+                continue
+            reservation = self._store_begin(job)
+            if isinstance(reservation, tuple):
+                begun.append((i, reservation))
+            else:
+                outcomes[i] = reservation
+        if not begun:
+            return outcomes
+        try:
+            written = write_chunks(
+                self.ns_dir, [(jobs[i].key, self._payload(jobs[i]), self._direct(jobs[i]),
+                               None if reuse is None else chunk_path(self.ns_dir, reuse))
+                              for i, (_, reuse) in begun], self._sync, self._scratch_buffers())
+        except BaseException:
+            for _, (nbytes, _) in begun:
+                self._index.release(nbytes)
+            raise
+        for (i, reservation), outcome in zip(begun, written):
+            outcomes[i] = self._store_end(jobs[i], reservation, outcome)
+        return outcomes
+
+    def _payload(self, job: TierJob) -> memoryview:
+        return self._host[job.offset:job.offset + job.nbytes]
 
     def _store(self, job: TierJob) -> str | None:
         error = self._check_job(job)
         if error:
             return error
+        reservation = self._store_begin(job)
+        if not isinstance(reservation, tuple):
+            return reservation
+        nbytes, reuse = reservation
+        try:
+            outcome: bool | OSError = write_chunk(
+                self._os, self.ns_dir, job.key, self._payload(job), self._direct(job),
+                self._scratch_buffers(), self._sync,
+                None if reuse is None else chunk_path(self.ns_dir, reuse))
+        except OSError as exc:
+            outcome = exc
+        except BaseException:
+            self._index.release(nbytes)
+            raise
+        return self._store_end(job, reservation, outcome)
+
+    def _store_begin(self, job: TierJob) -> str | None | tuple[int, ChunkKey | None]:
+        """The steps of a checked store before its file is written: None if the chunk is
+        already stored, an error string if it cannot be, else its reservation (record bytes
+        reserved in the index, the evicted key whose file it recycles or None); the victims it
+        evicted are gone. The caller must end the reservation with `_store_end`."""
         if self._index.touch(job.key):
             return None
         # an unindexed file under this name is rewritten, not trusted: it may be torn by a
@@ -266,21 +330,26 @@ class FsTier(IndexedTier):
                     + (f" less {held} bytes held by other namespaces in use" if held else ""))
         reuse = self._recyclable(victims, nbytes)
         self._delete(victims, "evictions", keep=reuse)
+        return nbytes, reuse
+
+    def _store_end(self, job: TierJob, reservation: tuple[int, ChunkKey | None],
+                   outcome: bool | OSError) -> str | None:
+        """End the reservation of `job` (`_store_begin`) with the outcome of writing its file:
+        `write_chunk`'s bool (recycled or not), or the OSError it raised. Returns the job's
+        outcome (None or an error string)."""
+        nbytes, _ = reservation
         stored = None
         try:
-            if write_chunk(self._os, self.ns_dir, job.key,
-                           self._host[job.offset:job.offset + job.nbytes], self._direct(job),
-                           self._scratch_buffers(), self._sync,
-                           None if reuse is None else chunk_path(self.ns_dir, reuse)):
+            if isinstance(outcome, OSError):
+                if outcome.errno == errno.ENOSPC:
+                    self._count("enospc")
+                    self._delete(self._index.evict_lru(max(2 * nbytes,
+                                                           self._index.used_bytes // 10)),
+                                 "evictions")
+                return _errno_text(outcome)
+            if outcome:
                 self._count("files_recycled")
             stored = job.key
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                self._count("enospc")
-                self._delete(self._index.evict_lru(max(2 * nbytes,
-                                                       self._index.used_bytes // 10)),
-                             "evictions")
-            return _errno_text(exc)
         finally:
             self._index.release(nbytes, stored)      # indexed as the reservation ends
         self._count("bytes_stored", job.nbytes)
@@ -310,9 +379,8 @@ class FsTier(IndexedTier):
             FileNotFoundError: no file, or it changed under both reads.
             SizeMismatch, OSError: from `read_chunk`.
         """
-        with self._loading_lock:
-            self._loading[job.key] = self._loading.get(job.key, 0) + 1
-        dest = self._host[job.offset:job.offset + job.nbytes]
+        self._register_loads([job], 1)
+        dest = self._payload(job)
         try:
             for attempt in range(2):
                 try:
@@ -325,10 +393,47 @@ class FsTier(IndexedTier):
                         raise FileNotFoundError(errno.ENOENT, "rewritten while read twice",
                                                 path) from None
         finally:
-            with self._loading_lock:
-                left = self._loading.pop(job.key) - 1
+            self._register_loads([job], -1)
+
+    def _load_batch(self, jobs: list[TierJob]) -> list[str | None]:
+        """`_load` for each of `jobs` (a `BatchPool` batch): the batchable ones' files are read
+        and verified in one call (`fileio.read_chunks`); one that fails there, and every other
+        job, goes through `_load`, which reads its file again and says what failed."""
+        outcomes: list[str | None] = [None] * len(jobs)
+        batch = [job for job in jobs if not self._check_job(job) and self._batched(job)]
+        if batch:
+            self._register_loads(batch, 1)
+            try:
+                verified = read_chunks([(chunk_path(self.ns_dir, job.key), job.key,
+                                         self._payload(job), self._direct(job))
+                                        for job in batch], self.namespace,
+                                       self._scratch_buffers())
+            finally:
+                self._register_loads(batch, -1)
+            loaded = 0
+            for job, ok in zip(batch, verified):
+                if ok:
+                    self._index.touch(job.key)
+                    loaded += job.nbytes
+            if loaded:
+                self._count("bytes_loaded", loaded)
+            done = {id(job) for job, ok in zip(batch, verified) if ok}
+        else:
+            done = set()
+        for i, job in enumerate(jobs):
+            if id(job) not in done:
+                outcomes[i] = self._load(job)
+        return outcomes
+
+    def _register_loads(self, jobs: list[TierJob], step: int) -> None:
+        """Count the loads of `jobs` in (`step` 1) or out (-1) of `_loading`."""
+        with self._loading_lock:
+            for job in jobs:
+                left = self._loading.get(job.key, 0) + step
                 if left:
                     self._loading[job.key] = left
+                else:
+                    del self._loading[job.key]
 
     def _load(self, job: TierJob) -> str | None:
         error = self._check_job(job)
