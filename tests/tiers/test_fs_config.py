@@ -20,13 +20,17 @@ BAD = [
     ({"root_dir": "/x", "n_read_threads": 0}, "n_read_threads: must be a positive integer"),
     ({"root_dir": "/x", "n_write_threads": -2}, "n_write_threads: must be a positive integer"),
     ({"root_dir": "/x", "o_direct": "yes"},
-     "o_direct: must be \"small\", \"small-writes\", \"auto\", true or false; got 'yes'"),
+     "o_direct: must be \"adaptive\", \"small\", \"small-writes\", \"auto\", true or "
+     "false; got 'yes'"),
     ({"root_dir": "/x", "o_direct": 1},
-     "o_direct: must be \"small\", \"small-writes\", \"auto\", true or false; got 1"),
+     "o_direct: must be \"adaptive\", \"small\", \"small-writes\", \"auto\", true or "
+     "false; got 1"),
     ({"root_dir": "/x", "o_direct": 1.0},
-     "o_direct: must be \"small\", \"small-writes\", \"auto\", true or false; got 1.0"),
+     "o_direct: must be \"adaptive\", \"small\", \"small-writes\", \"auto\", true or "
+     "false; got 1.0"),
     ({"root_dir": "/x", "o_direct": "small_writes"},
-     "o_direct: must be \"small\", \"small-writes\", \"auto\", true or false; got 'small_writes'"),
+     "o_direct: must be \"adaptive\", \"small\", \"small-writes\", \"auto\", true or "
+     "false; got 'small_writes'"),
     ({"root_dir": "/x", "refresh_interval_s": 0},
      "refresh_interval_s: must be a number of seconds in [0.001, 86400.0], got 0"),
     ({"root_dir": "/x", "refresh_interval_s": float("nan")},
@@ -61,7 +65,7 @@ def test_defaults():
     cfg = parse_config({"type": "fs", "root_dir": "/data/kv"})
     assert (cfg.root_dir, cfg.max_bytes, cfg.n_read_threads, cfg.n_write_threads, cfg.o_direct,
             cfg.refresh_interval_s, cfg.durability) == ("/data/kv", None, 16, 16,
-                                                        "small", 1.0, "process")
+                                                        "adaptive", 1.0, "process")
 
 
 def test_root_dir_that_cannot_be_created_is_a_tier_error(tmp_path):

@@ -81,7 +81,8 @@ def _spy_direct(monkeypatch) -> list[tuple[str, int, bool]]:
     return calls
 
 
-@pytest.mark.parametrize("o_direct", [None, "small-writes"], ids=["default", "small-writes"])
+@pytest.mark.parametrize("o_direct", [None, "small", "small-writes"],
+                         ids=["default", "small", "small-writes"])
 def test_small_chunks_alone_use_o_direct_by_default_and_small_writes_only_to_write(
         tmp_path, monkeypatch, o_direct):
     if not probe_o_direct(str(tmp_path)):
@@ -97,8 +98,10 @@ def test_small_chunks_alone_use_o_direct_by_default_and_small_writes_only_to_wri
             assert load(tier, chunk_key(NAMESPACE, i), 0, nbytes).ok
     finally:
         tier.close()
-    assert calls == [("write_chunk", small, True), ("read_chunk", small, o_direct is None),
-                     ("write_chunk", large, False), ("read_chunk", large, False)]
+    # "adaptive" (the default) writes its first large chunk with O_DIRECT (`write_mode.py`)
+    assert calls == [("write_chunk", small, True),
+                     ("read_chunk", small, o_direct != "small-writes"),
+                     ("write_chunk", large, o_direct is None), ("read_chunk", large, False)]
 
 
 @pytest.mark.parametrize("fast_io", [True, False], ids=["c", "python"])
@@ -123,7 +126,7 @@ def test_small_chunks_at_the_threshold_and_unaligned_read_back_into_another_slot
     array[:2 << 20] = np.random.default_rng(5).integers(0, 256, 2 << 20, dtype=np.uint8)
     cases = [(1, 0), (4097, 0), (SMALL_CHUNK_BYTES - 1, 0), (SMALL_CHUNK_BYTES, 0),
              (5000, 1), (5000, 512)]
-    tier = _open(tmp_path, host, durability=durability)
+    tier = _open(tmp_path, host, durability=durability, o_direct="small")
     try:
         for i, (nbytes, offset) in enumerate(cases):
             assert store(tier, chunk_key(NAMESPACE, i), offset, nbytes).ok
@@ -131,7 +134,7 @@ def test_small_chunks_at_the_threshold_and_unaligned_read_back_into_another_slot
         tier.close()
     assert [c[2] for c in calls] == [True, True, True, False, False, False]
     calls.clear()
-    tier = _open(tmp_path, host, durability=durability)
+    tier = _open(tmp_path, host, durability=durability, o_direct="small")
     try:
         assert tier.stats()["chunks"] == len(cases)
         for i, (nbytes, offset) in enumerate(cases):
@@ -543,3 +546,28 @@ def test_a_store_batch_writes_the_batchable_jobs_in_one_call_and_keeps_the_budge
     assert stats["used_bytes"] == 3 * record_nbytes(chunk) + record_nbytes(5000)
     assert stats["chunks"] == 4
     assert stats["bytes_stored"] == 3 * chunk + 5000
+
+
+def test_adaptive_large_writes_try_both_modes_and_read_back_either(tmp_path, monkeypatch):
+    if not probe_o_direct(str(tmp_path)):
+        pytest.skip(f"{tmp_path}: the filesystem refuses O_DIRECT")
+    calls = _spy_direct(monkeypatch)
+    host, array = host_region(8 << 20)
+    nbytes = SMALL_CHUNK_BYTES
+    array[:4 * nbytes] = np.random.default_rng(9).integers(0, 256, 4 * nbytes, dtype=np.uint8)
+    expected = array[:4 * nbytes].copy()
+    tier = _open(tmp_path, host)
+    try:
+        for i in range(4):
+            assert store(tier, chunk_key(NAMESPACE, i), i * nbytes, nbytes).ok
+        array[:4 * nbytes] = 0
+        for i in range(4):
+            assert load(tier, chunk_key(NAMESPACE, i), i * nbytes, nbytes).ok
+        stats = tier.stats()
+    finally:
+        tier.close()
+
+    assert np.array_equal(array[:4 * nbytes], expected)
+    assert [c[2] for c in calls if c[0] == "write_chunk"] == [True, False, True, False]
+    assert (stats["large_writes_o_direct"], stats["large_writes_buffered"]) == (2, 2)
+    assert stats["large_write_o_direct_gbps"] > 0 and stats["large_write_buffered_gbps"] > 0

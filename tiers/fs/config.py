@@ -8,12 +8,15 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
     n_read_threads, n_write_threads (int > 0): sizes of the load and store thread pools
         (default 16 each, as vLLM's fs tier: each thread keeps one request in flight, and the
         GIL is released for the I/O of a chunk (one call, `_chunkio.c`) and its checksum).
-    o_direct ("small" | "small-writes" | "auto" | true | false): "small" (default) writes
+    o_direct ("adaptive" | "small" | "small-writes" | "auto" | true | false): "small" writes
         and reads chunk files whose payload is less than `SMALL_CHUNK_BYTES` (1 MiB) with
         O_DIRECT where the filesystem supports it and its host bytes are `ALIGN`-aligned, and
-        moves every larger one through the page cache; "small-writes" does so for writes
-        only (every read buffered); "auto" uses O_DIRECT for every write and read where
-        supported; true refuses to start without it; false never uses it.
+        moves every larger one through the page cache; "adaptive" (default) does the same,
+        except that each larger chunk is written buffered or with O_DIRECT, whichever the
+        tier measured faster for its own recent large writes (`write_mode.py`: buffered won
+        on two machines and lost 0.42x to 0.97x on a third); "small-writes" uses O_DIRECT for
+        small writes only (every read buffered); "auto" uses O_DIRECT for every write and read
+        where supported; true refuses to start without it; false never uses it.
         Measured with `kvhal bench tier` (issue 13), kvhal against vLLM's fs tier (which uses
         O_DIRECT):
         - Buffered is faster for 2 MiB chunks on both machines measured (writes 1.5-4.9x
@@ -61,14 +64,15 @@ from typing import Any, Mapping
 from ..base import TierError
 
 DEFAULT_THREADS = 16
-#: O_DIRECT for small chunks, buffered otherwise (see the module docstring's measurements).
-DEFAULT_O_DIRECT = "small"
+#: O_DIRECT for small chunks, buffered reads and the faster measured write mode otherwise (see
+#: the module docstring's measurements).
+DEFAULT_O_DIRECT = "adaptive"
 #: Chunk payloads below this many bytes are written (and under "small" read) with O_DIRECT
 #: under "small" and "small-writes" (between the 256 KiB chunks where O_DIRECT won and the
 #: 2 MiB where buffered did).
 SMALL_CHUNK_BYTES = 1 << 20
 #: The string values of `o_direct` (the others are the booleans true and false).
-O_DIRECT_STRINGS = ("small", "small-writes", "auto")
+O_DIRECT_STRINGS = ("adaptive", "small", "small-writes", "auto")
 DEFAULT_REFRESH_INTERVAL_S = 1.0
 #: Bounds of `refresh_interval_s`: below 1 ms the refresh thread would spin on the directory;
 #: above a day (or NaN/inf) `threading.Event.wait` overflows or the index never refreshes.
@@ -126,8 +130,8 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
     # raises
     if not (isinstance(o_direct, bool)
             or isinstance(o_direct, str) and o_direct in O_DIRECT_STRINGS):
-        raise TierError(f"o_direct: must be \"small\", \"small-writes\", \"auto\", true or "
-                        f"false; got {o_direct!r}")
+        raise TierError(f"o_direct: must be \"adaptive\", \"small\", \"small-writes\", "
+                        f"\"auto\", true or false; got {o_direct!r}")
     interval = config.get("refresh_interval_s", DEFAULT_REFRESH_INTERVAL_S)
     if (not isinstance(interval, (int, float)) or isinstance(interval, bool)
             or not MIN_REFRESH_INTERVAL_S <= interval <= MAX_REFRESH_INTERVAL_S):

@@ -42,6 +42,7 @@ from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_f
 from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
 from .scan import orphaned_temp_files, scan_namespace
+from .write_mode import LargeWriteMode
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
@@ -96,14 +97,17 @@ class FsTier(IndexedTier):
                             "support O_DIRECT; use \"small\", \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
         self.o_direct = supported and cfg.o_direct in ("auto", True)
-        #: Under "small" and "small-writes": payloads below this many bytes are written with
-        #: O_DIRECT (0: none, or every one with `o_direct`).
-        self.o_direct_writes_below = (SMALL_CHUNK_BYTES if supported
-                                      and cfg.o_direct in ("small", "small-writes") else 0)
-        #: Under "small": payloads below this many bytes are read with O_DIRECT (0: none, or
-        #: every one with `o_direct`).
-        self.o_direct_reads_below = (SMALL_CHUNK_BYTES if supported and cfg.o_direct == "small"
-                                     else 0)
+        #: Under "adaptive", "small" and "small-writes": payloads below this many bytes are
+        #: written with O_DIRECT (0: none, or every one with `o_direct`).
+        self.o_direct_writes_below = (SMALL_CHUNK_BYTES if supported and cfg.o_direct
+                                      in ("adaptive", "small", "small-writes") else 0)
+        #: Under "adaptive" and "small": payloads below this many bytes are read with O_DIRECT
+        #: (0: none, or every one with `o_direct`).
+        self.o_direct_reads_below = (SMALL_CHUNK_BYTES if supported
+                                     and cfg.o_direct in ("adaptive", "small") else 0)
+        #: Under "adaptive": the measured choice of mode for larger writes (None otherwise).
+        self._large_writes = (LargeWriteMode() if supported and cfg.o_direct == "adaptive"
+                              else None)
         self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
@@ -218,15 +222,22 @@ class FsTier(IndexedTier):
         other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
         chunks, o_direct (bool, detected at start: every read and write with O_DIRECT),
         o_direct_writes_below and o_direct_reads_below (bytes: payloads below them are
-        written / read with O_DIRECT; 0 for none) and durability (the config value)."""
+        written / read with O_DIRECT; 0 for none) and durability (the config value). Under
+        `o_direct: "adaptive"` also large_writes_o_direct and large_writes_buffered (counts of
+        larger chunks written each way) and large_write_o_direct_gbps and
+        large_write_buffered_gbps (each mode's measured running rate, 1e9 bytes per second of
+        a write's wall time; absent until measured)."""
         deleted = self._budget.namespaces_deleted
+        rates = {} if self._large_writes is None else {
+            f"large_write_{mode}_gbps": rate
+            for mode, rate in self._large_writes.rates().items() if rate is not None}
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
                    "chunks": len(self._index), "o_direct": self.o_direct,
                    "o_direct_writes_below": self.o_direct_writes_below,
                    "o_direct_reads_below": self.o_direct_reads_below,
-                   "durability": self.config.durability})
+                   "durability": self.config.durability} | rates)
 
     # -- jobs ---------------------------------------------------------------------------------
     def _check_job(self, job: TierJob) -> str | None:
@@ -235,9 +246,17 @@ class FsTier(IndexedTier):
     def o_direct_for(self, kind: JobKind, nbytes: int) -> bool:
         """Whether a `kind` job (STORE or LOAD) of `nbytes` payload bytes whose host bytes are
         `ALIGN`-aligned moves its chunk file with O_DIRECT (`o_direct` and the `*_below`
-        sizes); a job at an unaligned host offset never does."""
+        sizes; under "adaptive", a larger store the mode measured faster now); a job at an
+        unaligned host offset never does."""
+        if kind is JobKind.STORE and self._large_writes is not None and nbytes >= SMALL_CHUNK_BYTES:
+            return self._large_writes.current()
         return self.o_direct or nbytes < (self.o_direct_writes_below if kind is JobKind.STORE
                                           else self.o_direct_reads_below)
+
+    def _adaptive(self, job: TierJob) -> bool:
+        """Whether store `job` takes its write mode from `LargeWriteMode` ("adaptive")."""
+        return (self._large_writes is not None and job.nbytes >= SMALL_CHUNK_BYTES
+                and (self._host_addr + job.offset) % ALIGN == 0)
 
     def _direct(self, job: TierJob) -> bool:
         """Whether `job` moves its chunk file with O_DIRECT (its host bytes must be aligned)."""
@@ -261,8 +280,8 @@ class FsTier(IndexedTier):
         outcomes: list[str | None] = [None] * len(jobs)
         begun: list[tuple[int, tuple[int, ChunkKey | None]]] = []
         for i, job in enumerate(jobs):
-            if self._check_job(job) or not self._batched(job):
-                outcomes[i] = self._store(job)
+            if self._check_job(job) or not self._batched(job) or self._adaptive(job):
+                outcomes[i] = self._store(job)     # alone: an adaptive write is timed alone
                 continue
             reservation = self._store_begin(job)
             if isinstance(reservation, tuple):
@@ -295,9 +314,12 @@ class FsTier(IndexedTier):
         if not isinstance(reservation, tuple):
             return reservation
         nbytes, reuse = reservation
+        adaptive = self._adaptive(job)
+        direct = self._large_writes.choose() if adaptive else self._direct(job)
+        t0 = time.perf_counter()
         try:
             outcome: bool | OSError = write_chunk(
-                self._os, self.ns_dir, job.key, self._payload(job), self._direct(job),
+                self._os, self.ns_dir, job.key, self._payload(job), direct,
                 self._scratch_buffers(), self._sync,
                 None if reuse is None else chunk_path(self.ns_dir, reuse))
         except OSError as exc:
@@ -305,6 +327,9 @@ class FsTier(IndexedTier):
         except BaseException:
             self._index.release(nbytes)
             raise
+        if adaptive and not isinstance(outcome, OSError):
+            self._large_writes.record(direct, job.nbytes, time.perf_counter() - t0)
+            self._count("large_writes_o_direct" if direct else "large_writes_buffered")
         return self._store_end(job, reservation, outcome)
 
     def _store_begin(self, job: TierJob) -> str | None | tuple[int, ChunkKey | None]:
