@@ -98,10 +98,12 @@ def test_small_chunks_alone_use_o_direct_by_default_and_small_writes_only_to_wri
             assert load(tier, chunk_key(NAMESPACE, i), 0, nbytes).ok
     finally:
         tier.close()
-    # "adaptive" (the default) writes its first large chunk with O_DIRECT (`write_mode.py`)
+    # "adaptive" (the default) writes and reads its first large chunk with O_DIRECT
+    # (`large_io.py`)
     assert calls == [("write_chunk", small, True),
                      ("read_chunk", small, o_direct != "small-writes"),
-                     ("write_chunk", large, o_direct is None), ("read_chunk", large, False)]
+                     ("write_chunk", large, o_direct is None),
+                     ("read_chunk", large, o_direct is None)]
 
 
 @pytest.mark.parametrize("fast_io", [True, False], ids=["c", "python"])
@@ -548,7 +550,7 @@ def test_a_store_batch_writes_the_batchable_jobs_in_one_call_and_keeps_the_budge
     assert stats["bytes_stored"] == 3 * chunk + 5000
 
 
-def test_adaptive_large_writes_try_both_modes_and_read_back_either(tmp_path, monkeypatch):
+def test_adaptive_large_transfers_try_both_modes_and_read_back_either(tmp_path, monkeypatch):
     if not probe_o_direct(str(tmp_path)):
         pytest.skip(f"{tmp_path}: the filesystem refuses O_DIRECT")
     calls = _spy_direct(monkeypatch)
@@ -568,6 +570,9 @@ def test_adaptive_large_writes_try_both_modes_and_read_back_either(tmp_path, mon
         tier.close()
 
     assert np.array_equal(array[:4 * nbytes], expected)
-    assert [c[2] for c in calls if c[0] == "write_chunk"] == [True, False, True, False]
-    assert (stats["large_writes_o_direct"], stats["large_writes_buffered"]) == (2, 2)
-    assert stats["large_write_o_direct_gbps"] > 0 and stats["large_write_buffered_gbps"] > 0
+    for name, direction in (("write_chunk", "write"), ("read_chunk", "read")):
+        assert [c[2] for c in calls if c[0] == name] == [True, False, True, False]
+        assert (stats[f"large_{direction}s_o_direct"],
+                stats[f"large_{direction}s_buffered"]) == (2, 2)
+        assert stats[f"large_{direction}_o_direct_gbps"] > 0
+        assert stats[f"large_{direction}_buffered_gbps"] > 0

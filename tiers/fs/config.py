@@ -11,10 +11,11 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
     o_direct ("adaptive" | "small" | "small-writes" | "auto" | true | false): "small" writes
         and reads chunk files whose payload is less than `SMALL_CHUNK_BYTES` (1 MiB) with
         O_DIRECT where the filesystem supports it and its host bytes are `ALIGN`-aligned, and
-        moves every larger one through the page cache; "adaptive" (default) does the same,
-        except that each larger chunk is written buffered or with O_DIRECT, whichever the
-        tier measured faster for its own recent large writes (`write_mode.py`: buffered won
-        on two machines and lost 0.42x to 0.97x on a third); "small-writes" uses O_DIRECT for
+        moves every larger one through the page cache; "adaptive" (default) does the same for
+        small chunks, and writes (and reads) each larger one buffered or with O_DIRECT,
+        whichever the tier measured faster for its own recent large writes (reads)
+        (`large_io.py`: buffered won on two machines and lost 0.42x against 0.97x for writes
+        and 0.78x against 0.99x for reads on a third); "small-writes" uses O_DIRECT for
         small writes only (every read buffered); "auto" uses O_DIRECT for every write and read
         where supported; true refuses to start without it; false never uses it.
         Measured with `kvhal bench tier` (issue 13), kvhal against vLLM's fs tier (which uses
@@ -64,8 +65,8 @@ from typing import Any, Mapping
 from ..base import TierError
 
 DEFAULT_THREADS = 16
-#: O_DIRECT for small chunks, buffered reads and the faster measured write mode otherwise (see
-#: the module docstring's measurements).
+#: O_DIRECT for small chunks, the faster measured mode otherwise (see the module docstring's
+#: measurements).
 DEFAULT_O_DIRECT = "adaptive"
 #: Chunk payloads below this many bytes are written (and under "small" read) with O_DIRECT
 #: under "small" and "small-writes" (between the 256 KiB chunks where O_DIRECT won and the

@@ -42,7 +42,7 @@ from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_f
 from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
 from .scan import orphaned_temp_files, scan_namespace
-from .write_mode import LargeWriteMode
+from .large_io import LargeIoMode
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
@@ -105,9 +105,10 @@ class FsTier(IndexedTier):
         #: (0: none, or every one with `o_direct`).
         self.o_direct_reads_below = (SMALL_CHUNK_BYTES if supported
                                      and cfg.o_direct in ("adaptive", "small") else 0)
-        #: Under "adaptive": the measured choice of mode for larger writes (None otherwise).
-        self._large_writes = (LargeWriteMode() if supported and cfg.o_direct == "adaptive"
-                              else None)
+        #: Under "adaptive": the measured choice of mode for larger stores and for larger loads
+        #: (None otherwise).
+        self._large_io = ({JobKind.STORE: LargeIoMode(), JobKind.LOAD: LargeIoMode()}
+                          if supported and cfg.o_direct == "adaptive" else None)
         self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
@@ -223,14 +224,15 @@ class FsTier(IndexedTier):
         chunks, o_direct (bool, detected at start: every read and write with O_DIRECT),
         o_direct_writes_below and o_direct_reads_below (bytes: payloads below them are
         written / read with O_DIRECT; 0 for none) and durability (the config value). Under
-        `o_direct: "adaptive"` also large_writes_o_direct and large_writes_buffered (counts of
-        larger chunks written each way) and large_write_o_direct_gbps and
-        large_write_buffered_gbps (each mode's measured running rate, 1e9 bytes per second of
-        a write's wall time; absent until measured)."""
+        `o_direct: "adaptive"` also large_{writes,reads}_{o_direct,buffered} (counts of larger
+        chunks moved each way) and large_{write,read}_{o_direct,buffered}_gbps (each mode's
+        measured running rate, 1e9 bytes per second of a transfer's wall time; absent until
+        measured)."""
         deleted = self._budget.namespaces_deleted
-        rates = {} if self._large_writes is None else {
-            f"large_write_{mode}_gbps": rate
-            for mode, rate in self._large_writes.rates().items() if rate is not None}
+        rates = {} if self._large_io is None else {
+            f"large_{direction}_{mode}_gbps": rate
+            for kind, direction in ((JobKind.STORE, "write"), (JobKind.LOAD, "read"))
+            for mode, rate in self._large_io[kind].rates().items() if rate is not None}
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
@@ -246,17 +248,27 @@ class FsTier(IndexedTier):
     def o_direct_for(self, kind: JobKind, nbytes: int) -> bool:
         """Whether a `kind` job (STORE or LOAD) of `nbytes` payload bytes whose host bytes are
         `ALIGN`-aligned moves its chunk file with O_DIRECT (`o_direct` and the `*_below`
-        sizes; under "adaptive", a larger store the mode measured faster now); a job at an
+        sizes; under "adaptive", a larger one the mode measured faster now); a job at an
         unaligned host offset never does."""
-        if kind is JobKind.STORE and self._large_writes is not None and nbytes >= SMALL_CHUNK_BYTES:
-            return self._large_writes.current()
+        if self._large_io is not None and nbytes >= SMALL_CHUNK_BYTES:
+            return self._large_io[kind].current()
         return self.o_direct or nbytes < (self.o_direct_writes_below if kind is JobKind.STORE
                                           else self.o_direct_reads_below)
 
-    def _adaptive(self, job: TierJob) -> bool:
-        """Whether store `job` takes its write mode from `LargeWriteMode` ("adaptive")."""
-        return (self._large_writes is not None and job.nbytes >= SMALL_CHUNK_BYTES
-                and (self._host_addr + job.offset) % ALIGN == 0)
+    def _adaptive(self, job: TierJob) -> LargeIoMode | None:
+        """The `LargeIoMode` that `job` takes its mode from ("adaptive"), or None."""
+        if (self._large_io is None or job.nbytes < SMALL_CHUNK_BYTES
+                or (self._host_addr + job.offset) % ALIGN):
+            return None
+        return self._large_io[job.kind]
+
+    def _timed(self, mode: LargeIoMode | None, direct: bool, job: TierJob, t0: float) -> None:
+        """Feed a finished transfer of `job` that began at `t0` to `mode` (None: not adaptive)
+        and count it."""
+        if mode is not None:
+            mode.record(direct, job.nbytes, time.perf_counter() - t0)
+            self._count(f"large_{'writes' if job.kind is JobKind.STORE else 'reads'}_"
+                        f"{'o_direct' if direct else 'buffered'}")
 
     def _direct(self, job: TierJob) -> bool:
         """Whether `job` moves its chunk file with O_DIRECT (its host bytes must be aligned)."""
@@ -281,7 +293,7 @@ class FsTier(IndexedTier):
         begun: list[tuple[int, tuple[int, ChunkKey | None]]] = []
         for i, job in enumerate(jobs):
             if self._check_job(job) or not self._batched(job) or self._adaptive(job):
-                outcomes[i] = self._store(job)     # alone: an adaptive write is timed alone
+                outcomes[i] = self._store(job)     # alone: an adaptive one is timed alone
                 continue
             reservation = self._store_begin(job)
             if isinstance(reservation, tuple):
@@ -315,7 +327,7 @@ class FsTier(IndexedTier):
             return reservation
         nbytes, reuse = reservation
         adaptive = self._adaptive(job)
-        direct = self._large_writes.choose() if adaptive else self._direct(job)
+        direct = adaptive.choose() if adaptive else self._direct(job)
         t0 = time.perf_counter()
         try:
             outcome: bool | OSError = write_chunk(
@@ -327,9 +339,8 @@ class FsTier(IndexedTier):
         except BaseException:
             self._index.release(nbytes)
             raise
-        if adaptive and not isinstance(outcome, OSError):
-            self._large_writes.record(direct, job.nbytes, time.perf_counter() - t0)
-            self._count("large_writes_o_direct" if direct else "large_writes_buffered")
+        if not isinstance(outcome, OSError):
+            self._timed(adaptive, direct, job, t0)
         return self._store_end(job, reservation, outcome)
 
     def _store_begin(self, job: TierJob) -> str | None | tuple[int, ChunkKey | None]:
@@ -406,11 +417,15 @@ class FsTier(IndexedTier):
         """
         self._register_loads([job], 1)
         dest = self._payload(job)
+        adaptive = self._adaptive(job)
+        direct = adaptive.choose() if adaptive else self._direct(job)
         try:
             for attempt in range(2):
+                t0 = time.perf_counter()
                 try:
-                    return read_chunk(self._os, path, job.key, dest, self.namespace,
-                                      self._direct(job), self._scratch_buffers())
+                    read_chunk(self._os, path, job.key, dest, self.namespace, direct,
+                               self._scratch_buffers())
+                    return self._timed(adaptive, direct, job, t0)
                 except CorruptChunk as exc:
                     if exc.file_id is None or same_file(path, exc.file_id):
                         raise
@@ -425,7 +440,8 @@ class FsTier(IndexedTier):
         and verified in one call (`fileio.read_chunks`); one that fails there, and every other
         job, goes through `_load`, which reads its file again and says what failed."""
         outcomes: list[str | None] = [None] * len(jobs)
-        batch = [job for job in jobs if not self._check_job(job) and self._batched(job)]
+        batch = [job for job in jobs
+                 if not self._check_job(job) and self._batched(job) and not self._adaptive(job)]
         if batch:
             self._register_loads(batch, 1)
             try:

@@ -1,16 +1,16 @@
-"""`o_direct: "adaptive"`: the choice between buffered and O_DIRECT large writes follows the
+"""`o_direct: "adaptive"`: the choice between buffered and O_DIRECT large transfers follows the
 measured cost of each, and keeps trying the other."""
 from __future__ import annotations
 
 import threading
 
-from kvhal.tiers.fs.write_mode import (EXPLORE_EVERY, EXPLORE_SETTLED, SETTLE_AFTER,
-                                       WARMUP_PER_MODE, LargeWriteMode)
+from kvhal.tiers.fs.large_io import (EXPLORE_EVERY, EXPLORE_SETTLED, SETTLE_AFTER,
+                                       WARMUP_PER_MODE, LargeIoMode)
 
 MiB = 1 << 20
 
 
-def _run(mode: LargeWriteMode, writes: int, seconds: dict[bool, float]) -> list[bool]:
+def _run(mode: LargeIoMode, writes: int, seconds: dict[bool, float]) -> list[bool]:
     """Make `writes` writes of 1 MiB, each mode taking `seconds[mode]`; the modes chosen."""
     chosen = []
     for _ in range(writes):
@@ -21,7 +21,7 @@ def _run(mode: LargeWriteMode, writes: int, seconds: dict[bool, float]) -> list[
 
 
 def test_warm_up_alternates_then_the_cheaper_mode_wins_with_exploration():
-    mode = LargeWriteMode()
+    mode = LargeIoMode()
     chosen = _run(mode, 200, {True: 0.001, False: 0.003})
 
     warm = 2 * WARMUP_PER_MODE
@@ -36,7 +36,7 @@ def test_warm_up_alternates_then_the_cheaper_mode_wins_with_exploration():
 
 
 def test_the_choice_moves_when_the_costs_change():
-    mode = LargeWriteMode()
+    mode = LargeIoMode()
     _run(mode, 64, {True: 0.001, False: 0.003})
     assert mode.current() is True
     # buffered gets cheap (say the disk is busy with other writes): the explorations see it
@@ -47,7 +47,7 @@ def test_the_choice_moves_when_the_costs_change():
 
 
 def test_a_mode_whose_writes_never_finish_is_not_preferred():
-    mode = LargeWriteMode()
+    mode = LargeIoMode()
     assert mode.rates() == {"o_direct": None, "buffered": None}
     assert mode.current() is True  # O_DIRECT before anything is measured
     chosen = []
@@ -63,7 +63,7 @@ def test_a_mode_whose_writes_never_finish_is_not_preferred():
 
 
 def test_concurrent_writers_count_every_write():
-    mode = LargeWriteMode()
+    mode = LargeIoMode()
 
     def writer():
         _run(mode, 500, {True: 0.001, False: 0.002})
@@ -73,5 +73,5 @@ def test_concurrent_writers_count_every_write():
     for thread in threads:
         thread.join()
 
-    assert mode._writes == 4000
+    assert mode._count == 4000
     assert mode.current() is True
