@@ -445,7 +445,22 @@ def run(args: argparse.Namespace) -> int:
                 ["contender", "threads r+w", "durability", "O_DIRECT", "write", "kvhal ×",
                  "CPU µs", "cold read", "kvhal ×", "CPU µs"], rows)
     print(result.vllm_note)
+    adaptive = _adaptive_note(result.tier, result.kvhal_stats or {})
+    if adaptive:
+        print(adaptive)
     return 0
+
+
+def _adaptive_note(tier: str, stats: dict) -> str | None:
+    """What kvhal's `tier` (fs) chose under `o_direct: "adaptive"` (`tiers/fs/large_io.py`): how many
+    large writes and reads went each way; None if it moved no large chunk adaptively."""
+    parts = []
+    for direction in ("writes", "reads"):
+        direct = stats.get(f"large_{direction}_o_direct", 0)
+        buffered = stats.get(f"large_{direction}_buffered", 0)
+        if direct or buffered:
+            parts.append(f"{direct} of {direct + buffered} large {direction} with O_DIRECT")
+    return f"kvhal {tier} adaptive: " + ", ".join(parts) if parts else None
 
 
 def _store(tier_name: str, config: dict):

@@ -232,3 +232,23 @@ def test_bench_disk_loop_overwrites_one_file_in_place_and_reads_it_back(tmp_path
     disk.read(1)
     assert bytes(host) == second
     assert os.listdir(tmp_path) == ["disk.img"] and os.stat(tmp_path / "disk.img").st_ino == inode
+
+
+def test_bench_tier_says_how_adaptive_moved_large_chunks(tmp_path):
+    # 1 MiB chunks under the default o_direct "adaptive": per direction, 3 passes of 2 chunks
+    # (6 transfers); the warm-up alternation sends 2 of the first 4 with O_DIRECT, the last 2
+    # go the way measured faster. Where the filesystem refuses O_DIRECT nothing is adaptive.
+    import re
+
+    from kvhal.tiers.fs.fileio import probe_o_direct
+
+    out = kvhal("bench", "tier", "--chunk-bytes", "1MiB", "--count", "2", "--repeats", "3",
+                "--no-vllm", "--root-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    if probe_o_direct(str(tmp_path)):
+        found = re.search(r"kvhal fs adaptive: (\d) of 6 large writes with O_DIRECT, (\d) of 6 "
+                          r"large reads with O_DIRECT", out.stdout)
+        assert found, out.stdout
+        assert all(2 <= int(n) <= 4 for n in found.groups())
+    else:
+        assert "adaptive" not in out.stdout
