@@ -296,20 +296,9 @@ PyDoc_STRVAR(write_file_doc,
 "        empty buffer or fewer than 2, or with offsets outside `bufs[0]`.\n"
 "    BufferError: sealing with a read-only `bufs[0]`.");
 
-static PyObject *write_file(PyObject *self, PyObject *args) {
-    struct write_job j = {0};
-    if (write_job_parse(args, &j) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    write_job_run(&j);
-    Py_END_ALLOW_THREADS
-    PyObject *result = write_job_outcome(&j);
-    write_job_release(&j);
-    if (result != NULL && j.err) {
-        PyErr_SetObject((PyObject *)Py_TYPE(result), result);
-        Py_CLEAR(result);
-    }
-    return result;
-}
+static PyObject *single(PyObject *args, int kind);
+
+static PyObject *write_file(PyObject *self, PyObject *args) { return single(args, 1); }
 
 /* One chunk file to read: the arguments of `read_file`, converted, and its outcome. */
 struct read_job {
@@ -419,21 +408,7 @@ PyDoc_STRVAR(read_file_doc,
 "    OSError: errno and `path` of the failing open, fstat or preadv (ENOENT, EACCES, EIO...).\n"
 "    ValueError: more than 4 buffers.");
 
-static PyObject *read_file(PyObject *self, PyObject *args) {
-    struct read_job j = {0};
-    if (read_job_parse(args, &j) < 0) return NULL;
-    xxh128_fn hash = hasher;
-    Py_BEGIN_ALLOW_THREADS
-    read_job_run(&j, hash);
-    Py_END_ALLOW_THREADS
-    PyObject *result = read_job_outcome(&j);
-    read_job_release(&j);
-    if (result != NULL && j.err) {
-        PyErr_SetObject((PyObject *)Py_TYPE(result), result);
-        Py_CLEAR(result);
-    }
-    return result;
-}
+static PyObject *read_file(PyObject *self, PyObject *args) { return single(args, 0); }
 
 /* The batch functions: parse every job (GIL held), run them all in order in one GIL release,
  * then build a list of outcomes. `kind` selects writes (1) or reads (0). */
@@ -489,6 +464,24 @@ out:
     PyMem_Free(jobs);
     Py_DECREF(fast);
     return result;
+}
+
+/* `write_file` / `read_file`: a batch of one job, whose OSError is raised. */
+static PyObject *single(PyObject *args, int kind) {
+    PyObject *jobs = PyTuple_Pack(1, args);
+    if (jobs == NULL) return NULL;
+    PyObject *outcomes = run_batch(jobs, kind);
+    Py_DECREF(jobs);
+    if (outcomes == NULL) return NULL;
+    PyObject *outcome = PyList_GET_ITEM(outcomes, 0);
+    Py_INCREF(outcome);
+    Py_DECREF(outcomes);
+    if (PyExceptionInstance_Check(outcome)) {
+        PyErr_SetObject((PyObject *)Py_TYPE(outcome), outcome);
+        Py_DECREF(outcome);
+        return NULL;
+    }
+    return outcome;
 }
 
 PyDoc_STRVAR(write_files_doc,
@@ -575,7 +568,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_chunkio",
-    "One chunk file written or read in a single GIL-free call (see fileio.py).", -1, methods,
+    "Chunk files written or read in one GIL-free call each (see fileio.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__chunkio(void) { return PyModule_Create(&module); }
