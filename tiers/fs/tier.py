@@ -94,7 +94,7 @@ class FsTier(IndexedTier):
         supported = probe_o_direct(os.path.join(self.ns_dir, CHUNKS_DIR, "00"))
         if cfg.o_direct is True and not supported:
             raise TierError(f"o_direct: true, but the filesystem at {cfg.root_dir!r} does not "
-                            "support O_DIRECT; use \"small\", \"auto\" or false")
+                            "support O_DIRECT; use \"adaptive\", \"small\", \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
         self.o_direct = supported and cfg.o_direct in ("auto", True)
         #: Under "adaptive", "small" and "small-writes": payloads below this many bytes are
