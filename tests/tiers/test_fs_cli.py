@@ -250,5 +250,8 @@ def test_bench_tier_says_how_adaptive_moved_large_chunks(tmp_path):
                           r"large reads with O_DIRECT", out.stdout)
         assert found, out.stdout
         assert all(2 <= int(n) <= 4 for n in found.groups())
+        # the O_DIRECT column: kvhal picks as it goes; the raw loop moves every file O_DIRECT
+        assert re.search(r"│ kvhal fs +│ 16\+16 +│ process +│ adaptive +│", out.stdout)
+        assert re.search(r"│ raw loop +│ 16\+16 +│ process +│ on +│", out.stdout)
     else:
         assert "adaptive" not in out.stdout

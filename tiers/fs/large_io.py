@@ -74,7 +74,9 @@ class LargeIoMode:
 
     def rates(self) -> dict[str, float | None]:
         """Measured GB/s (1e9 bytes per second) of each mode's running average, None until a
-        transfer of that mode finished: {"o_direct": ..., "buffered": ...}."""
+        transfer of that mode finished: {"o_direct": ..., "buffered": ...}. A rate per
+        transfer (its bytes over its own wall time, with the tier's other transfers in
+        flight), not the tier's throughput."""
         with self._lock:
             return {name: (None if cost is None else (1e-9 / cost if cost else float("inf")))
                     for name, cost in (("o_direct", self._cost[True]),

@@ -94,7 +94,8 @@ class FsTier(IndexedTier):
         supported = probe_o_direct(os.path.join(self.ns_dir, CHUNKS_DIR, "00"))
         if cfg.o_direct is True and not supported:
             raise TierError(f"o_direct: true, but the filesystem at {cfg.root_dir!r} does not "
-                            "support O_DIRECT; use \"adaptive\", \"small\", \"auto\" or false")
+                            "support O_DIRECT; use \"adaptive\", \"small\", "
+                            "\"small-writes\", \"auto\" or false")
         #: Whether chunk files are written and read with O_DIRECT (detected at start).
         self.o_direct = supported and cfg.o_direct in ("auto", True)
         #: Under "adaptive", "small" and "small-writes": payloads below this many bytes are
@@ -255,10 +256,14 @@ class FsTier(IndexedTier):
         return self.o_direct or nbytes < (self.o_direct_writes_below if kind is JobKind.STORE
                                           else self.o_direct_reads_below)
 
+    def adaptive_for(self, nbytes: int) -> bool:
+        """Whether jobs of `nbytes` payload bytes at `ALIGN`-aligned host offsets pick their
+        mode (buffered or O_DIRECT) by measurement (`o_direct: "adaptive"`, `large_io.py`)."""
+        return self._large_io is not None and nbytes >= SMALL_CHUNK_BYTES
+
     def _adaptive(self, job: TierJob) -> LargeIoMode | None:
         """The `LargeIoMode` that `job` takes its mode from ("adaptive"), or None."""
-        if (self._large_io is None or job.nbytes < SMALL_CHUNK_BYTES
-                or (self._host_addr + job.offset) % ALIGN):
+        if not self.adaptive_for(job.nbytes) or (self._host_addr + job.offset) % ALIGN:
             return None
         return self._large_io[job.kind]
 
