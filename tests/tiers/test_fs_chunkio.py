@@ -243,3 +243,27 @@ def test_a_batch_with_refused_arguments_runs_no_job(tmp_path):
                              (str(tmp_path / "f1"), [b"read-only"], False, 10)])
     assert os.listdir(tmp_path) == []
     assert _chunkio.write_files([]) == [] and _chunkio.read_files(()) == []
+
+
+@needs_c
+def test_a_batch_owns_its_jobs_while_the_callers_list_changes(tmp_path):
+    # a path object's __fspath__ (run while the jobs are parsed) empties the caller's list: the
+    # batch still runs every job it was given and names each one's own path
+    from kvhal.tiers.fs import _chunkio
+
+    buf = bytearray(ALIGN)
+    jobs: list = []
+
+    class ClearsTheList:
+        def __fspath__(self):
+            jobs.clear()
+            return str(tmp_path / "none-0")
+
+    jobs.append((ClearsTheList(), [buf], False, ALIGN))
+    jobs.extend((str(tmp_path / f"none-{i}-{'z' * 100}"), [buf], False, ALIGN)
+                for i in range(1, 64))
+    outcomes = _chunkio.read_files(jobs)
+
+    assert len(outcomes) == 64 and all(isinstance(o, FileNotFoundError) for o in outcomes)
+    assert [o.filename for o in outcomes[1:]] == [str(tmp_path / f"none-{i}-{'z' * 100}")
+                                                  for i in range(1, 64)]

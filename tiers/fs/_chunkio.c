@@ -413,9 +413,12 @@ static PyObject *read_file(PyObject *self, PyObject *args) { return single(args,
 /* The batch functions: parse every job (GIL held), run them all in order in one GIL release,
  * then build a list of outcomes. `kind` selects writes (1) or reads (0). */
 static PyObject *run_batch(PyObject *jobs_arg, int kind) {
-    PyObject *fast = PySequence_Fast(jobs_arg, "jobs must be a sequence of argument tuples");
+    /* a tuple of the jobs, owned here: the caller's list may change while the GIL is released
+     * (or while a job's arguments are converted), and the argument tuples it holds keep the
+     * objects each job borrows (its path, for errors) alive */
+    PyObject *fast = PySequence_Tuple(jobs_arg);
     if (fast == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PyTuple_GET_SIZE(fast);
     size_t size = kind ? sizeof(struct write_job) : sizeof(struct read_job);
     char *jobs = PyMem_Calloc(n ? (size_t)n : 1, size);
     PyObject *result = NULL;
@@ -425,7 +428,7 @@ static PyObject *run_batch(PyObject *jobs_arg, int kind) {
         goto out;
     }
     for (; parsed < n; parsed++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(fast, parsed);
+        PyObject *item = PyTuple_GET_ITEM(fast, parsed);
         if (!PyTuple_Check(item)) {
             PyErr_Format(PyExc_TypeError, "jobs[%zd]: an argument tuple, not %.80s", parsed,
                          Py_TYPE(item)->tp_name);
