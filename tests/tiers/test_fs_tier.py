@@ -576,3 +576,68 @@ def test_adaptive_large_transfers_try_both_modes_and_read_back_either(tmp_path, 
                 stats[f"large_{direction}s_buffered"]) == (2, 2)
         assert stats[f"large_{direction}_o_direct_gbps"] > 0
         assert stats[f"large_{direction}_buffered_gbps"] > 0
+
+
+def test_a_malformed_job_fails_alone_in_a_store_batch_and_holds_no_room(tmp_path):
+    # a job whose checks raise (no key) gets its own internal error; its neighbours are stored
+    # and every reservation ends (used_bytes is exactly the files written)
+    _needs_batches()
+    from kvhal.tiers.chunk_format import record_nbytes
+
+    host, array = host_region(8 << 20)
+    chunk = 16 * ALIGN
+    tier = _open(tmp_path, host, max_bytes=4 * record_nbytes(chunk))
+    try:
+        jobs = [TierJob(0, JobKind.STORE, chunk_key(NAMESPACE, 0), 0, chunk),
+                TierJob(1, JobKind.STORE, None, chunk, chunk),
+                TierJob(2, JobKind.STORE, chunk_key(NAMESPACE, 2), 2 * chunk, chunk)]
+        outcomes = tier._store_batch(jobs)
+        after = [store(tier, chunk_key(NAMESPACE, 10 + i), 0, chunk).ok for i in range(4)]
+        stats = tier.stats()
+    finally:
+        tier.close()
+
+    assert outcomes[0] is None and outcomes[2] is None
+    assert outcomes[1].startswith("internal error: AttributeError: ")
+    assert after == [True] * 4          # no leaked reservation refuses them
+    assert stats["used_bytes"] == 4 * record_nbytes(chunk) == stats["max_bytes"]
+
+
+def test_a_refresh_during_a_store_batch_leaves_its_files_to_the_batch(tmp_path, monkeypatch):
+    # the batch's files are renamed into place before their reservations end: a refresh then
+    # must not index them (it would count them twice, and an eviction meanwhile would leave
+    # an indexed chunk with no file)
+    _needs_batches()
+    import kvhal.tiers.fs.tier as fs_tier
+    from kvhal.tiers.chunk_format import record_nbytes
+
+    host, array = host_region(8 << 20)
+    chunk = 16 * ALIGN
+    tier = _open(tmp_path, host)
+    seen = []
+    real = fs_tier.write_chunks
+
+    def write_then_refresh(*args):
+        outcomes = real(*args)
+        tier.refresh()
+        seen.append((tier.stats()["chunks"], len(glob_chunks(tier.ns_dir))))
+        return outcomes
+    monkeypatch.setattr(fs_tier, "write_chunks", write_then_refresh)
+    try:
+        jobs = [TierJob(i, JobKind.STORE, chunk_key(NAMESPACE, i), i * chunk, chunk)
+                for i in range(4)]
+        assert tier._store_batch(jobs) == [None] * 4
+        stats = tier.stats()
+    finally:
+        tier.close()
+
+    assert seen == [(0, 4)]            # 4 files on disk, none indexed by the refresh
+    assert (stats["chunks"], stats["used_bytes"]) == (4, 4 * record_nbytes(chunk))
+
+
+def glob_chunks(ns_dir: str) -> list[str]:
+    import glob
+
+    from kvhal.tiers.fs.format import CHUNK_SUFFIX
+
+    return glob.glob(os.path.join(ns_dir, "chunks", "*", f"*{CHUNK_SUFFIX}"))

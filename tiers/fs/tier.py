@@ -57,6 +57,11 @@ MAX_BATCH = 8
 _BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
 
 
+def _internal_error(exc: Exception) -> str:
+    """A job's outcome when its own checks raised (a malformed job; as `JobBoard` words it)."""
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
 def _errno_text(exc: OSError) -> str:
     name = errno.errorcode.get(exc.errno or 0, "OSError")
     return f"{name}: {exc.strerror or exc}"
@@ -115,6 +120,10 @@ class FsTier(IndexedTier):
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
+        #: Keys of stores whose reservation has not ended, and the victims whose files they
+        #: recycle (count per key): a refresh leaves their files to the store.
+        self._storing: dict[ChunkKey, int] = {}
+        self._storing_lock = threading.Lock()
         self._budget = RootBudget(cfg.root_dir, os.path.basename(self.ns_dir))
         self._next_root_scan = 0.0
         self._refresh_wait_s = cfg.refresh_interval_s
@@ -197,7 +206,10 @@ class FsTier(IndexedTier):
             mark_in_use(self.ns_dir, self._refresh_wait_s)
             known, epoch = self._index.snapshot()
             scan = scan_namespace(self.ns_dir, self.namespace, known)
-            self._index.reconcile(scan.found, epoch)
+            with self._storing_lock:
+                storing = set(self._storing)
+            self._index.reconcile({key: n for key, n in scan.found.items() if key not in storing}
+                                  if storing else scan.found, epoch)
             self._remove_temps(scan.orphans)
             now = time.monotonic()
             if now >= self._next_root_scan:
@@ -293,28 +305,35 @@ class FsTier(IndexedTier):
 
     def _store_batch(self, jobs: list[TierJob]) -> list[str | None]:
         """`_store` for each of `jobs` (a `BatchPool` batch): the batchable ones' files are
-        written in one call (`fileio.write_chunks`), the others one by one."""
+        written in one call (`fileio.write_chunks`), the others one by one, as is a store that
+        recycles an evicted file (at once: that file must not wait in a batch, where a refresh
+        or a store of its key could take it meanwhile). A job whose checks raise fails alone."""
         outcomes: list[str | None] = [None] * len(jobs)
         begun: list[tuple[int, tuple[int, ChunkKey | None]]] = []
         for i, job in enumerate(jobs):
-            if self._check_job(job) or not self._batched(job) or self._adaptive(job):
-                outcomes[i] = self._store(job)     # alone: an adaptive one is timed alone
+            try:
+                if self._check_job(job) or not self._batched(job) or self._adaptive(job):
+                    outcomes[i] = self._store(job)     # alone: an adaptive one is timed alone
+                    continue
+                reservation = self._store_begin(job)
+            except Exception as exc:  # a malformed job: its own internal error, no reservation
+                outcomes[i] = _internal_error(exc)
                 continue
-            reservation = self._store_begin(job)
-            if isinstance(reservation, tuple):
-                begun.append((i, reservation))
-            else:
+            if not isinstance(reservation, tuple):
                 outcomes[i] = reservation
+            elif reservation[1] is not None:
+                outcomes[i] = self._write_alone(job, reservation)
+            else:
+                begun.append((i, reservation))
         if not begun:
             return outcomes
         try:
             written = write_chunks(
-                self.ns_dir, [(jobs[i].key, self._payload(jobs[i]), self._direct(jobs[i]),
-                               None if reuse is None else chunk_path(self.ns_dir, reuse))
-                              for i, (_, reuse) in begun], self._sync, self._scratch_buffers())
+                self.ns_dir, [(jobs[i].key, self._payload(jobs[i]), self._direct(jobs[i]), None)
+                              for i, _ in begun], self._sync, self._scratch_buffers())
         except BaseException:
-            for _, (nbytes, _) in begun:
-                self._index.release(nbytes)
+            for i, reservation in begun:
+                self._release(jobs[i], reservation, None)
             raise
         for (i, reservation), outcome in zip(begun, written):
             outcomes[i] = self._store_end(jobs[i], reservation, outcome)
@@ -330,7 +349,12 @@ class FsTier(IndexedTier):
         reservation = self._store_begin(job)
         if not isinstance(reservation, tuple):
             return reservation
-        nbytes, reuse = reservation
+        return self._write_alone(job, reservation)
+
+    def _write_alone(self, job: TierJob, reservation: tuple[int, ChunkKey | None]) -> str | None:
+        """Write the file of `job` (reserved by `_store_begin`) in a call of its own, timed for
+        "adaptive", and end its reservation; returns the job's outcome."""
+        _, reuse = reservation
         adaptive = self._adaptive(job)
         direct = adaptive.choose() if adaptive else self._direct(job)
         t0 = time.perf_counter()
@@ -342,7 +366,7 @@ class FsTier(IndexedTier):
         except OSError as exc:
             outcome = exc
         except BaseException:
-            self._index.release(nbytes)
+            self._release(job, reservation, None)
             raise
         if not isinstance(outcome, OSError):
             self._timed(adaptive, direct, job, t0)
@@ -370,8 +394,29 @@ class FsTier(IndexedTier):
             return (f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
                     + (f" less {held} bytes held by other namespaces in use" if held else ""))
         reuse = self._recyclable(victims, nbytes)
+        # until the reservation ends, a refresh must not index this key's file (renamed into
+        # place before the index learns of it) nor the recycled victim's (not yet taken)
+        self._register_stores([job.key] if reuse is None else [job.key, reuse], 1)
         self._delete(victims, "evictions", keep=reuse)
         return nbytes, reuse
+
+    def _register_stores(self, keys: list[ChunkKey], step: int) -> None:
+        """Count `keys` in (`step` 1) or out (-1) of `_storing`."""
+        with self._storing_lock:
+            for key in keys:
+                left = self._storing.get(key, 0) + step
+                if left:
+                    self._storing[key] = left
+                else:
+                    del self._storing[key]
+
+    def _release(self, job: TierJob, reservation: tuple[int, ChunkKey | None],
+                 stored: ChunkKey | None) -> None:
+        """End the reservation of `job`: index `stored` (its key, or None if nothing was
+        stored) in the same step, then let refreshes see its key (and its victim's) again."""
+        nbytes, reuse = reservation
+        self._index.release(nbytes, stored)
+        self._register_stores([job.key] if reuse is None else [job.key, reuse], -1)
 
     def _store_end(self, job: TierJob, reservation: tuple[int, ChunkKey | None],
                    outcome: bool | OSError) -> str | None:
@@ -392,7 +437,7 @@ class FsTier(IndexedTier):
                 self._count("files_recycled")
             stored = job.key
         finally:
-            self._index.release(nbytes, stored)      # indexed as the reservation ends
+            self._release(job, reservation, stored)  # indexed as the reservation ends
         self._count("bytes_stored", job.nbytes)
         return None
 
@@ -445,8 +490,14 @@ class FsTier(IndexedTier):
         and verified in one call (`fileio.read_chunks`); one that fails there, and every other
         job, goes through `_load`, which reads its file again and says what failed."""
         outcomes: list[str | None] = [None] * len(jobs)
-        batch = [job for job in jobs
-                 if not self._check_job(job) and self._batched(job) and not self._adaptive(job)]
+        batch = []
+        for i, job in enumerate(jobs):
+            try:
+                if not self._check_job(job) and self._batched(job) and not self._adaptive(job):
+                    batch.append(job)
+            except Exception as exc:  # a malformed job fails alone
+                outcomes[i] = _internal_error(exc)
+        failed = {id(jobs[i]) for i, outcome in enumerate(outcomes) if outcome is not None}
         if batch:
             self._register_loads(batch, 1)
             try:
@@ -467,7 +518,7 @@ class FsTier(IndexedTier):
         else:
             done = set()
         for i, job in enumerate(jobs):
-            if id(job) not in done:
+            if id(job) not in done and id(job) not in failed:
                 outcomes[i] = self._load(job)
         return outcomes
 
