@@ -275,12 +275,12 @@ def batchable(payload: memoryview) -> bool:
             and not payload.readonly)
 
 
-def write_chunks(ns_dir: str, jobs: list[tuple[ChunkKey, memoryview, bool, str | None]],
+def write_chunks(ns_dir: str, jobs: list[tuple[ChunkKey, memoryview, bool]],
                  sync: bool, scratch: Scratch) -> list[bool | OSError]:
-    """`write_chunk` (with the real `os` module) for each (key, payload, direct, reuse) of
-    `jobs`, in order, in one GIL-free call of the C helper: one outcome per job, the bool
-    `write_chunk` returns or the OSError it would raise. Every payload must be `batchable`;
-    `jobs` holds at most `len(scratch.headers)` jobs.
+    """`write_chunk` (with the real `os` module, recycling no file) for each (key, payload,
+    direct) of `jobs`, in order, in one GIL-free call of the C helper: one outcome per job,
+    False (a new file) or the OSError `write_chunk` would raise. Every payload must be
+    `batchable`; `jobs` holds at most `len(scratch.headers)` jobs.
 
     Raises:
         ValueError: more jobs than header blocks (nothing is written).
@@ -288,11 +288,11 @@ def write_chunks(ns_dir: str, jobs: list[tuple[ChunkKey, memoryview, bool, str |
     if len(jobs) > len(scratch.headers):
         raise ValueError(f"{len(jobs)} jobs for {len(scratch.headers)} header blocks")
     args = []
-    for (key, payload, direct, reuse), header in zip(jobs, scratch.headers):
+    for (key, payload, direct), header in zip(jobs, scratch.headers):
         digest_at = encode_header_fields(header, key, len(payload))
         folder, final, tmp = chunk_paths(ns_dir, key)
         args.append((tmp, final, [header, payload], direct, sync, folder, CHECKSUM_OFFSET,
-                     digest_at, reuse))
+                     digest_at, None))
     return _chunkio.write_files(args)
 
 

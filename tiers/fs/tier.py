@@ -329,7 +329,7 @@ class FsTier(IndexedTier):
             return outcomes
         try:
             written = write_chunks(
-                self.ns_dir, [(jobs[i].key, self._payload(jobs[i]), self._direct(jobs[i]), None)
+                self.ns_dir, [(jobs[i].key, self._payload(jobs[i]), self._direct(jobs[i]))
                               for i, _ in begun], self._sync, self._scratch_buffers())
         except BaseException:
             for i, reservation in begun:
