@@ -24,6 +24,12 @@ JobFn = Callable[[TierJob], "str | None"]
 BatchFn = Callable[[list[TierJob]], "list[str | None]"]
 
 
+def internal_error(exc: Exception) -> str:
+    """The outcome of a job whose function (or, in a batch, its own checks) raised `exc`: a bug
+    or a malformed job, reported as the job's error instead of raised."""
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
 class JobPool:
     """A fixed-size pool of daemon threads running `fn(*args)` calls in submission order: the
     subset of `concurrent.futures.ThreadPoolExecutor` a tier needs, without a `Future`, its
@@ -195,7 +201,7 @@ class JobBoard:
         try:
             error = fn(job)
         except Exception as exc:  # a bug must still end the job exactly once
-            error = f"internal error: {type(exc).__name__}: {exc}"
+            error = internal_error(exc)
         with self._cond:
             self._finish(job, time.perf_counter() - t0, error)
             self._pending -= 1
@@ -212,7 +218,7 @@ class JobBoard:
             if len(errors) != len(jobs):
                 raise RuntimeError(f"{len(errors)} outcomes for {len(jobs)} jobs")
         except Exception as exc:  # a bug must still end each job exactly once
-            errors = [f"internal error: {type(exc).__name__}: {exc}"] * len(jobs)
+            errors = [internal_error(exc)] * len(jobs)
         seconds = time.perf_counter() - t0
         with self._cond:
             for job, error in zip(jobs, errors):

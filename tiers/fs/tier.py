@@ -35,7 +35,7 @@ from kvhal.keys import ChunkKey
 from ..base import JobKind, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex, StoresInFlight
-from ..jobs import BatchPool, IndexedTier, JobBoard
+from ..jobs import BatchPool, IndexedTier, JobBoard, internal_error
 from .config import SMALL_CHUNK_BYTES, parse_config
 from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      read_chunks, same_file, write_chunk, write_chunks)
@@ -55,11 +55,6 @@ REFRESH_DUTY_FACTOR = 20
 MAX_BATCH = 8
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
 _BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
-
-
-def _internal_error(exc: Exception) -> str:
-    """A job's outcome when its own checks raised (a malformed job; as `JobBoard` words it)."""
-    return f"internal error: {type(exc).__name__}: {exc}"
 
 
 def _errno_text(exc: OSError) -> str:
@@ -317,7 +312,7 @@ class FsTier(IndexedTier):
                     continue
                 reservation = self._store_begin(job)
             except Exception as exc:  # a malformed job: its own internal error, no reservation
-                outcomes[i] = _internal_error(exc)
+                outcomes[i] = internal_error(exc)
                 continue
             if not isinstance(reservation, tuple):
                 outcomes[i] = reservation
@@ -490,36 +485,35 @@ class FsTier(IndexedTier):
         and verified in one call (`fileio.read_chunks`); one that fails there, and every other
         job, goes through `_load`, which reads its file again and says what failed."""
         outcomes: list[str | None] = [None] * len(jobs)
-        batch = []
+        alone = list(range(len(jobs)))     # jobs left for `_load`, in order
+        batch: list[int] = []
         for i, job in enumerate(jobs):
             try:
                 if not self._check_job(job) and self._batched(job) and not self._adaptive(job):
-                    batch.append(job)
+                    batch.append(i)
             except Exception as exc:  # a malformed job fails alone
-                outcomes[i] = _internal_error(exc)
-        failed = {id(jobs[i]) for i, outcome in enumerate(outcomes) if outcome is not None}
+                outcomes[i] = internal_error(exc)
+                alone.remove(i)
         if batch:
-            self._register_loads(batch, 1)
+            batched = [jobs[i] for i in batch]
+            self._register_loads(batched, 1)
             try:
                 verified = read_chunks([(chunk_path(self.ns_dir, job.key), job.key,
                                          self._payload(job), self._direct(job))
-                                        for job in batch], self.namespace,
+                                        for job in batched], self.namespace,
                                        self._scratch_buffers())
             finally:
-                self._register_loads(batch, -1)
+                self._register_loads(batched, -1)
             loaded = 0
-            for job, ok in zip(batch, verified):
+            for i, ok in zip(batch, verified):
                 if ok:
-                    self._index.touch(job.key)
-                    loaded += job.nbytes
+                    self._index.touch(jobs[i].key)
+                    loaded += jobs[i].nbytes
+                    alone.remove(i)
             if loaded:
                 self._count("bytes_loaded", loaded)
-            done = {id(job) for job, ok in zip(batch, verified) if ok}
-        else:
-            done = set()
-        for i, job in enumerate(jobs):
-            if id(job) not in done and id(job) not in failed:
-                outcomes[i] = self._load(job)
+        for i in alone:
+            outcomes[i] = self._load(jobs[i])
         return outcomes
 
     def _register_loads(self, jobs: list[TierJob], step: int) -> None:
