@@ -235,21 +235,20 @@ def test_bench_disk_loop_overwrites_one_file_in_place_and_reads_it_back(tmp_path
 
 
 def test_bench_tier_says_how_adaptive_moved_large_chunks(tmp_path):
-    # 1 MiB chunks under the default o_direct "adaptive": per direction, 3 passes of 2 chunks
-    # (6 transfers); the warm-up alternation sends 2 of the first 4 with O_DIRECT, the last 2
-    # go the way measured faster. Where the filesystem refuses O_DIRECT nothing is adaptive.
+    # 1 MiB chunks under the default o_direct "adaptive": per direction, 2 passes of 16 chunks
+    # (two windows, `large_io.WINDOW`): the first window goes O_DIRECT, the second buffered.
+    # Where the filesystem refuses O_DIRECT nothing is adaptive.
     import re
 
     from kvhal.tiers.fs.fileio import probe_o_direct
+    from kvhal.tiers.fs.large_io import WINDOW
 
-    out = kvhal("bench", "tier", "--chunk-bytes", "1MiB", "--count", "2", "--repeats", "3",
-                "--no-vllm", "--root-dir", str(tmp_path))
+    out = kvhal("bench", "tier", "--chunk-bytes", "1MiB", "--count", str(WINDOW),
+                "--repeats", "2", "--no-vllm", "--root-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
     if probe_o_direct(str(tmp_path)):
-        found = re.search(r"kvhal fs adaptive: (\d) of 6 large writes with O_DIRECT, (\d) of 6 "
-                          r"large reads with O_DIRECT", out.stdout)
-        assert found, out.stdout
-        assert all(2 <= int(n) <= 4 for n in found.groups())
+        assert (f"kvhal fs adaptive: {WINDOW} of {2 * WINDOW} large writes with O_DIRECT, "
+                f"{WINDOW} of {2 * WINDOW} large reads with O_DIRECT") in out.stdout, out.stdout
         # the O_DIRECT column: kvhal picks as it goes; the raw loop moves every file O_DIRECT
         assert re.search(r"│ kvhal fs +│ 16\+16 +│ process +│ adaptive +│", out.stdout)
         assert re.search(r"│ raw loop +│ 16\+16 +│ process +│ on +│", out.stdout)

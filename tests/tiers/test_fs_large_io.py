@@ -1,77 +1,152 @@
 """`o_direct: "adaptive"`: the choice between buffered and O_DIRECT large transfers follows the
-measured cost of each, and keeps trying the other."""
+throughput measured in windows of each mode (busy seconds per byte), keeps trying the other
+mode at growing gaps, and does not flip on a difference within `SWITCH_MARGIN`."""
 from __future__ import annotations
 
 import threading
 
-from kvhal.tiers.fs.large_io import (EXPLORE_EVERY, EXPLORE_SETTLED, SETTLE_AFTER,
-                                       WARMUP_PER_MODE, LargeIoMode)
+import pytest
+
+from kvhal.tiers.fs.large_io import (FIRST_EXPLORE_GAP, MAX_EXPLORE_GAP, SWITCH_MARGIN, WINDOW,
+                                       LargeIoMode)
 
 MiB = 1 << 20
 
 
-def _run(mode: LargeIoMode, writes: int, seconds: dict[bool, float]) -> list[bool]:
-    """Make `writes` writes of 1 MiB, each mode taking `seconds[mode]`; the modes chosen."""
+class ManualClock:
+    """A clock the test advances: the `time.perf_counter` of `LargeIoMode(clock=...)`."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _windows(mode: LargeIoMode, clock: ManualClock, windows: int,
+             seconds: dict[bool, float]) -> list[bool]:
+    """Run `windows` windows of 1 MiB transfers one after another, each taking
+    `seconds[mode]`; the mode of each window."""
     chosen = []
-    for _ in range(writes):
-        direct = mode.choose()
-        mode.record(direct, MiB, seconds[direct])
-        chosen.append(direct)
+    for _ in range(windows):
+        modes = set()
+        for _ in range(WINDOW):
+            transfer = mode.begin()
+            clock.now += seconds[transfer.direct]
+            mode.end(transfer, MiB)
+            modes.add(transfer.direct)
+        assert len(modes) == 1           # a window takes one mode
+        chosen.append(modes.pop())
     return chosen
 
 
-def test_warm_up_alternates_then_the_cheaper_mode_wins_with_exploration():
-    mode = LargeIoMode()
-    chosen = _run(mode, 200, {True: 0.001, False: 0.003})
+def _explorations(first: int, count: int) -> list[int]:
+    """Window numbers (1-based) of the other mode while the choice holds: gaps doubling from
+    FIRST_EXPLORE_GAP to MAX_EXPLORE_GAP after `first`."""
+    numbers, n, gap = [], first, FIRST_EXPLORE_GAP
+    while len(numbers) < count:
+        n += gap
+        numbers.append(n)
+        gap = min(2 * gap, MAX_EXPLORE_GAP)
+    return numbers
 
-    warm = 2 * WARMUP_PER_MODE
-    assert chosen[:warm] == [True, False] * WARMUP_PER_MODE
-    for n, direct in enumerate(chosen[warm:], start=warm + 1):
-        period = EXPLORE_EVERY if n <= SETTLE_AFTER else EXPLORE_SETTLED
-        assert direct is (n % period != 0), n
+
+def test_one_window_of_each_then_the_faster_mode_with_explorations_at_doubling_gaps():
+    clock = ManualClock()
+    mode = LargeIoMode(clock)
+    chosen = _windows(mode, clock, 300, {True: 0.001, False: 0.003})
+
+    assert chosen[:2] == [True, False]
+    explored = [n for n, direct in enumerate(chosen, start=1) if not direct and n > 2]
+    assert explored == _explorations(2, len(explored))
+    assert explored[:4] == [6, 14, 30, 62]
     assert mode.current() is True
     rates = mode.rates()
-    assert abs(rates["o_direct"] - MiB / 0.001 / 1e9) < 1e-9
-    assert abs(rates["buffered"] - MiB / 0.003 / 1e9) < 1e-9
+    assert rates["o_direct"] == pytest.approx(MiB / 0.001 / 1e9)
+    assert rates["buffered"] == pytest.approx(MiB / 0.003 / 1e9)
 
 
-def test_the_choice_moves_when_the_costs_change():
-    mode = LargeIoMode()
-    _run(mode, 64, {True: 0.001, False: 0.003})
+def test_the_choice_moves_when_the_costs_change_and_the_gap_starts_again():
+    clock = ManualClock()
+    mode = LargeIoMode(clock)
+    _windows(mode, clock, 20, {True: 0.001, False: 0.003})
     assert mode.current() is True
-    # buffered gets cheap (say the disk is busy with other writes): the explorations see it
-    chosen = _run(mode, 3 * EXPLORE_SETTLED, {True: 0.004, False: 0.0005})
+    # buffered gets cheap (say the disk is busy with other writes): the next exploration sees it
+    chosen = _windows(mode, clock, 2 * MAX_EXPLORE_GAP, {True: 0.004, False: 0.0005})
 
     assert mode.current() is False
-    assert chosen[-EXPLORE_SETTLED // 2:].count(False) >= EXPLORE_SETTLED // 2 - 1
+    flipped = 20 + chosen.index(False)            # the window at whose end it moved
+    rest = chosen[flipped - 20:]
+    explored = [n for n, direct in enumerate(rest, start=flipped + 1) if direct]
+    assert explored == _explorations(flipped, len(explored))
 
 
-def test_a_mode_whose_writes_never_finish_is_not_preferred():
-    mode = LargeIoMode()
+def test_a_difference_within_the_margin_does_not_flip_the_choice():
+    clock = ManualClock()
+    mode = LargeIoMode(clock)
+    _windows(mode, clock, 20, {True: 0.001, False: 0.003})
+    near = 0.001 * (SWITCH_MARGIN + (1 - SWITCH_MARGIN) / 2)
+    chosen = _windows(mode, clock, 200, {True: 0.001, False: near})
+    assert mode.current() is True
+    assert chosen.count(False) >= 3
+    _windows(mode, clock, 200, {True: 0.001, False: 0.001 * SWITCH_MARGIN * 0.8})
+    assert mode.current() is False
+
+
+def test_a_window_costs_its_busy_seconds_not_the_sum_of_its_transfers_wall_times():
+    """16 transfers in flight together for 2 s move 16 MiB in 2 busy seconds (8 MiB/s), not 32
+    transfer-seconds; an idle second between windows is not counted."""
+    clock = ManualClock()
+    mode = LargeIoMode(clock)
+    burst = [mode.begin() for _ in range(WINDOW)]
+    assert {t.direct for t in burst} == {True}
+    clock.now += 2.0
+    for transfer in burst:
+        mode.end(transfer, MiB)
+    clock.now += 1.0                              # idle
+    second = [mode.begin() for _ in range(WINDOW)]
+    assert {t.direct for t in second} == {False}
+    clock.now += 4.0
+    for transfer in second:
+        mode.end(transfer, MiB)
+
+    assert mode.rates() == {"o_direct": pytest.approx(WINDOW * MiB / 2.0 / 1e9),
+                            "buffered": pytest.approx(WINDOW * MiB / 4.0 / 1e9)}
+    assert mode.current() is True
+    assert mode._in_flight == 0
+
+
+def test_a_mode_whose_transfers_always_fail_is_never_preferred():
+    clock = ManualClock()
+    mode = LargeIoMode(clock)
     assert mode.rates() == {"o_direct": None, "buffered": None}
     assert mode.current() is True  # O_DIRECT before anything is measured
     chosen = []
-    for _ in range(40):
-        direct = mode.choose()
-        if not direct:  # every O_DIRECT write fails: never recorded
-            mode.record(direct, MiB, 0.002)
-        chosen.append(direct)
+    for _ in range(40 * WINDOW):
+        transfer = mode.begin()
+        clock.now += 0.002
+        mode.end(transfer, None if transfer.direct else MiB)  # every O_DIRECT one fails
+        chosen.append(transfer.direct)
 
     assert mode.rates()["o_direct"] is None
     assert mode.current() is False
-    assert chosen[2 * WARMUP_PER_MODE:].count(True) <= 40 // EXPLORE_EVERY
+    # window 1, then explorations at doubling gaps from window 2
+    assert chosen.count(True) == WINDOW * (1 + len([n for n in _explorations(2, 10) if n <= 40]))
+    assert mode._in_flight == 0
 
 
-def test_concurrent_writers_count_every_write():
+def test_concurrent_transfers_are_all_counted_and_ended():
     mode = LargeIoMode()
 
-    def writer():
-        _run(mode, 500, {True: 0.001, False: 0.002})
-    threads = [threading.Thread(target=writer) for _ in range(8)]
+    def mover():
+        for _ in range(500):
+            mode.end(mode.begin(), MiB)
+    threads = [threading.Thread(target=mover) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
 
-    assert mode._count == 4000
-    assert mode.current() is True
+    assert mode._windows == 8 * 500 // WINDOW
+    assert mode._in_flight == 0
+    assert all(rate is not None and rate > 0 for rate in mode.rates().values())

@@ -20,6 +20,7 @@ from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.config import SMALL_CHUNK_BYTES
 from kvhal.tiers.fs.fileio import probe_o_direct
 from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path
+from kvhal.tiers.fs.large_io import WINDOW
 
 from .helpers import (NAMESPACE, OTHER_NAMESPACE, FaultyPausedOs, chunk_key, dead_pid, host_region,
                       load, payload, store, temp_files)
@@ -551,29 +552,33 @@ def test_a_store_batch_writes_the_batchable_jobs_in_one_call_and_keeps_the_budge
 
 
 def test_adaptive_large_transfers_try_both_modes_and_read_back_either(tmp_path, monkeypatch):
+    # one window of each mode, each way (`large_io.py`): O_DIRECT first, then buffered
     if not probe_o_direct(str(tmp_path)):
         pytest.skip(f"{tmp_path}: the filesystem refuses O_DIRECT")
     calls = _spy_direct(monkeypatch)
     host, array = host_region(8 << 20)
-    nbytes = SMALL_CHUNK_BYTES
+    nbytes, n = SMALL_CHUNK_BYTES, 2 * WINDOW
     array[:4 * nbytes] = np.random.default_rng(9).integers(0, 256, 4 * nbytes, dtype=np.uint8)
     expected = array[:4 * nbytes].copy()
     tier = _open(tmp_path, host)
     try:
-        for i in range(4):
-            assert store(tier, chunk_key(NAMESPACE, i), i * nbytes, nbytes).ok
-        array[:4 * nbytes] = 0
-        for i in range(4):
-            assert load(tier, chunk_key(NAMESPACE, i), i * nbytes, nbytes).ok
+        for i in range(n):
+            assert store(tier, chunk_key(NAMESPACE, i), i % 4 * nbytes, nbytes).ok
+        loaded = []
+        for i in range(n):
+            array[:4 * nbytes] = 0
+            assert load(tier, chunk_key(NAMESPACE, i), i % 4 * nbytes, nbytes).ok
+            loaded.append(np.array_equal(array[i % 4 * nbytes:(i % 4 + 1) * nbytes],
+                                         expected[i % 4 * nbytes:(i % 4 + 1) * nbytes]))
         stats = tier.stats()
     finally:
         tier.close()
 
-    assert np.array_equal(array[:4 * nbytes], expected)
+    assert loaded == [True] * n
     for name, direction in (("write_chunk", "write"), ("read_chunk", "read")):
-        assert [c[2] for c in calls if c[0] == name] == [True, False, True, False]
+        assert [c[2] for c in calls if c[0] == name] == [True] * WINDOW + [False] * WINDOW
         assert (stats[f"large_{direction}s_o_direct"],
-                stats[f"large_{direction}s_buffered"]) == (2, 2)
+                stats[f"large_{direction}s_buffered"]) == (WINDOW, WINDOW)
         assert stats[f"large_{direction}_o_direct_gbps"] > 0
         assert stats[f"large_{direction}_buffered_gbps"] > 0
 

@@ -7,76 +7,160 @@ takes a burst of writes at memory speed; read-ahead keeps the disk busy), and on
 page-cache copy runs at 0.34 GB/s (`dd` buffered, where O_DIRECT wrote 1.3 GB/s; `perf`: 87%
 in `copy_folio_from_iter_atomic`) buffered writes measured 0.42x and buffered reads 0.78x,
 where kvhal's O_DIRECT writes and reads measured 0.97-0.99x. No fixed default suits both, so
-the tier measures its own large writes and reads, each direction on its own: every one's wall
-seconds per byte feed a running average per mode, the cheaper mode is used, and the other is
-still tried now and then (every `EXPLORE_EVERY`-th while the first `SETTLE_AFTER` are made,
-every `EXPLORE_SETTLED`-th after), so a change (the page cache filling up, other load on the
-disk) moves the choice back. A buffered read served from the page cache counts as the cheap
-read it is.
+the tier measures its own large writes and reads, each direction on its own, and uses the
+faster mode; the other is still tried now and then, so a change (the page cache filling up,
+other load on the disk) moves the choice back. A buffered read served from the page cache
+counts as the cheap read it is.
+
+What is measured is throughput, in windows: `WINDOW` transfers in a row take one mode, and the
+window's cost is the busy seconds (seconds with at least one large transfer of that direction
+in flight) from its first transfer's start to its last one's end, over its bytes. Neither a
+transfer's own wall time nor its share of the wall time will do: the first mostly measures how
+many others it queued behind (16 in the middle of a burst, 1 at its end); the second misses
+what a mode costs outside its own transfers. A 2-core VM measured both wrong (issue 13,
+session 9): with wall times, 73-96 of 1536 large reads went buffered and reads lost 8-11% against
+always O_DIRECT; with shares, buffered reads measured 0.96 ms a chunk against 0.80 for O_DIRECT
+while passes of mostly buffered reads ran at 0.83 GB/s against 2.7 (CPU and page-cache work
+outside the transfers, on 2 cores). The first two windows take one mode each; then the other
+mode gets a window now and then, at gaps that double while the choice holds
+(`FIRST_EXPLORE_GAP` to `MAX_EXPLORE_GAP` windows). The preferred mode changes only when the other is
+cheaper by more than `SWITCH_MARGIN`, so two modes within run-to-run noise do not flip.
 """
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
 
-#: The first transfers alternate the modes, this many of each, before any is preferred.
-WARMUP_PER_MODE = 2
-#: While the first SETTLE_AFTER are made, every EXPLORE_EVERY-th takes the other mode.
-EXPLORE_EVERY = 8
-SETTLE_AFTER = 64
-#: After that, every EXPLORE_SETTLED-th (a slower mode costs this share: under 1%).
-EXPLORE_SETTLED = 128
-#: Weight of the newest transfer in a mode's running average of seconds per byte.
-SMOOTHING = 0.2
+#: Transfers in a row that take one mode and are measured together.
+WINDOW = 16
+#: After the first two windows (one of each mode), and after a change of choice, the other
+#: mode gets one window this many windows later; each such window doubles the gap to the next
+#: one, up to MAX_EXPLORE_GAP (a mode 4x slower then costs under 5%).
+FIRST_EXPLORE_GAP = 4
+MAX_EXPLORE_GAP = 64
+#: Weight of the newest window in the preferred mode's running average of busy seconds per
+#: byte (the other mode's newest window replaces its figure).
+SMOOTHING = 0.3
+#: The preferred mode changes only when the other one's cost is under this fraction of its own.
+SWITCH_MARGIN = 0.9
+
+
+class _Window:
+    """`WINDOW` consecutive transfers of one mode: their bytes, and the busy clock from the
+    first one's start to the last one's end."""
+
+    __slots__ = ("direct", "begun", "open", "nbytes", "started", "ended")
+
+    def __init__(self, direct: bool, started: float) -> None:
+        self.direct, self.started, self.ended = direct, started, started
+        self.begun = self.open = self.nbytes = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LargeTransfer:
+    """One large transfer under way: its mode (`direct`: O_DIRECT, else buffered) and the
+    window it is measured in."""
+
+    direct: bool
+    window: _Window
 
 
 class LargeIoMode:
-    """The running choice between buffered (False) and O_DIRECT (True) for one direction (large
-    writes or large reads) of one tier. Thread-safe.
+    """The running choice between buffered and O_DIRECT for one direction (large writes or
+    large reads) of one tier. Thread-safe.
 
-    `choose()` before each large transfer, `record(direct, nbytes, seconds)` after it succeeds.
+    `begin()` before each large transfer; `end(transfer, nbytes)` once after it, with the bytes
+    moved, or with None if it failed (its time still counts, its bytes do not).
+
+    Args:
+        clock: Wall clock in seconds (`time.perf_counter`; a test passes its own).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
-        self._count = 0
-        #: Running average wall seconds per byte of each mode; None until measured.
+        #: Running average busy seconds per byte of each mode; None until measured.
         self._cost: dict[bool, float | None] = {True: None, False: None}
+        #: The preferred mode (O_DIRECT until one is measured).
+        self._preferred = True
+        self._windows = 0
+        self._gap = FIRST_EXPLORE_GAP
+        self._next_explore = 2 + FIRST_EXPLORE_GAP
+        self._window: _Window | None = None
+        self._in_flight = 0
+        #: Seconds with a transfer in flight since this object was made.
+        self._busy = 0.0
+        self._last = clock()
 
-    def choose(self) -> bool:
-        """True for an O_DIRECT transfer, False for a buffered one (module docstring)."""
+    def _advance(self) -> None:
+        now = self._clock()
+        if self._in_flight:
+            self._busy += max(now - self._last, 0.0)
+        self._last = now
+
+    def _next_mode(self) -> bool:
+        n = self._windows
+        if n <= 2:
+            return n == 1
+        if n < self._next_explore:
+            return self._preferred
+        self._gap = min(2 * self._gap, MAX_EXPLORE_GAP)
+        self._next_explore = n + self._gap
+        return not self._preferred
+
+    def begin(self) -> LargeTransfer:
+        """Choose the mode of the next large transfer (module docstring) and count it in
+        flight until `end`."""
         with self._lock:
-            self._count += 1
-            n = self._count
-            if n <= 2 * WARMUP_PER_MODE:
-                return n % 2 == 1
-            best = self._best()
-            period = EXPLORE_EVERY if n <= SETTLE_AFTER else EXPLORE_SETTLED
-            return (not best) if n % period == 0 else best
+            self._advance()
+            window = self._window
+            if window is None or window.begun == WINDOW:
+                self._windows += 1
+                window = self._window = _Window(self._next_mode(), self._busy)
+            window.begun += 1
+            window.open += 1
+            self._in_flight += 1
+            return LargeTransfer(window.direct, window)
 
-    def record(self, direct: bool, nbytes: int, seconds: float) -> None:
-        """Add a finished transfer of `nbytes` (> 0) that took `seconds` of wall time."""
-        cost = max(seconds, 0.0) / nbytes
+    def end(self, transfer: LargeTransfer, nbytes: int | None) -> None:
+        """End `transfer` (from `begin`, once): it moved `nbytes` (> 0), or failed (None)."""
         with self._lock:
-            old = self._cost[direct]
-            self._cost[direct] = cost if old is None else old + SMOOTHING * (cost - old)
+            self._advance()
+            self._in_flight -= 1
+            window = transfer.window
+            window.open -= 1
+            window.nbytes += nbytes or 0
+            window.ended = self._busy
+            if window.open == 0 and window.begun == WINDOW and window.nbytes:
+                self._measured(window)
 
-    def _best(self) -> bool:
+    def _measured(self, window: _Window) -> None:
+        cost = (window.ended - window.started) / window.nbytes
+        old = self._cost[window.direct]
+        # the other mode's windows are rare: its newest one stands for it
+        weight = SMOOTHING if window.direct is self._preferred else 1.0
+        self._cost[window.direct] = cost if old is None else old + weight * (cost - old)
         direct, buffered = self._cost[True], self._cost[False]
-        if direct is None or buffered is None:  # the measured one; O_DIRECT if neither
-            return buffered is None
-        return direct <= buffered
+        if direct is None or buffered is None:  # the measured one
+            self._preferred = buffered is None
+            return
+        mine, other = (direct, buffered) if self._preferred else (buffered, direct)
+        if other < SWITCH_MARGIN * mine:
+            self._preferred = not self._preferred
+            self._gap = FIRST_EXPLORE_GAP
+            self._next_explore = self._windows + FIRST_EXPLORE_GAP
 
     def current(self) -> bool:
-        """The mode preferred now, without counting a transfer: the cheaper one measured (the
-        only one measured, or O_DIRECT before any)."""
+        """The mode preferred now (True: O_DIRECT), without counting a transfer."""
         with self._lock:
-            return self._best()
+            return self._preferred
 
     def rates(self) -> dict[str, float | None]:
-        """Measured GB/s (1e9 bytes per second) of each mode's running average, None until a
-        transfer of that mode finished: {"o_direct": ..., "buffered": ...}. A rate per
-        transfer (its bytes over its own wall time, with the tier's other transfers in
-        flight), not the tier's throughput."""
+        """Each mode's measured throughput in GB/s (1e9 bytes per busy second, a running
+        average over its windows), None until a window of that mode was measured:
+        {"o_direct": ..., "buffered": ...}."""
         with self._lock:
             return {name: (None if cost is None else (1e-9 / cost if cost else float("inf")))
                     for name, cost in (("o_direct", self._cost[True]),

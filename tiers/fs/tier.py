@@ -42,7 +42,7 @@ from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_f
 from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
 from .scan import orphaned_temp_files, scan_namespace
-from .large_io import LargeIoMode
+from .large_io import LargeIoMode, LargeTransfer
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
@@ -274,13 +274,24 @@ class FsTier(IndexedTier):
             return None
         return self._large_io[job.kind]
 
-    def _timed(self, mode: LargeIoMode | None, direct: bool, job: TierJob, t0: float) -> None:
-        """Feed a finished transfer of `job` that began at `t0` to `mode` (None: not adaptive)
-        and count it."""
-        if mode is not None:
-            mode.record(direct, job.nbytes, time.perf_counter() - t0)
+    def _begin(self, job: TierJob) -> tuple[bool, LargeTransfer | None]:
+        """The mode of `job`'s transfer (True: O_DIRECT) and, under "adaptive", the transfer
+        its `LargeIoMode` counts in flight until `_ended`."""
+        mode = self._adaptive(job)
+        if mode is None:
+            return self._direct(job), None
+        transfer = mode.begin()
+        return transfer.direct, transfer
+
+    def _ended(self, job: TierJob, transfer: LargeTransfer | None, ok: bool) -> None:
+        """End `job`'s transfer from `_begin` (None: not adaptive): measured and counted if
+        `ok`, else only no longer in flight."""
+        if transfer is None:
+            return
+        self._large_io[job.kind].end(transfer, job.nbytes if ok else None)
+        if ok:
             self._count(f"large_{'writes' if job.kind is JobKind.STORE else 'reads'}_"
-                        f"{'o_direct' if direct else 'buffered'}")
+                        f"{'o_direct' if transfer.direct else 'buffered'}")
 
     def _direct(self, job: TierJob) -> bool:
         """Whether `job` moves its chunk file with O_DIRECT (its host bytes must be aligned)."""
@@ -350,9 +361,7 @@ class FsTier(IndexedTier):
         """Write the file of `job` (reserved by `_store_begin`) in a call of its own, timed for
         "adaptive", and end its reservation; returns the job's outcome."""
         _, reuse = reservation
-        adaptive = self._adaptive(job)
-        direct = adaptive.choose() if adaptive else self._direct(job)
-        t0 = time.perf_counter()
+        direct, transfer = self._begin(job)
         try:
             outcome: bool | OSError = write_chunk(
                 self._os, self.ns_dir, job.key, self._payload(job), direct,
@@ -361,10 +370,10 @@ class FsTier(IndexedTier):
         except OSError as exc:
             outcome = exc
         except BaseException:
+            self._ended(job, transfer, False)
             self._release(job, reservation, None)
             raise
-        if not isinstance(outcome, OSError):
-            self._timed(adaptive, direct, job, t0)
+        self._ended(job, transfer, not isinstance(outcome, OSError))
         return self._store_end(job, reservation, outcome)
 
     def _store_begin(self, job: TierJob) -> str | None | tuple[int, ChunkKey | None]:
@@ -462,15 +471,15 @@ class FsTier(IndexedTier):
         """
         self._register_loads([job], 1)
         dest = self._payload(job)
-        adaptive = self._adaptive(job)
-        direct = adaptive.choose() if adaptive else self._direct(job)
+        direct, transfer = self._begin(job)
+        ok = False
         try:
             for attempt in range(2):
-                t0 = time.perf_counter()
                 try:
                     read_chunk(self._os, path, job.key, dest, self.namespace, direct,
                                self._scratch_buffers())
-                    return self._timed(adaptive, direct, job, t0)
+                    ok = True
+                    return
                 except CorruptChunk as exc:
                     if exc.file_id is None or same_file(path, exc.file_id):
                         raise
@@ -478,6 +487,7 @@ class FsTier(IndexedTier):
                         raise FileNotFoundError(errno.ENOENT, "rewritten while read twice",
                                                 path) from None
         finally:
+            self._ended(job, transfer, ok)
             self._register_loads([job], -1)
 
     def _load_batch(self, jobs: list[TierJob]) -> list[str | None]:
