@@ -135,6 +135,30 @@ def test_a_mode_whose_transfers_always_fail_is_never_preferred():
     assert mode._in_flight == 0
 
 
+def test_a_preferred_mode_that_starts_failing_gives_way_to_the_other():
+    clock = ManualClock()
+    mode = LargeIoMode(clock)
+    _windows(mode, clock, 20, {True: 0.001, False: 0.00105})
+    assert mode.current() is True
+    failed = 0
+    for _ in range(2 * WINDOW):          # from now on every O_DIRECT transfer fails
+        transfer = mode.begin()
+        clock.now += 0.001
+        mode.end(transfer, None if transfer.direct else MiB)
+        failed += transfer.direct
+    assert failed == WINDOW              # one window of failures, then buffered
+    assert mode.current() is False
+    assert mode.rates()["o_direct"] is None
+
+
+def test_a_window_of_no_elapsed_time_gives_a_finite_rate():
+    mode = LargeIoMode(lambda: 1.0)      # a clock that does not move
+    for _ in range(2 * WINDOW):
+        mode.end(mode.begin(), MiB)
+    rates = mode.rates()
+    assert all(rate is not None and rate < float("inf") for rate in rates.values()), rates
+
+
 def test_concurrent_transfers_are_all_counted_and_ended():
     mode = LargeIoMode()
 

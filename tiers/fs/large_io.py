@@ -72,7 +72,8 @@ class LargeIoMode:
     large reads) of one tier. Thread-safe.
 
     `begin()` before each large transfer; `end(transfer, nbytes)` once after it, with the bytes
-    moved, or with None if it failed (its time still counts, its bytes do not).
+    moved, or with None if it failed (its time still counts, its bytes do not; a window whose
+    transfers all failed leaves its mode unmeasured, so the other one is preferred).
 
     Args:
         clock: Wall clock in seconds (`time.perf_counter`; a test passes its own).
@@ -133,15 +134,18 @@ class LargeIoMode:
             window.open -= 1
             window.nbytes += nbytes or 0
             window.ended = self._busy
-            if window.open == 0 and window.begun == WINDOW and window.nbytes:
+            if window.open == 0 and window.begun == WINDOW:
                 self._measured(window)
 
     def _measured(self, window: _Window) -> None:
-        cost = (window.ended - window.started) / window.nbytes
-        old = self._cost[window.direct]
-        # the other mode's windows are rare: its newest one stands for it
-        weight = SMOOTHING if window.direct is self._preferred else 1.0
-        self._cost[window.direct] = cost if old is None else old + weight * (cost - old)
+        if not window.nbytes:   # every transfer failed: the mode has no figure until one works
+            self._cost[window.direct] = None
+        else:
+            cost = max(window.ended - window.started, 1e-9) / window.nbytes
+            old = self._cost[window.direct]
+            # the other mode's windows are rare: its newest one stands for it
+            weight = SMOOTHING if window.direct is self._preferred else 1.0
+            self._cost[window.direct] = cost if old is None else old + weight * (cost - old)
         direct, buffered = self._cost[True], self._cost[False]
         if direct is None or buffered is None:  # the measured one
             self._preferred = buffered is None
@@ -162,6 +166,6 @@ class LargeIoMode:
         average over its windows), None until a window of that mode was measured:
         {"o_direct": ..., "buffered": ...}."""
         with self._lock:
-            return {name: (None if cost is None else (1e-9 / cost if cost else float("inf")))
+            return {name: None if cost is None else 1e-9 / cost
                     for name, cost in (("o_direct", self._cost[True]),
                                        ("buffered", self._cost[False]))}

@@ -234,8 +234,8 @@ class FsTier(IndexedTier):
         written / read with O_DIRECT; 0 for none) and durability (the config value). Under
         `o_direct: "adaptive"` also large_{writes,reads}_{o_direct,buffered} (counts of larger
         chunks moved each way) and large_{write,read}_{o_direct,buffered}_gbps (each mode's
-        measured running rate, 1e9 bytes per second of a transfer's wall time; absent until
-        measured)."""
+        measured throughput, 1e9 bytes per busy second over its windows of transfers,
+        `large_io.py`; absent until measured)."""
         deleted = self._budget.namespaces_deleted
         rates = {} if self._large_io is None else {
             f"large_{direction}_{mode}_gbps": rate
