@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import resource
 import shutil
 import threading
@@ -259,6 +260,34 @@ def test_a_fifo_under_a_chunk_name_never_blocks_start_or_loads(tmp_path, region)
     assert len(started) == 1, "start blocked on a FIFO"
     assert (started[0].lookup(planted), started[0].stats()["chunks"]) == (Lookup.MISS, 0)
     started[0].close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_what_o_direct_cannot_open_under_a_chunk_name_is_quarantined(tmp_path, region, kind):
+    # O_DIRECT refuses a FIFO or a directory with EINVAL: that is what took the name, not an
+    # I/O error that would fail every load of the key forever
+    if not probe_o_direct(str(tmp_path)):
+        pytest.skip(f"{tmp_path}: the filesystem refuses O_DIRECT")
+    host, array = region
+    tier = _open(tmp_path, host)
+    key = chunk_key(NAMESPACE, 2)
+    array[:5000] = payload(2, 5000)
+    assert store(tier, key, 0, 5000).ok
+    path = chunk_path(tier.ns_dir, key)
+    os.unlink(path)
+    os.mkfifo(path) if kind == "fifo" else os.mkdir(path)
+
+    result = load(tier, key, 8192, 5000)
+    stats = tier.stats()
+    tier.close()
+
+    mode = "prw-r--r--" if kind == "fifo" else stat.filemode(os.lstat(
+        os.path.join(tier.ns_dir, QUARANTINE_DIR, os.listdir(os.path.join(
+            tier.ns_dir, QUARANTINE_DIR))[0])).st_mode)
+    assert (result.ok, result.error) == (False, f"corrupt: not a regular file (mode {mode})")
+    assert mode[0] == ("p" if kind == "fifo" else "d")
+    assert not os.path.lexists(path)
+    assert (stats.get("quarantined"), stats.get("io_errors", 0)) == (1, 0)
 
 
 def test_other_namespaces_are_left_alone(tmp_path, region):

@@ -342,8 +342,12 @@ static int read_job_parse(PyObject *args, struct read_job *j) {
 
 /* The system calls of one read, and its checksum (see read_file_doc); runs without the GIL. */
 static void read_job_run(struct read_job *j, xxh128_fn hash) {
-    int fd = open(PyBytes_AS_STRING(j->path_obj),
-                  O_RDONLY | O_CLOEXEC | O_NONBLOCK | (j->direct ? O_DIRECT : 0));
+    const char *path = PyBytes_AS_STRING(j->path_obj);
+    int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
+    int fd = open(path, flags | (j->direct ? O_DIRECT : 0));
+    /* O_DIRECT refuses a FIFO or a directory (EINVAL): opened without it, fstat says what
+     * took the chunk's name (then quarantined, not an I/O error forever) */
+    if (fd < 0 && errno == EINVAL && j->direct) fd = open(path, flags);
     if (fd < 0) {
         j->err = errno;
         j->step = "open";
@@ -396,7 +400,8 @@ static PyObject *read_job_outcome(struct read_job *j) {
 
 PyDoc_STRVAR(read_file_doc,
 "read_file(path, bufs, direct, expected, verify=-1) -> (status, value, digest, file_id)\n\n"
-"Open `path` (O_RDONLY|O_CLOEXEC|O_NONBLOCK, plus O_DIRECT if `direct`), fstat it and, when it\n"
+"Open `path` (O_RDONLY|O_CLOEXEC|O_NONBLOCK, plus O_DIRECT if `direct`; again without it if\n"
+"O_DIRECT is refused with EINVAL, as for a FIFO or a directory), fstat it and, when it\n"
 "is a regular file of exactly `expected` bytes, preadv it from offset 0 into the writable\n"
 "buffers `bufs` (at most 4, in order; one call, as the Python path does). The GIL is released\n"
 "for all of it. Returns (0, bytes read), (1, st_mode) for a file that is not regular, or\n"

@@ -362,7 +362,12 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
                 finally:
                     os.close(fd)
         else:
-            fd = osm.open(path, _READ_FLAGS | (O_DIRECT if direct else 0))
+            try:
+                fd = osm.open(path, _READ_FLAGS | (O_DIRECT if direct else 0))
+            except OSError as exc:   # O_DIRECT refuses a FIFO or a directory: fstat says
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                fd = osm.open(path, _READ_FLAGS)
             try:
                 st = os.fstat(fd)
                 file_id = _file_id(st)
