@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from kvhal.tiers.fs.large_io import (FIRST_EXPLORE_GAP, MAX_EXPLORE_GAP, SWITCH_MARGIN, WINDOW,
-                                       LargeIoMode)
+from kvhal.tiers.fs.large_io import (EXPLORE_OVERHEAD, FIRST_EXPLORE_GAP, LONGEST_EXPLORE_GAP,
+                                       MAX_EXPLORE_GAP, SWITCH_MARGIN, WINDOW, LargeIoMode)
 
 MiB = 1 << 20
 
@@ -40,15 +40,20 @@ def _windows(mode: LargeIoMode, clock: ManualClock, windows: int,
     return chosen
 
 
-def _explorations(first: int, count: int) -> list[int]:
+def _explorations(first: int, count: int, longest: int = MAX_EXPLORE_GAP) -> list[int]:
     """Window numbers (1-based) of the other mode while the choice holds: gaps doubling from
-    FIRST_EXPLORE_GAP to MAX_EXPLORE_GAP after `first`."""
+    FIRST_EXPLORE_GAP to `longest` after `first`."""
     numbers, n, gap = [], first, FIRST_EXPLORE_GAP
     while len(numbers) < count:
         n += gap
         numbers.append(n)
-        gap = min(2 * gap, MAX_EXPLORE_GAP)
+        gap = min(2 * gap, longest)
     return numbers
+
+
+def _longest(slower: float) -> int:
+    """The longest gap while the other mode measures `slower` times the preferred one's cost."""
+    return max(MAX_EXPLORE_GAP, min(round((slower - 1) / EXPLORE_OVERHEAD), LONGEST_EXPLORE_GAP))
 
 
 def test_one_window_of_each_then_the_faster_mode_with_explorations_at_doubling_gaps():
@@ -58,12 +63,24 @@ def test_one_window_of_each_then_the_faster_mode_with_explorations_at_doubling_g
 
     assert chosen[:2] == [True, False]
     explored = [n for n, direct in enumerate(chosen, start=1) if not direct and n > 2]
-    assert explored == _explorations(2, len(explored))
-    assert explored[:4] == [6, 14, 30, 62]
+    assert explored == _explorations(2, len(explored), _longest(3.0))
+    assert explored[:6] == [6, 14, 30, 62, 126, 254]
     assert mode.current() is True
     rates = mode.rates()
     assert rates["o_direct"] == pytest.approx(MiB / 0.001 / 1e9)
     assert rates["buffered"] == pytest.approx(MiB / 0.003 / 1e9)
+
+
+def test_a_much_slower_mode_is_tried_rarely_enough_to_cost_about_one_percent():
+    clock = ManualClock()
+    mode = LargeIoMode(clock)
+    chosen = _windows(mode, clock, 2500, {True: 0.001, False: 0.005})
+
+    explored = [n for n, direct in enumerate(chosen, start=1) if not direct and n > 2]
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps[-1] == _longest(5.0) == 400
+    overhead = len(explored[-3:]) * 4.0 / (explored[-1] - explored[-4])   # extra time per window
+    assert overhead <= 1.05 * EXPLORE_OVERHEAD
 
 
 def test_the_choice_moves_when_the_costs_change_and_the_gap_starts_again():

@@ -23,7 +23,8 @@ always O_DIRECT; with shares, buffered reads measured 0.96 ms a chunk against 0.
 while passes of mostly buffered reads ran at 0.83 GB/s against 2.7 (CPU and page-cache work
 outside the transfers, on 2 cores). The first two windows take one mode each; then the other
 mode gets a window now and then, at gaps that double while the choice holds
-(`FIRST_EXPLORE_GAP` to `MAX_EXPLORE_GAP` windows). The preferred mode changes only when the other is
+(`FIRST_EXPLORE_GAP` to `MAX_EXPLORE_GAP` windows, longer while the other mode measured much
+slower, so that its windows cost about `EXPLORE_OVERHEAD` of the time). The preferred mode changes only when the other is
 cheaper by more than `SWITCH_MARGIN`, so two modes within run-to-run noise do not flip.
 """
 from __future__ import annotations
@@ -40,6 +41,11 @@ WINDOW = 16
 #: one, up to MAX_EXPLORE_GAP (a mode 4x slower then costs under 5%).
 FIRST_EXPLORE_GAP = 4
 MAX_EXPLORE_GAP = 64
+#: A gap may grow past MAX_EXPLORE_GAP while the other mode measured k times slower, up to
+#: (k - 1) / EXPLORE_OVERHEAD windows (its windows then cost 1% of the time), at most
+#: LONGEST_EXPLORE_GAP: O_DIRECT reads 4x faster than buffered would otherwise lose 4.6%.
+EXPLORE_OVERHEAD = 0.01
+LONGEST_EXPLORE_GAP = 1024
 #: Weight of the newest window in the preferred mode's running average of busy seconds per
 #: byte (the other mode's newest window replaces its figure).
 SMOOTHING = 0.3
@@ -107,9 +113,16 @@ class LargeIoMode:
             return n == 1
         if n < self._next_explore:
             return self._preferred
-        self._gap = min(2 * self._gap, MAX_EXPLORE_GAP)
+        self._gap = min(2 * self._gap, self._longest_gap())
         self._next_explore = n + self._gap
         return not self._preferred
+
+    def _longest_gap(self) -> int:
+        mine, other = self._cost[self._preferred], self._cost[not self._preferred]
+        if mine is None or other is None:
+            return MAX_EXPLORE_GAP
+        slower = other / mine - 1.0
+        return max(MAX_EXPLORE_GAP, min(round(slower / EXPLORE_OVERHEAD), LONGEST_EXPLORE_GAP))
 
     def begin(self) -> LargeTransfer:
         """Choose the mode of the next large transfer (module docstring) and count it in
