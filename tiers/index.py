@@ -191,6 +191,8 @@ class ChunkIndex:
 
     def _pop_lru(self) -> tuple[ChunkKey, int]:
         key, size = self._lru.popitem(last=False)
+        # as `discard`: a listing begun before saw the victim's file, which is going
+        self._removed_epoch[key] = self._epoch
         self._added_epoch.pop(key, None)
         self._indexed -= size
         self._gone.append(key)

@@ -228,6 +228,35 @@ def test_a_file_damaged_at_rest_is_quarantined(tmp_path, region):
     tier.close()
 
 
+def test_a_listing_that_saw_a_recycled_victim_does_not_index_it_after_the_store(tmp_path,
+                                                                               region):
+    # the steps of a refresh interleaved with a recycling store, in the order that used to
+    # count the victim twice: a refresh while the store runs (it skips the victim, in
+    # `_storing`), a listing begun before the victim's file is renamed, merged after the store
+    # ended. The victim's file is gone: indexing it would put used_bytes over max_bytes.
+    host, array = region
+    tier = _full_tier(tmp_path, host)
+    first, second = _fill(tier, array, [1, 2])
+    array[:NBYTES] = payload(3, NBYTES)
+    job = TierJob(0, JobKind.STORE, chunk_key(NAMESPACE, 3), 0, NBYTES)
+    try:
+        reservation = tier._store_begin(job)
+        assert reservation == (RECORD, first)                  # recycles the LRU chunk's file
+        tier.refresh()
+        _, epoch = tier._index.snapshot()
+        listed = {first: RECORD, second: RECORD}                # the listing saw both files
+        assert tier._write_alone(job, reservation) is None
+        tier._index.reconcile(listed, epoch)
+        stats = tier.stats()
+        indexed = [key in tier._index for key in (first, second, job.key)]
+    finally:
+        tier.close()
+
+    assert not os.path.exists(chunk_path(tier.ns_dir, first))
+    assert indexed == [False, True, True]
+    assert (stats["used_bytes"], stats["max_bytes"]) == (2 * RECORD, 2 * RECORD)
+
+
 @pytest.mark.parametrize("os_module", [os, PassThroughOs()], ids=["c", "python"])
 def test_write_chunk_recycles_a_longer_file_and_creates_when_the_file_is_gone(tmp_path,
                                                                                os_module):

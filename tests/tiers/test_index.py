@@ -85,6 +85,22 @@ def test_reconcile_drops_what_a_listing_missed_and_keeps_later_adds():
     assert index.take_removed() == [_key(1)]
 
 
+def test_a_victim_of_reserve_is_not_brought_back_by_a_listing_begun_before():
+    # the listing saw the victim's file before the store that evicted it deleted it: the
+    # merge must not count those bytes again (used_bytes stays within max_bytes)
+    index = ChunkIndex()
+    for i in range(4):
+        index.add(_key(i), 100)
+    _, epoch = index.snapshot()
+
+    victims = index.reserve(100, max_bytes=400)
+    index.reconcile({_key(i): 100 for i in range(4)}, epoch)
+
+    assert victims == [(_key(0), 100)]
+    assert _key(0) not in index
+    assert index.used_bytes == 400
+
+
 def test_a_held_key_stays_out_of_listings_until_its_deadline_or_unhold():
     index = ChunkIndex()
     index.add(_key(1), 10)

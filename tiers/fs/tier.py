@@ -420,6 +420,10 @@ class FsTier(IndexedTier):
         stored) in the same step, then let refreshes see its key (and its victim's) again."""
         nbytes, reuse = reservation
         self._index.release(nbytes, stored)
+        if reuse is not None:
+            # the victim's file is gone or renamed now; a refresh that listed it before, and
+            # reads `_storing` after the next line, must not index it again
+            self._index.discard(reuse)
         self._register_stores([job.key] if reuse is None else [job.key, reuse], -1)
 
     def _store_end(self, job: TierJob, reservation: tuple[int, ChunkKey | None],
