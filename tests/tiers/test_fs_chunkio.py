@@ -233,14 +233,18 @@ def test_a_batch_with_refused_arguments_runs_no_job(tmp_path):
 
     fine = (str(tmp_path / "t1"), str(tmp_path / "f1"), [b"x" * 10], False, False,
             str(tmp_path))
-    with pytest.raises(ValueError, match="bufs: at most 4 buffers, got 5"):
+    with pytest.raises(ValueError, match=r"^jobs\[1\]: bufs: at most 4 buffers, got 5"):
         _chunkio.write_files([fine, (str(tmp_path / "t2"), str(tmp_path / "f2"),
                                      [bytearray(1)] * 5, False, False, str(tmp_path))])
     with pytest.raises(TypeError, match=r"jobs\[1\]: an argument tuple, not list"):
         _chunkio.write_files([fine, list(fine)])
-    with pytest.raises(BufferError):
+    with pytest.raises(TypeError, match=r"^jobs\[2\]: .*at least 6 arguments \(2 given\)"):
+        _chunkio.write_files([fine, fine, fine[:2]])
+    with pytest.raises(BufferError, match=r"^jobs\[1\]: "):
         _chunkio.read_files([(str(tmp_path / "f1"), [bytearray(10)], False, 10),
                              (str(tmp_path / "f1"), [b"read-only"], False, 10)])
+    with pytest.raises(TypeError, match=r"^function takes at least 6"):   # one job: as called
+        _chunkio.write_file(*fine[:2])
     assert os.listdir(tmp_path) == []
     assert _chunkio.write_files([]) == [] and _chunkio.read_files(()) == []
 

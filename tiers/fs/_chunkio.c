@@ -417,7 +417,20 @@ static PyObject *read_file(PyObject *self, PyObject *args) { return single(args,
 
 /* The batch functions: parse every job (GIL held), run them all in order in one GIL release,
  * then build a list of outcomes. `kind` selects writes (1) or reads (0). */
-static PyObject *run_batch(PyObject *jobs_arg, int kind) {
+/* The exception set now, raised again as its type with "jobs[i]: " before its message (a
+ * batch's argument error names the job it is about). */
+static void name_job(Py_ssize_t i) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    PyErr_Format(type, "jobs[%zd]: %S", i, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+}
+
+/* `named`: argument errors say "jobs[i]: " (write_files/read_files, not a single call). */
+static PyObject *run_batch(PyObject *jobs_arg, int kind, int named) {
     /* a tuple of the jobs, owned here: the caller's list may change while the GIL is released
      * (or while a job's arguments are converted), and the argument tuples it holds keep the
      * objects each job borrows (its path, for errors) alive */
@@ -441,7 +454,10 @@ static PyObject *run_batch(PyObject *jobs_arg, int kind) {
         }
         int rc = kind ? write_job_parse(item, (struct write_job *)(jobs + parsed * size))
                       : read_job_parse(item, (struct read_job *)(jobs + parsed * size));
-        if (rc < 0) goto out;
+        if (rc < 0) {
+            if (named) name_job(parsed);
+            goto out;
+        }
     }
     xxh128_fn hash = hasher;
     Py_BEGIN_ALLOW_THREADS
@@ -478,7 +494,7 @@ out:
 static PyObject *single(PyObject *args, int kind) {
     PyObject *jobs = PyTuple_Pack(1, args);
     if (jobs == NULL) return NULL;
-    PyObject *outcomes = run_batch(jobs, kind);
+    PyObject *outcomes = run_batch(jobs, kind, 0);
     Py_DECREF(jobs);
     if (outcomes == NULL) return NULL;
     PyObject *outcome = PyList_GET_ITEM(outcomes, 0);
@@ -501,7 +517,7 @@ PyDoc_STRVAR(write_files_doc,
 "    TypeError, ValueError, BufferError: a job's arguments are refused as `write_file` refuses\n"
 "        them; then no job runs.");
 
-static PyObject *write_files(PyObject *self, PyObject *jobs) { return run_batch(jobs, 1); }
+static PyObject *write_files(PyObject *self, PyObject *jobs) { return run_batch(jobs, 1, 1); }
 
 PyDoc_STRVAR(read_files_doc,
 "read_files(jobs) -> list[tuple | OSError]\n\n"
@@ -512,7 +528,7 @@ PyDoc_STRVAR(read_files_doc,
 "    TypeError, ValueError: a job's arguments are refused as `read_file` refuses them; then no\n"
 "        job runs.");
 
-static PyObject *read_files(PyObject *self, PyObject *jobs) { return run_batch(jobs, 0); }
+static PyObject *read_files(PyObject *self, PyObject *jobs) { return run_batch(jobs, 0, 1); }
 
 PyDoc_STRVAR(set_hasher_doc,
 "set_hasher(address, address64=0) -> None\n\n"
