@@ -321,13 +321,32 @@ def _verified(outcome: tuple | OSError, header_block: memoryview, key: ChunkKey,
     if isinstance(outcome, OSError):
         return False
     status, n, digest, _ = outcome
-    if status or n != record_nbytes(payload_nbytes) or digest is None:
+    if status or digest is None:
         return False
     try:
-        header = checked_header(header_block, key, namespace)
-    except CorruptChunk:
+        header = _checked_record(n, header_block, key, namespace, payload_nbytes)
+    except (CorruptChunk, SizeMismatch):
         return False
-    return header.payload_nbytes == payload_nbytes and digest == header.checksum
+    return digest == header.checksum
+
+
+def _checked_record(n: int, header_block: memoryview, key: ChunkKey, namespace: bytes,
+                    payload_nbytes: int) -> Header:
+    """The header of a chunk file read whole (`n` bytes) for a payload of `payload_nbytes`,
+    checked against `key` and `namespace`; the caller compares the payload's checksum.
+
+    Raises:
+        CorruptChunk: a short read, or a bad header (`checked_header`).
+        SizeMismatch: a valid header for a payload of another size.
+    """
+    expected = record_nbytes(payload_nbytes)
+    if n != expected:
+        raise CorruptChunk(f"short read: {n} of {expected} bytes")
+    header = checked_header(header_block, key, namespace)
+    if header.payload_nbytes != payload_nbytes:
+        raise SizeMismatch(f"payload {header.payload_nbytes} bytes != requested "
+                           f"{payload_nbytes}")
+    return header
 
 
 def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes, direct: bool,
@@ -377,12 +396,7 @@ def read_chunk(osm, path: str, key: ChunkKey, dest: memoryview, namespace: bytes
                 n = osm.preadv(fd, bufs, 0)
             finally:
                 os.close(fd)
-        if n != expected:
-            raise CorruptChunk(f"short read: {n} of {expected} bytes")
-        header = checked_header(scratch.header, key, namespace)
-        if header.payload_nbytes != len(dest):
-            raise SizeMismatch(f"payload {header.payload_nbytes} bytes != requested "
-                               f"{len(dest)}")
+        header = _checked_record(n, scratch.header, key, namespace, len(dest))
         if rem:
             dest[len(bulk):] = scratch.tail[:rem]
         if (digest if digest is not None else payload_checksum(dest)) != header.checksum:
