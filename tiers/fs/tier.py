@@ -548,7 +548,7 @@ class FsTier(IndexedTier):
         try:
             self._read(job, path)
         except FileNotFoundError:
-            self._index.discard(job.key)
+            self._forget_missing(job.key, path)
             self._count("missing")
             return "not found"
         except CorruptChunk as exc:
@@ -571,6 +571,15 @@ class FsTier(IndexedTier):
         self._index.touch(job.key)
         self._count("bytes_loaded", job.nbytes)
         return None
+
+    def _forget_missing(self, key: ChunkKey, path: str) -> None:
+        """Discard `key`, whose file a load found missing, unless a store of it is in flight or
+        has put its file there since (forgetting that chunk would leave its bytes on disk and
+        out of the count, and the next store would see room that is not there). Under the
+        `_storing` lock, so that no store of `key` begins in between."""
+        with self._storing_lock:
+            if key not in self._storing and not os.path.lexists(path):
+                self._index.discard(key)
 
     # -- housekeeping -------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
