@@ -12,10 +12,11 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
         and reads chunk files whose payload is less than `SMALL_CHUNK_BYTES` (1 MiB) with
         O_DIRECT where the filesystem supports it and its host bytes are `ALIGN`-aligned, and
         moves every larger one through the page cache; "adaptive" (default) does the same for
-        small chunks, and writes (and reads) each larger one buffered or with O_DIRECT,
-        whichever the tier measured faster for its own recent large writes (reads)
-        (`large_io.py`: buffered won on two machines and lost 0.42x against 0.97x for writes
-        and 0.78x against 0.99x for reads on a third); "small-writes" uses O_DIRECT for
+        small chunks, reads every larger one with O_DIRECT, and writes each larger one
+        buffered or with O_DIRECT, whichever the tier measured faster for its own recent
+        large writes (`large_io.py`: buffered writes won on three machines and lost 0.42x
+        against 0.97x on a fourth; measured choices of read mode lost 8-17% against O_DIRECT
+        reads on two VMs); "small-writes" uses O_DIRECT for
         small writes only (every read buffered); "auto" uses O_DIRECT for every write and read
         where supported; true refuses to start without it; false never uses it.
         Measured with `kvhal bench tier` (issue 13), kvhal against vLLM's fs tier (which uses

@@ -1,31 +1,32 @@
-"""Buffered or O_DIRECT I/O for large chunks, chosen by measuring both (`o_direct: "adaptive"`).
+"""Buffered or O_DIRECT writes of large chunks, chosen by measuring both (`o_direct:
+"adaptive"`).
 
-Which of the two is faster for chunks of `SMALL_CHUNK_BYTES` and more depends on the machine,
+Which of the two writes chunks of `SMALL_CHUNK_BYTES` and more faster depends on the machine,
 not on kvhal (issue 13, `kvhal bench tier` at 2 MiB against vLLM's O_DIRECT tier): buffered
-writes measured 1.5-4.9x vLLM and buffered reads 1.1-1.7x on two machines (the page cache
-takes a burst of writes at memory speed; read-ahead keeps the disk busy), and on a VM whose
-page-cache copy runs at 0.34 GB/s (`dd` buffered, where O_DIRECT wrote 1.3 GB/s; `perf`: 87%
-in `copy_folio_from_iter_atomic`) buffered writes measured 0.42x and buffered reads 0.78x,
-where kvhal's O_DIRECT writes and reads measured 0.97-0.99x. No fixed default suits both, so
-the tier measures its own large writes and reads, each direction on its own, and uses the
-faster mode; the other is still tried now and then, so a change (the page cache filling up,
-other load on the disk) moves the choice back. A buffered read served from the page cache
-counts as the cheap read it is.
+writes measured 1.5-4.9x vLLM on two machines and 2.1-3.3x on a 2-core VM (the page cache
+takes a burst of writes at memory speed), and on a VM whose page-cache copy runs at 0.34 GB/s
+(`dd` buffered, where O_DIRECT wrote 1.3 GB/s; `perf`: 87% in `copy_folio_from_iter_atomic`)
+0.42x, where kvhal's O_DIRECT writes measured 0.97x. No fixed default suits both, so the tier
+measures its own large writes and uses the faster mode; the other is still tried now and
+then, so a change (the page cache filling up, other load on the disk) moves the choice back.
 
-What is measured is throughput, in windows: `WINDOW` transfers in a row take one mode, and the
-window's cost is the busy seconds (seconds with at least one large transfer of that direction
-in flight) from its first transfer's start to its last one's end, over its bytes. Neither a
-transfer's own wall time nor its share of the wall time will do: the first mostly measures how
-many others it queued behind (16 in the middle of a burst, 1 at its end); the second misses
-what a mode costs outside its own transfers. A 2-core VM measured both wrong (issue 13,
-session 9): with wall times, 73-96 of 1536 large reads went buffered and reads lost 8-11% against
-always O_DIRECT; with shares, buffered reads measured 0.96 ms a chunk against 0.80 for O_DIRECT
-while passes of mostly buffered reads ran at 0.83 GB/s against 2.7 (CPU and page-cache work
-outside the transfers, on 2 cores). The first two windows take one mode each; then the other
-mode gets a window now and then, at gaps that double while the choice holds
-(`FIRST_EXPLORE_GAP` to `MAX_EXPLORE_GAP` windows, longer while the other mode measured much
-slower, so that its windows cost about `EXPLORE_OVERHEAD` of the time). The preferred mode changes only when the other is
-cheaper by more than `SWITCH_MARGIN`, so two modes within run-to-run noise do not flip.
+What is measured is throughput, in windows: `WINDOW` writes in a row take one mode, and the
+window's cost is the busy seconds (seconds with at least one large write in flight) from its
+first write's start to its last one's end, over its bytes. A write's own wall time will not
+do: it mostly measures how many others it queued behind (16 in the middle of a burst, 1 at
+its end). The first two windows take one mode each; then the other mode gets a window now and
+then, at gaps that double while the choice holds (`FIRST_EXPLORE_GAP` to `MAX_EXPLORE_GAP`
+windows, longer while the other mode measured much slower, so that its windows cost about
+`EXPLORE_OVERHEAD` of the time). The preferred mode changes only when the other is cheaper by
+more than `SWITCH_MARGIN`, so two modes within run-to-run noise do not flip.
+
+Reads are not chosen this way (the tier reads large chunks with O_DIRECT): on a 2-core VM
+(issue 13, session 9) the CPU and page-cache work of buffered cold reads also slowed the
+O_DIRECT reads in flight beside them, so no measurement told the two apart. Per-read wall
+times sent 73-96 of 1536 large reads buffered (reads lost 8-11% against always O_DIRECT);
+per-read shares of the wall time measured buffered reads at 0.96 ms a chunk against 0.80
+while passes of mostly buffered reads ran at 0.83 GB/s against 2.7; windows measured 0.44
+against 0.41 GB/s and sent 576 of 1536 reads buffered (reads lost 17%).
 """
 from __future__ import annotations
 

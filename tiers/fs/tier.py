@@ -103,12 +103,16 @@ class FsTier(IndexedTier):
         self.o_direct_writes_below = (SMALL_CHUNK_BYTES if supported and cfg.o_direct
                                       in ("adaptive", "small", "small-writes") else 0)
         #: Under "adaptive" and "small": payloads below this many bytes are read with O_DIRECT
-        #: (0: none, or every one with `o_direct`).
+        #: (0: none, or every one with `o_direct`); "adaptive" reads larger ones with O_DIRECT
+        #: too.
         self.o_direct_reads_below = (SMALL_CHUNK_BYTES if supported
                                      and cfg.o_direct in ("adaptive", "small") else 0)
-        #: Under "adaptive": the measured choice of mode for larger stores and for larger loads
-        #: (None otherwise).
-        self._large_io = ({JobKind.STORE: LargeIoMode(), JobKind.LOAD: LargeIoMode()}
+        #: Under "adaptive": the measured choice of mode for larger stores (None otherwise).
+        #: Larger loads are not measured: with O_DIRECT they read at vLLM's speed on every
+        #: machine measured, and the cost of buffered cold reads (CPU, page cache) also slows
+        #: the O_DIRECT reads beside them, so no measurement of windows told the two apart
+        #: (`large_io.py`).
+        self._large_io = ({JobKind.STORE: LargeIoMode()}
                           if supported and cfg.o_direct == "adaptive" else None)
         self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
@@ -231,16 +235,15 @@ class FsTier(IndexedTier):
         other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
         chunks, o_direct (bool, detected at start: every read and write with O_DIRECT),
         o_direct_writes_below and o_direct_reads_below (bytes: payloads below them are
-        written / read with O_DIRECT; 0 for none) and durability (the config value). Under
-        `o_direct: "adaptive"` also large_{writes,reads}_{o_direct,buffered} (counts of larger
-        chunks moved each way) and large_{write,read}_{o_direct,buffered}_gbps (each mode's
-        measured throughput, 1e9 bytes per busy second over its windows of transfers,
-        `large_io.py`; absent until measured)."""
+        written / read with O_DIRECT; 0 for none; "adaptive" reads larger ones with O_DIRECT
+        too) and durability (the config value). Under `o_direct: "adaptive"` also
+        large_writes_{o_direct,buffered} (counts of larger chunks written each way) and
+        large_write_{o_direct,buffered}_gbps (each mode's measured throughput, 1e9 bytes per
+        busy second over its windows of transfers, `large_io.py`; absent until measured)."""
         deleted = self._budget.namespaces_deleted
         rates = {} if self._large_io is None else {
-            f"large_{direction}_{mode}_gbps": rate
-            for kind, direction in ((JobKind.STORE, "write"), (JobKind.LOAD, "read"))
-            for mode, rate in self._large_io[kind].rates().items() if rate is not None}
+            f"large_write_{mode}_gbps": rate
+            for mode, rate in self._large_io[JobKind.STORE].rates().items() if rate is not None}
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
@@ -256,23 +259,24 @@ class FsTier(IndexedTier):
     def o_direct_for(self, kind: JobKind, nbytes: int) -> bool:
         """Whether a `kind` job (STORE or LOAD) of `nbytes` payload bytes whose host bytes are
         `ALIGN`-aligned moves its chunk file with O_DIRECT (`o_direct` and the `*_below`
-        sizes; under "adaptive", a larger one the mode measured faster now); a job at an
-        unaligned host offset never does."""
+        sizes; under "adaptive", a larger store the mode measured faster now, and every
+        larger load); a job at an unaligned host offset never does."""
         if self._large_io is not None and nbytes >= SMALL_CHUNK_BYTES:
-            return self._large_io[kind].current()
+            return kind is JobKind.LOAD or self._large_io[JobKind.STORE].current()
         return self.o_direct or nbytes < (self.o_direct_writes_below if kind is JobKind.STORE
                                           else self.o_direct_reads_below)
 
     def adaptive_for(self, nbytes: int) -> bool:
-        """Whether jobs of `nbytes` payload bytes at `ALIGN`-aligned host offsets pick their
-        mode (buffered or O_DIRECT) by measurement (`o_direct: "adaptive"`, `large_io.py`)."""
+        """Whether stores of `nbytes` payload bytes at `ALIGN`-aligned host offsets pick their
+        mode (buffered or O_DIRECT) by measurement (`o_direct: "adaptive"`, `large_io.py`);
+        loads never do."""
         return self._large_io is not None and nbytes >= SMALL_CHUNK_BYTES
 
     def _adaptive(self, job: TierJob) -> LargeIoMode | None:
         """The `LargeIoMode` that `job` takes its mode from ("adaptive"), or None."""
         if not self.adaptive_for(job.nbytes) or (self._host_addr + job.offset) % ALIGN:
             return None
-        return self._large_io[job.kind]
+        return self._large_io.get(job.kind)
 
     def _begin(self, job: TierJob) -> tuple[bool, LargeTransfer | None]:
         """The mode of `job`'s transfer (True: O_DIRECT) and, under "adaptive", the transfer
