@@ -44,7 +44,7 @@ FIRST_EXPLORE_GAP = 4
 MAX_EXPLORE_GAP = 64
 #: A gap may grow past MAX_EXPLORE_GAP while the other mode measured k times slower, up to
 #: (k - 1) / EXPLORE_OVERHEAD windows (its windows then cost 1% of the time), at most
-#: LONGEST_EXPLORE_GAP: O_DIRECT reads 4x faster than buffered would otherwise lose 4.6%.
+#: LONGEST_EXPLORE_GAP: a mode 4x faster than the other would otherwise lose 4.6%.
 EXPLORE_OVERHEAD = 0.01
 LONGEST_EXPLORE_GAP = 1024
 #: Weight of the newest window in the preferred mode's running average of busy seconds per
@@ -75,8 +75,8 @@ class LargeTransfer:
 
 
 class LargeIoMode:
-    """The running choice between buffered and O_DIRECT for one direction (large writes or
-    large reads) of one tier. Thread-safe.
+    """The running choice between buffered and O_DIRECT for the large writes of one tier (the
+    class knows transfers, not their direction). Thread-safe.
 
     `begin()` before each large transfer; `end(transfer, nbytes)` once after it, with the bytes
     moved, or with None if it failed (its time still counts, its bytes do not; a window whose

@@ -112,8 +112,8 @@ class FsTier(IndexedTier):
         #: machine measured, and the cost of buffered cold reads (CPU, page cache) also slows
         #: the O_DIRECT reads beside them, so no measurement of windows told the two apart
         #: (`large_io.py`).
-        self._large_io = ({JobKind.STORE: LargeIoMode()}
-                          if supported and cfg.o_direct == "adaptive" else None)
+        self._large_writes = (LargeIoMode() if supported and cfg.o_direct == "adaptive"
+                              else None)
         self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
@@ -241,9 +241,9 @@ class FsTier(IndexedTier):
         large_write_{o_direct,buffered}_gbps (each mode's measured throughput, 1e9 bytes per
         busy second over its windows of transfers, `large_io.py`; absent until measured)."""
         deleted = self._budget.namespaces_deleted
-        rates = {} if self._large_io is None else {
+        rates = {} if self._large_writes is None else {
             f"large_write_{mode}_gbps": rate
-            for mode, rate in self._large_io[JobKind.STORE].rates().items() if rate is not None}
+            for mode, rate in self._large_writes.rates().items() if rate is not None}
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
@@ -261,8 +261,8 @@ class FsTier(IndexedTier):
         `ALIGN`-aligned moves its chunk file with O_DIRECT (`o_direct` and the `*_below`
         sizes; under "adaptive", a larger store the mode measured faster now, and every
         larger load); a job at an unaligned host offset never does."""
-        if self._large_io is not None and nbytes >= SMALL_CHUNK_BYTES:
-            return kind is JobKind.LOAD or self._large_io[JobKind.STORE].current()
+        if self._large_writes is not None and nbytes >= SMALL_CHUNK_BYTES:
+            return kind is JobKind.LOAD or self._large_writes.current()
         return self.o_direct or nbytes < (self.o_direct_writes_below if kind is JobKind.STORE
                                           else self.o_direct_reads_below)
 
@@ -270,13 +270,15 @@ class FsTier(IndexedTier):
         """Whether stores of `nbytes` payload bytes at `ALIGN`-aligned host offsets pick their
         mode (buffered or O_DIRECT) by measurement (`o_direct: "adaptive"`, `large_io.py`);
         loads never do."""
-        return self._large_io is not None and nbytes >= SMALL_CHUNK_BYTES
+        return self._large_writes is not None and nbytes >= SMALL_CHUNK_BYTES
 
     def _adaptive(self, job: TierJob) -> LargeIoMode | None:
-        """The `LargeIoMode` that `job` takes its mode from ("adaptive"), or None."""
-        if not self.adaptive_for(job.nbytes) or (self._host_addr + job.offset) % ALIGN:
+        """The `LargeIoMode` that `job` takes its mode from (a larger store under "adaptive"),
+        or None."""
+        if (job.kind is not JobKind.STORE or not self.adaptive_for(job.nbytes)
+                or (self._host_addr + job.offset) % ALIGN):
             return None
-        return self._large_io.get(job.kind)
+        return self._large_writes
 
     def _begin(self, job: TierJob) -> tuple[bool, LargeTransfer | None]:
         """The mode of `job`'s transfer (True: O_DIRECT) and, under "adaptive", the transfer
@@ -292,7 +294,7 @@ class FsTier(IndexedTier):
         `ok`, else only no longer in flight."""
         if transfer is None:
             return
-        self._large_io[job.kind].end(transfer, job.nbytes if ok else None)
+        self._large_writes.end(transfer, job.nbytes if ok else None)
         if ok:
             self._count(f"large_{'writes' if job.kind is JobKind.STORE else 'reads'}_"
                         f"{'o_direct' if transfer.direct else 'buffered'}")
