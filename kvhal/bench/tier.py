@@ -13,8 +13,9 @@ costs the engine), and its writeback is not (the kernel throttles a sustained st
 speed). Contenders:
 
 - the kvhal tier, with `--config` merged into its defaults (checksums verified on every read);
-- a raw loop on as many threads as the tier has (fs: `n_write_threads` / `n_read_threads`;
-  otherwise 1) with the tier's durability: one file per chunk written to a temp name (O_DIRECT
+- a raw loop on as many threads as the tier moves chunks with (fs: `io_threads`, reads on
+  n_read_threads + n_write_threads, since its store threads load while no store is queued,
+  and writes on n_write_threads; otherwise 1) with the tier's durability: one file per chunk written to a temp name (O_DIRECT
   when the tier uses it) and renamed; with durability "power-loss" also `fdatasync` before the
   rename and an fsync of the folder after it (a new name is durable only once its directory is
   synced: fsync(2), NOTES); reads open, `preadv` and close, no checks;
@@ -172,6 +173,9 @@ class _TierContender:
         io_threads = getattr(config, "io_threads", 1)
         self.threads = (getattr(config, "n_read_threads", io_threads),
                         getattr(config, "n_write_threads", io_threads))
+        #: Threads that may run loads and stores, the raw loops' thread counts (fs: every
+        #: thread of its pool serves both kinds, `FsTier.io_threads`).
+        self.io_threads = getattr(tier, "io_threads", self.threads)
         self.durability = str(stats.get("durability", DEFAULT_DURABILITY))
         # chunk i lies at i * chunk of a page-aligned region: aligned iff chunk is; a tier
         # without `o_direct_for` (obj) moves no file
@@ -337,7 +341,7 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
         from .tier_obj import raw_contenders
         contenders += raw_contenders(config | {"type": "obj"}, host, chunk, count)
     else:
-        contenders.append(_RawLoop(root, host, chunk, count, kv.threads, kv.durability,
+        contenders.append(_RawLoop(root, host, chunk, count, kv.io_threads, kv.durability,
                                    kv.o_direct, kv.o_direct_writes, full))
     note = "--full: vllm's fs tier has no capacity bound: skipped" if full else _vllm_note(
         tier_name, with_vllm)
@@ -349,7 +353,7 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
             contenders.append(_VllmContender(root, host, chunk, count))
             note = "vllm fs tier measured"
         if tier_name == "fs":
-            contenders.append(DiskLoop(root, host, chunk, count, kv.threads))
+            contenders.append(DiskLoop(root, host, chunk, count, kv.io_threads))
         times = {c.name: ([], []) for c in contenders}
         task = bar.add_task(f"bench tier [{tier_name}]", total=repeats) if bar else None
         for rep in range(repeats):

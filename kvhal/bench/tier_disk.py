@@ -2,8 +2,8 @@
 
 Every other fs contender creates one file per chunk, so its writes pay the filesystem's
 per-file work (an inode and blocks allocated, a directory entry added and renamed) besides the
-transfer. This loop moves the same chunks, on as many threads as the kvhal tier has, at offsets
-`i * chunk_bytes` of one file that was written in full before the first pass: every timed write
+transfer. This loop moves the same chunks, on as many threads as the kvhal tier moves them
+with, at offsets `i * chunk_bytes` of one file that was written in full before the first pass: every timed write
 overwrites blocks already allocated, and no file is created. It is the ceiling a
 file-per-chunk tier can reach on this disk at this chunk size and queue depth, with O_DIRECT
 where the filesystem takes it (otherwise through the page cache, emptied before every read
@@ -45,7 +45,8 @@ class DiskLoop:
         host: the host region the chunks move from and to (chunk i at i * chunk_bytes).
         chunk: chunk size in bytes; O_DIRECT only if a multiple of 4096 and the file takes it.
         count: chunks per pass.
-        threads: (read threads, write threads), those of the kvhal tier.
+        threads: (read threads, write threads), those the kvhal tier moves chunks with
+            (`FsTier.io_threads`).
 
     Raises:
         OSError: the file cannot be created or written in `root`.

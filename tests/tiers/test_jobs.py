@@ -1,6 +1,6 @@
 """JobBoard: every job yields exactly one result, also when its function raises or the tier is
-closed; drain honours its deadline. BatchPool: a deep queue is handed over in batches, every
-item exactly once."""
+closed; drain honours its deadline. LanePool: a deep queue is handed over in batches, every
+item exactly once; every thread serves loads while no store is queued, and only group 1 stores."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +10,7 @@ import pytest
 
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, TierJob
-from kvhal.tiers.jobs import BatchPool, JobBoard
+from kvhal.tiers.jobs import JobBoard, LanePool
 
 from .helpers import NAMESPACE
 
@@ -60,7 +60,7 @@ def test_drain_times_out_while_a_job_runs():
     assert [r.ok for r in board.take_finished()] == [True]
 
 
-def test_a_batch_pool_batches_a_deep_queue_and_runs_every_item_once():
+def test_a_lane_pool_batches_a_deep_queue_and_runs_every_item_once():
     release, started = threading.Event(), threading.Event()
     batches: list[list[int]] = []
 
@@ -69,11 +69,11 @@ def test_a_batch_pool_batches_a_deep_queue_and_runs_every_item_once():
         release.wait(10)
         batches.append(items)
 
-    pool = BatchPool(2, "toy", run, max_batch=4)
-    pool.submit(0)
+    pool = LanePool((1, 1), "toy", (run, run), max_batch=4)
+    pool.lanes[0].submit(0)
     assert started.wait(10)  # one thread holds item 0; the queue fills behind it
     for i in range(1, 30):
-        pool.submit(i)
+        pool.lanes[0].submit(i)
     release.set()
     pool.shutdown(wait=True)
 
@@ -81,7 +81,7 @@ def test_a_batch_pool_batches_a_deep_queue_and_runs_every_item_once():
     assert max(len(batch) for batch in batches) == 4
 
 
-def test_a_batch_pool_hands_a_shallow_queue_over_item_by_item():
+def test_a_lane_pool_hands_a_shallow_queue_over_item_by_item():
     batches: list[list[int]] = []
     done = threading.Semaphore(0)
 
@@ -89,39 +89,85 @@ def test_a_batch_pool_hands_a_shallow_queue_over_item_by_item():
         batches.append(items)
         done.release()
 
-    pool = BatchPool(2, "toy", run, max_batch=4)
+    pool = LanePool((1, 1), "toy", (run, run), max_batch=4)
     for i in range(5):
-        pool.submit(i)
+        pool.lanes[i % 2].submit(i)
         assert done.acquire(timeout=10)
     pool.shutdown(wait=True)
 
     assert batches == [[0], [1], [2], [3], [4]]
 
 
-def test_a_batch_pool_survives_a_raising_run_and_stops_all_threads():
+def test_a_lane_pool_survives_a_raising_run_and_stops_all_threads():
     seen: list[int] = []
 
     def run(items):
         seen.extend(items)
         raise RuntimeError("bug")
 
-    pool = BatchPool(3, "toy", run, max_batch=8)
+    pool = LanePool((2, 1), "toy", (run, run), max_batch=8)
     for i in range(50):
-        pool.submit(i)
-    pool.shutdown(wait=True)  # returns only once every thread took its stop
+        pool.lanes[i % 2].submit(i)
+    pool.shutdown(wait=True)  # returns only once every queued item ran and every thread ended
 
     assert sorted(seen) == list(range(50))
     with pytest.raises(RuntimeError, match="toy: cannot submit after shutdown"):
-        pool.submit(50)
+        pool.lanes[1].submit(50)
+
+
+def test_every_thread_of_a_lane_pool_runs_loads_while_no_store_is_queued():
+    both_inside = threading.Barrier(2, timeout=10)   # broken (an error) unless 2 threads meet
+    served: list[str] = []
+
+    def run(items):
+        both_inside.wait()
+        served.append(threading.current_thread().name)
+
+    pool = LanePool((1, 1), "toy", (run, lambda items: None), max_batch=1)
+    pool.lanes[0].submit(0)
+    pool.lanes[0].submit(1)
+    pool.shutdown(wait=True)
+
+    assert sorted(served) == ["toy_l0_0", "toy_l1_0"]
+
+
+def test_a_lane_pool_runs_stores_on_group_1_only():
+    gate, held, ran = threading.Event(), threading.Event(), threading.Semaphore(0)
+    runs: dict[str, list[str]] = {}
+
+    def run(items):
+        for item in items:
+            runs.setdefault(threading.current_thread().name, []).append(item)
+            if item == "gate":
+                held.set()
+                assert gate.wait(10)
+            else:
+                ran.release()
+
+    pool = LanePool((1, 1), "toy", (run, run), max_batch=1)
+    pool.lanes[1].submit("gate")
+    assert held.wait(10)                     # the store thread is held
+    for i in range(3):
+        pool.lanes[1].submit(f"s{i}")        # stores queue behind it: the load thread waits
+    for i in range(3):
+        pool.lanes[0].submit(f"a{i}")
+    for _ in range(3):
+        assert ran.acquire(timeout=10)       # the three loads, on the load thread
+    gate.set()
+    pool.shutdown(wait=True)
+
+    assert runs == {"toy_l0_0": ["a0", "a1", "a2"], "toy_l1_0": ["gate", "s0", "s1", "s2"]}
+
 
 
 @pytest.mark.parametrize("fn", [lambda jobs: 1 / 0, lambda jobs: []],
                          ids=["raises", "no-outcomes"])
 def test_run_batch_fails_every_job_of_a_broken_batch(fn):
     board = JobBoard("toy")
-    pool = BatchPool(1, "toy", lambda jobs: board.run_batch(fn, jobs), max_batch=4)
+    run = lambda jobs: board.run_batch(fn, jobs)  # noqa: E731
+    pool = LanePool((1, 1), "toy", (run, run), max_batch=4)
     for i in range(3):
-        board.submit(pool, None, _job(i))
+        board.submit(pool.lanes[i % 2], None, _job(i))
     board.drain(10)
     pool.shutdown()
 
@@ -133,10 +179,11 @@ def test_run_batch_fails_every_job_of_a_broken_batch(fn):
 
 def test_run_batch_reports_each_outcome():
     board = JobBoard("toy")
-    pool = BatchPool(1, "toy", lambda jobs: board.run_batch(
-        lambda batch: [None if job.job_id % 2 else "not found" for job in batch], jobs), 4)
+    run = lambda jobs: board.run_batch(  # noqa: E731
+        lambda batch: [None if job.job_id % 2 else "not found" for job in batch], jobs)
+    pool = LanePool((1, 1), "toy", (run, run), 4)
     for i in range(6):
-        board.submit(pool, None, _job(i))
+        board.submit(pool.lanes[0], None, _job(i))
     board.drain(10)
     pool.shutdown()
 

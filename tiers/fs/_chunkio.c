@@ -7,7 +7,7 @@
  * 13). `write_file` and `read_file` make the same calls, in the same order and with the same
  * flags, with the GIL released once around all of them; `write_files` and `read_files` do that
  * for a batch of chunks, one GIL release per batch (a pool thread takes a batch while more jobs
- * than threads are queued: `tiers/jobs.py` BatchPool). fileio.py stays the single description
+ * than threads are queued: `tiers/jobs.py` LanePool). fileio.py stays the single description
  * of the file format and its checks; this module only moves bytes.
  */
 #define PY_SSIZE_T_CLEAN

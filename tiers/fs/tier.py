@@ -35,7 +35,7 @@ from kvhal.keys import ChunkKey
 from ..base import JobKind, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex, StoresInFlight
-from ..jobs import BatchPool, IndexedTier, JobBoard, internal_error
+from ..jobs import IndexedTier, JobBoard, LanePool, internal_error
 from .config import SMALL_CHUNK_BYTES, parse_config
 from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      read_chunks, same_file, write_chunk, write_chunks)
@@ -50,7 +50,7 @@ DEFAULT_SPACE_SHARE = 0.9
 ROOT_SCAN_INTERVAL_S = 10.0
 #: The refresh thread waits at least this many times as long as its last scan took.
 REFRESH_DUTY_FACTOR = 20
-#: Most chunks one pool thread moves in one GIL-free call of the C helper (`BatchPool`: only
+#: Most chunks one pool thread moves in one GIL-free call of the C helper (`LanePool`: only
 #: while more jobs than threads are queued).
 MAX_BATCH = 8
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
@@ -136,10 +136,12 @@ class FsTier(IndexedTier):
         #: Keys being loaded now (count per key): their files are never recycled meanwhile.
         self._loading: dict[ChunkKey, int] = {}
         self._loading_lock = threading.Lock()
-        self._load_pool = BatchPool(cfg.n_read_threads, "kvhal-fs-read",
-                                    partial(self._jobs.run_batch, self._load_batch), MAX_BATCH)
-        self._store_pool = BatchPool(cfg.n_write_threads, "kvhal-fs-write",
-                                     partial(self._jobs.run_batch, self._store_batch), MAX_BATCH)
+        #: Loads on `n_read_threads` threads, stores on `n_write_threads` threads that also
+        #: load while no store is queued (`LanePool`).
+        self._pool = LanePool((cfg.n_read_threads, cfg.n_write_threads), "kvhal-fs",
+                              (partial(self._jobs.run_batch, self._load_batch),
+                               partial(self._jobs.run_batch, self._store_batch)), MAX_BATCH)
+        self._load_pool, self._store_pool = self._pool.lanes
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvhal-fs-refresh",
                                            daemon=True)
@@ -222,8 +224,7 @@ class FsTier(IndexedTier):
         if not self._jobs.close():
             return
         self._stop.set()
-        self._load_pool.shutdown(wait=True)
-        self._store_pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
         self._refresher.join()
 
     def stats(self) -> Mapping[str, Any]:
@@ -255,6 +256,14 @@ class FsTier(IndexedTier):
     # -- jobs ---------------------------------------------------------------------------------
     def _check_job(self, job: TierJob) -> str | None:
         return job_problem(job, len(self._host), self.namespace)
+
+    @property
+    def io_threads(self) -> tuple[int, int]:
+        """(threads that may run loads, threads that may run stores): n_read_threads +
+        n_write_threads and n_write_threads (`jobs.LanePool`: the store threads also load
+        while no store is queued)."""
+        cfg = self.config
+        return cfg.n_read_threads + cfg.n_write_threads, cfg.n_write_threads
 
     def o_direct_for(self, kind: JobKind, nbytes: int) -> bool:
         """Whether a `kind` job (STORE or LOAD) of `nbytes` payload bytes whose host bytes are
@@ -316,7 +325,7 @@ class FsTier(IndexedTier):
                 and batchable(self._host[job.offset:job.offset + job.nbytes]))
 
     def _store_batch(self, jobs: list[TierJob]) -> list[str | None]:
-        """`_store` for each of `jobs` (a `BatchPool` batch): the batchable ones' files are
+        """`_store` for each of `jobs` (a `LanePool` batch): the batchable ones' files are
         written in one call (`fileio.write_chunks`), the others one by one, as is a store that
         recycles an evicted file (at once: that file must not wait in a batch, where a refresh
         or a store of its key could take it meanwhile). A job whose checks raise fails alone."""
@@ -501,7 +510,7 @@ class FsTier(IndexedTier):
             self._register_loads([job], -1)
 
     def _load_batch(self, jobs: list[TierJob]) -> list[str | None]:
-        """`_load` for each of `jobs` (a `BatchPool` batch): the batchable ones' files are read
+        """`_load` for each of `jobs` (a `LanePool` batch): the batchable ones' files are read
         and verified in one call (`fileio.read_chunks`); one that fails there, and every other
         job, goes through `_load`, which reads its file again and says what failed."""
         outcomes: list[str | None] = [None] * len(jobs)
