@@ -244,8 +244,8 @@ class JobBoard:
     def submit(self, pool: JobPool, fn: JobFn | None, job: TierJob) -> None:
         """Run `fn(job)` on `pool`; its outcome becomes the job's result. On a `Lane` of a
         `LanePool` (`fn` unused: None) the job goes to the lane's `run`, which must be
-        `run_batch` with this board. A closed board fails the job at once (the result is still reported
-        exactly once)."""
+        `run_batch` with this board. A closed board fails the job at once (the result is still
+        reported exactly once)."""
         with self._cond:
             if self._closed:
                 self._finish(job, 0.0, "tier closed")

@@ -15,10 +15,11 @@ speed). Contenders:
 - the kvhal tier, with `--config` merged into its defaults (checksums verified on every read);
 - a raw loop on as many threads as the tier moves chunks with (fs: `io_threads`, reads on
   n_read_threads + n_write_threads, since its store threads load while no store is queued,
-  and writes on n_write_threads; otherwise 1) with the tier's durability: one file per chunk written to a temp name (O_DIRECT
-  when the tier uses it) and renamed; with durability "power-loss" also `fdatasync` before the
-  rename and an fsync of the folder after it (a new name is durable only once its directory is
-  synced: fsync(2), NOTES); reads open, `preadv` and close, no checks;
+  and writes on n_write_threads; otherwise 1) with the tier's durability: one file per chunk
+  written to a temp name (O_DIRECT when the tier uses it) and renamed; with durability
+  "power-loss" also `fdatasync` before the rename and an fsync of the folder after it (a new
+  name is durable only once its directory is synced: fsync(2), NOTES); reads open, `preadv`
+  and close, no checks;
 - vLLM's `FileSystemTierManager` with its default thread counts (fs only);
 - fs: the disk itself (`tier_disk.py`): the same chunk I/O on as many threads, overwriting one
   preallocated file in place, so no per-file filesystem work: the ceiling for this chunk size;
@@ -173,8 +174,8 @@ class _TierContender:
         io_threads = getattr(config, "io_threads", 1)
         self.threads = (getattr(config, "n_read_threads", io_threads),
                         getattr(config, "n_write_threads", io_threads))
-        #: Threads that may run loads and stores, the raw loops' thread counts (fs: every
-        #: thread of its pool serves both kinds, `FsTier.io_threads`).
+        #: (threads that may run loads, threads that may run stores): the raw loops' thread
+        #: counts (fs: its store threads load too, `FsTier.io_threads`).
         self.io_threads = getattr(tier, "io_threads", self.threads)
         self.durability = str(stats.get("durability", DEFAULT_DURABILITY))
         # chunk i lies at i * chunk of a page-aligned region: aligned iff chunk is; a tier

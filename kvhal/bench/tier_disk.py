@@ -3,8 +3,8 @@
 Every other fs contender creates one file per chunk, so its writes pay the filesystem's
 per-file work (an inode and blocks allocated, a directory entry added and renamed) besides the
 transfer. This loop moves the same chunks, on as many threads as the kvhal tier moves them
-with, at offsets `i * chunk_bytes` of one file that was written in full before the first pass: every timed write
-overwrites blocks already allocated, and no file is created. It is the ceiling a
+with, at offsets `i * chunk_bytes` of one file that was written in full before the first pass:
+every timed write overwrites blocks already allocated, and no file is created. It is the ceiling a
 file-per-chunk tier can reach on this disk at this chunk size and queue depth, with O_DIRECT
 where the filesystem takes it (otherwise through the page cache, emptied before every read
 like the other contenders' files). No checksum, no fsync.
