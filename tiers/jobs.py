@@ -39,7 +39,7 @@ class JobPool:
 
     Args:
         threads: Number of worker threads (> 0).
-        name: Thread name prefix ("kvhal-fs-read" → "kvhal-fs-read_0", ...).
+        name: Thread name prefix ("kvhal-obj-load" → "kvhal-obj-load_0", ...).
     """
 
     def __init__(self, threads: int, name: str):
@@ -101,16 +101,18 @@ class LanePool:
     threads take only loads; group 1's take stores and, while no store is queued, loads too.
     So every thread reads when nothing is stored, as in vLLM's fs tier (`DualQueueThreadPool`,
     `vllm/v1/kv_offload/tiering/fs/thread_pool.py`, whose 16 + 16 threads all read while no
-    store is queued), and a load never waits behind stores. Issue 13: with loads on their own 16
+    store is queued), and the load threads never run a store. Issue 13: with loads on their own 16
     threads, kvhal kept half as many reads in flight as vLLM and read 0.89-0.98x its cold reads.
     vLLM's load threads also take stores; kvhal's do not: a store, once its chunk is in host
     memory, has no request waiting on it, and 32 threads of buffered 2 MiB writes measured
     0.72-1.24x vLLM against 1.5-3.9x on 16 (`kvhal bench tier`, same VM).
 
-    A thread takes the next item of a lane and, while that lane holds more items than the pool
-    has threads, up to `max_batch - 1` more, so a deep queue costs one `run` call (one GIL
-    release in the fs tier's C helper) per batch while a shallow one still keeps every thread
-    busy with single items. All threads start with the first item.
+    A thread takes the next item of a lane and, while that lane holds more items than there
+    are threads taking from it (lane 1: group 1; lane 0: both groups while no store is
+    queued, else group 0), up to `max_batch - 1` more, so a deep queue costs one `run` call
+    (one GIL release in the fs tier's C helper) per batch while a shallow one still keeps
+    every thread busy with single items. All threads start with the first item; if one cannot
+    start, that item is refused (RuntimeError) and the next item tries again.
 
     Args:
         threads: (group 0 threads, group 1 threads), each > 0.
@@ -118,11 +120,17 @@ class LanePool:
         runs: `runs[i]` is called with a non-empty list of lane i's items; exceptions escaping
             it are swallowed (`JobBoard.run_batch` reports its own errors).
         max_batch: Most items per call (>= 1).
+
+    Raises:
+        ValueError: a thread count below 1 or `max_batch` below 1.
     """
 
     def __init__(self, threads: tuple[int, int], name: str,
                  runs: tuple[Callable[[list], Any], Callable[[list], Any]], max_batch: int):
-        self._sizes, self._name = threads, name
+        if len(threads) != 2 or min(threads) < 1 or max_batch < 1:
+            raise ValueError(f"{name}: threads must be two counts >= 1 and max_batch >= 1 "
+                             f"(got threads={threads!r}, max_batch={max_batch!r})")
+        self._sizes, self._name = tuple(threads), name
         self._runs, self._max_batch = runs, max_batch
         self._queues: tuple[collections.deque, collections.deque] = (collections.deque(),
                                                                      collections.deque())
@@ -132,6 +140,7 @@ class LanePool:
         self._lock, self._wake = lock, (threading.Condition(lock), threading.Condition(lock))
         self._idle = [0, 0]
         self._threads: list[threading.Thread] = []
+        self._started = [0, 0]
         self._shutdown = False
         #: The two lanes: `lanes[i].submit(item)` queues an item for `runs[i]`.
         self.lanes = (Lane(self, 0), Lane(self, 1))
@@ -140,17 +149,26 @@ class LanePool:
         with self._lock:
             if self._shutdown:
                 raise RuntimeError(f"{self._name}: cannot submit after shutdown")
+            self._start_threads()   # before the item is queued: refused if a thread cannot start
             self._queues[lane].append(item)
-            if not self._threads:
-                self._threads = [threading.Thread(target=self._work, args=(group,), daemon=True,
-                                                  name=f"{self._name}_l{group}_{i}")
-                                 for group, size in enumerate(self._sizes) for i in range(size)]
-                for thread in self._threads:
-                    thread.start()
             group = 0 if lane == 0 and self._idle[0] else 1
             if self._idle[group]:
                 self._idle[group] -= 1
                 self._wake[group].notify()
+
+    def _start_threads(self) -> None:
+        """Start the threads not started yet (all of them at the first item). Lock held.
+
+        Raises:
+            RuntimeError: a thread could not start (the ones started run on).
+        """
+        for group, size in enumerate(self._sizes):
+            while self._started[group] < size:
+                thread = threading.Thread(target=self._work, args=(group,), daemon=True,
+                                          name=f"{self._name}_l{group}_{self._started[group]}")
+                thread.start()
+                self._threads.append(thread)
+                self._started[group] += 1
 
     def _take(self, group: int) -> tuple[int, list] | None:
         """The next batch for a thread of `group` (lane, items), waiting for one; None once
@@ -160,9 +178,11 @@ class LanePool:
             lane = 0 if queues[0] and (group == 0 or not queues[1]) else 1 if (
                 group == 1 and queues[1]) else None
             if lane is not None:
+                takers = (self._sizes[1] if lane else
+                          self._sizes[0] + (0 if queues[1] else self._sizes[1]))
                 todo = queues[lane]
                 return lane, [todo.popleft() for _ in range(
-                    1 + min(self._max_batch - 1, (len(todo) - 1) // sum(self._sizes)))]
+                    1 + min(self._max_batch - 1, (len(todo) - 1) // takers))]
             if self._shutdown:
                 return None
             self._idle[group] += 1
@@ -241,10 +261,10 @@ class JobBoard:
         with self._cond:
             return self._pending
 
-    def submit(self, pool: JobPool, fn: JobFn | None, job: TierJob) -> None:
+    def submit(self, pool: JobPool | Lane, fn: JobFn | None, job: TierJob) -> None:
         """Run `fn(job)` on `pool`; its outcome becomes the job's result. On a `Lane` of a
-        `LanePool` (`fn` unused: None) the job goes to the lane's `run`, which must be
-        `run_batch` with this board. A closed board fails the job at once (the result is still
+        `LanePool` (`fn` unused: None) the job goes to that lane's function of the pool
+        (`runs[index]`), which must call `run_batch` with this board. A closed board fails the job at once (the result is still
         reported exactly once)."""
         with self._cond:
             if self._closed:

@@ -189,3 +189,54 @@ def test_run_batch_reports_each_outcome():
 
     assert sorted((r.job_id, r.ok, r.error) for r in board.take_finished()) == [
         (i, bool(i % 2), None if i % 2 else "not found") for i in range(6)]
+
+
+def test_a_lane_pool_batches_stores_by_the_store_threads_alone():
+    gate, held = threading.Event(), threading.Event()
+    batches: list[list[str]] = []
+
+    def store(items):
+        batches.append(items)
+        if items == ["gate"]:
+            held.set()
+            assert gate.wait(10)
+
+    pool = LanePool((4, 1), "toy", (lambda items: None, store), max_batch=8)
+    pool.lanes[1].submit("gate")
+    assert held.wait(10)
+    for i in range(20):
+        pool.lanes[1].submit(f"s{i}")
+    gate.set()
+    pool.shutdown(wait=True)
+
+    # 20 queued for 1 store thread: batches of 8 (4 load threads idle do not count)
+    assert [len(batch) for batch in batches] == [1, 8, 8, 4]
+
+
+def test_a_lane_pool_refuses_an_item_whose_thread_cannot_start_and_runs_it_never(monkeypatch):
+    ran: list[str] = []
+    real_start, calls = threading.Thread.start, []
+
+    def faulty_start(thread):  # the second thread of the pool fails to start, once
+        calls.append(thread.name)
+        if len(calls) == 2:
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", faulty_start)
+    pool = LanePool((1, 1), "toy", (ran.extend, ran.extend), max_batch=1)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        pool.lanes[1].submit("refused")
+    pool.lanes[1].submit("accepted")          # starts the missing store thread
+    pool.shutdown(wait=True)
+
+    assert (ran, calls) == (["accepted"], ["toy_l0_0", "toy_l1_0", "toy_l1_0"])
+
+
+@pytest.mark.parametrize("threads, max_batch", [((0, 1), 1), ((1, 0), 1), ((1, 1), 0)],
+                         ids=["no-load-threads", "no-store-threads", "no-batch"])
+def test_a_lane_pool_refuses_counts_below_one(threads, max_batch):
+    with pytest.raises(ValueError) as refused:
+        LanePool(threads, "toy", (list, list), max_batch)
+    assert str(refused.value) == (f"toy: threads must be two counts >= 1 and max_batch >= 1 "
+                                  f"(got threads={threads!r}, max_batch={max_batch})")

@@ -11,7 +11,8 @@ caller.
 `lookup` answers from an in-memory index (`index.py`) without disk I/O. The index is built
 from the directory at start (restart keeps every complete chunk; files are not rewritten) and
 refreshed by a background thread, so chunks written by other processes sharing `root_dir`
-become visible within `refresh_interval_s`. Stores and loads run on separate thread pools.
+become visible within `refresh_interval_s`. Loads run on `n_read_threads` threads, stores on
+`n_write_threads` threads that also load while no store is queued (`jobs.LanePool`).
 Capacity: `max_bytes` covers every namespace under `root_dir` (`budget.py`: namespaces nobody
 uses are deleted first, then this namespace's least recently used chunks); ENOSPC fails the
 store and evicts about a tenth of the namespace. A store that evicts overwrites one evicted
