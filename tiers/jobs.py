@@ -30,11 +30,74 @@ def internal_error(exc: Exception) -> str:
     return f"internal error: {type(exc).__name__}: {exc}"
 
 
-class JobPool:
+class _Threads:
+    """What `JobPool` and `LanePool` share: daemon threads in groups (`sizes[g]` threads run
+    `_work(g)`), started before the first item is queued, so an item whose thread cannot start
+    is refused (RuntimeError) instead of queued where no thread may take it, and the next item
+    tries again; items refused after `shutdown`, which lets the queued ones run.
+
+    Args:
+        name: Thread name prefix.
+        sizes: Threads per group.
+        thread_name: Format of a thread's name, with `name`, `group` and `i` (its number).
+        lock: The lock that guards the subclass's queues too.
+    """
+
+    def __init__(self, name: str, sizes: tuple[int, ...], thread_name: str,
+                 lock: threading.Lock):
+        self._name, self._sizes, self._thread_name = name, sizes, thread_name
+        self._lock = lock
+        self._threads: list[threading.Thread] = []
+        self._started = [0] * len(sizes)
+        self._shutdown = False
+
+    def _admit(self) -> None:
+        """Check that an item may be queued now, starting any thread not started yet (all of
+        them at the first item). Lock held.
+
+        Raises:
+            RuntimeError: the pool was shut down, or a thread could not start (the ones
+                started run on).
+        """
+        if self._shutdown:
+            raise RuntimeError(f"{self._name}: cannot submit after shutdown")
+        for group, size in enumerate(self._sizes):
+            while self._started[group] < size:
+                thread = threading.Thread(target=self._work, args=(group,), daemon=True,
+                                          name=self._thread_name.format(
+                                              name=self._name, group=group,
+                                              i=self._started[group]))
+                thread.start()
+                self._threads.append(thread)
+                self._started[group] += 1
+
+    def _work(self, group: int) -> None:
+        raise NotImplementedError
+
+    def _wake_all(self, threads: int) -> None:
+        """Make each of `threads` idle threads look at the queues again (shutdown). Lock held."""
+        raise NotImplementedError
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Refuse new items, let the queued ones run, stop the threads (joined if `wait`).
+        Idempotent."""
+        with self._lock:
+            if self._shutdown:
+                return
+            self._shutdown = True
+            threads = list(self._threads)
+            self._wake_all(len(threads))
+        if wait:
+            for thread in threads:
+                thread.join()
+
+
+class JobPool(_Threads):
     """A fixed-size pool of daemon threads running `fn(*args)` calls in submission order: the
     subset of `concurrent.futures.ThreadPoolExecutor` a tier needs, without a `Future`, its
     condition variable and the executor's per-submit locks (the per-job Python a small chunk
-    pays under GIL contention; issue 13). All `threads` threads start with the first call.
+    pays under GIL contention; issue 13). All `threads` threads start with the first call; if
+    one cannot start, that call is refused (RuntimeError) and the next one tries again.
     Exceptions escaping `fn` are swallowed (`JobBoard` catches its own first).
 
     Args:
@@ -43,33 +106,20 @@ class JobPool:
     """
 
     def __init__(self, threads: int, name: str):
-        self._size, self._name = threads, name
+        super().__init__(name, (threads,), "{name}_{i}", threading.Lock())
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._shutdown = False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue `fn(*args)`.
 
         Raises:
-            RuntimeError: the pool was shut down.
+            RuntimeError: the pool was shut down, or a thread could not start (nothing queued).
         """
-        self._put((fn, args))
-
-    def _put(self, item: Any) -> None:
         with self._lock:
-            if self._shutdown:
-                raise RuntimeError(f"{self._name}: cannot submit after shutdown")
-            self._queue.put(item)
-            if not self._threads:
-                self._threads = [threading.Thread(target=self._work, daemon=True,
-                                                  name=f"{self._name}_{i}")
-                                 for i in range(self._size)]
-                for thread in self._threads:
-                    thread.start()
+            self._admit()
+            self._queue.put((fn, args))
 
-    def _work(self) -> None:
+    def _work(self, group: int) -> None:
         while True:
             item = self._queue.get()
             if item is None:
@@ -80,22 +130,12 @@ class JobPool:
             except Exception:  # noqa: BLE001 - a job's own errors are its caller's to report
                 pass
 
-    def shutdown(self, wait: bool = True) -> None:
-        """Refuse new calls, let the queued ones run, stop the threads (joined if `wait`).
-        Idempotent."""
-        with self._lock:
-            if self._shutdown:
-                return
-            self._shutdown = True
-            threads = list(self._threads)
-        for _ in threads:
+    def _wake_all(self, threads: int) -> None:
+        for _ in range(threads):
             self._queue.put(None)
-        if wait:
-            for thread in threads:
-                thread.join()
 
 
-class LanePool:
+class LanePool(_Threads):
     """Two queues served in batches by two groups of threads: lane 0 (a tier's loads, on the
     path to a request's first token) and lane 1 (its stores, in the background). Group 0's
     threads take only loads; group 1's take stores and, while no store is queued, loads too.
@@ -130,45 +170,26 @@ class LanePool:
         if len(threads) != 2 or min(threads) < 1 or max_batch < 1:
             raise ValueError(f"{name}: threads must be two counts >= 1 and max_batch >= 1 "
                              f"(got threads={threads!r}, max_batch={max_batch!r})")
-        self._sizes, self._name = tuple(threads), name
+        lock = threading.Lock()
+        super().__init__(name, tuple(threads), "{name}_l{group}_{i}", lock)
         self._runs, self._max_batch = runs, max_batch
         self._queues: tuple[collections.deque, collections.deque] = (collections.deque(),
                                                                      collections.deque())
-        lock = threading.Lock()
         #: One condition per group, on one lock; `_idle[g]`: group g's threads waiting and not
         #: yet woken (a put wakes one, preferring group 0 for a load).
-        self._lock, self._wake = lock, (threading.Condition(lock), threading.Condition(lock))
+        self._wake = (threading.Condition(lock), threading.Condition(lock))
         self._idle = [0, 0]
-        self._threads: list[threading.Thread] = []
-        self._started = [0, 0]
-        self._shutdown = False
         #: The two lanes: `lanes[i].submit(item)` queues an item for `runs[i]`.
         self.lanes = (Lane(self, 0), Lane(self, 1))
 
     def _put(self, lane: int, item: Any) -> None:
         with self._lock:
-            if self._shutdown:
-                raise RuntimeError(f"{self._name}: cannot submit after shutdown")
-            self._start_threads()   # before the item is queued: refused if a thread cannot start
+            self._admit()
             self._queues[lane].append(item)
             group = 0 if lane == 0 and self._idle[0] else 1
             if self._idle[group]:
                 self._idle[group] -= 1
                 self._wake[group].notify()
-
-    def _start_threads(self) -> None:
-        """Start the threads not started yet (all of them at the first item). Lock held.
-
-        Raises:
-            RuntimeError: a thread could not start (the ones started run on).
-        """
-        for group, size in enumerate(self._sizes):
-            while self._started[group] < size:
-                thread = threading.Thread(target=self._work, args=(group,), daemon=True,
-                                          name=f"{self._name}_l{group}_{self._started[group]}")
-                thread.start()
-                self._threads.append(thread)
-                self._started[group] += 1
 
     def _take(self, group: int) -> tuple[int, list] | None:
         """The next batch for a thread of `group` (lane, items), waiting for one; None once
@@ -200,19 +221,9 @@ class LanePool:
             except Exception:  # noqa: BLE001 - `JobBoard.run_batch` reports its own errors
                 pass
 
-    def shutdown(self, wait: bool = True) -> None:
-        """Refuse new items, let the queued ones run, stop the threads (joined if `wait`).
-        Idempotent."""
-        with self._lock:
-            if self._shutdown:
-                return
-            self._shutdown = True
-            threads = list(self._threads)
-            for wake in self._wake:
-                wake.notify_all()
-        if wait:
-            for thread in threads:
-                thread.join()
+    def _wake_all(self, threads: int) -> None:
+        for wake in self._wake:
+            wake.notify_all()
 
 
 class Lane:
@@ -264,8 +275,9 @@ class JobBoard:
     def submit(self, pool: JobPool | Lane, fn: JobFn | None, job: TierJob) -> None:
         """Run `fn(job)` on `pool`; its outcome becomes the job's result. On a `Lane` of a
         `LanePool` (`fn` unused: None) the job goes to that lane's function of the pool
-        (`runs[index]`), which must call `run_batch` with this board. A closed board fails the job at once (the result is still
-        reported exactly once)."""
+        (`runs[index]`), which must call `run_batch` with this board. A closed board fails the
+        job at once, as does a pool that refuses it (RuntimeError: shut down, or a thread could
+        not start); the result is still reported exactly once."""
         with self._cond:
             if self._closed:
                 self._finish(job, 0.0, "tier closed")
@@ -276,10 +288,10 @@ class JobBoard:
                 pool.submit(job)
             else:
                 pool.submit(self._run, fn, job)
-        except RuntimeError:  # the pool shut down between the check and the submit
+        except RuntimeError as exc:  # shut down since the check, or a thread did not start
             with self._cond:
                 self._pending -= 1
-                self._finish(job, 0.0, "tier closed")
+                self._finish(job, 0.0, "tier closed" if self._closed else f"not run: {exc}")
                 self._cond.notify_all()
 
     def finish(self, job: TierJob, error: str | None = None) -> None:

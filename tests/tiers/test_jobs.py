@@ -10,7 +10,7 @@ import pytest
 
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, TierJob
-from kvhal.tiers.jobs import JobBoard, LanePool
+from kvhal.tiers.jobs import JobBoard, JobPool, LanePool
 
 from .helpers import NAMESPACE
 
@@ -213,17 +213,24 @@ def test_a_lane_pool_batches_stores_by_the_store_threads_alone():
     assert [len(batch) for batch in batches] == [1, 8, 8, 4]
 
 
-def test_a_lane_pool_refuses_an_item_whose_thread_cannot_start_and_runs_it_never(monkeypatch):
-    ran: list[str] = []
+def _faulty_thread_start(monkeypatch) -> list[str]:
+    """Make the second `Thread.start` of the test fail once, as when threads run out; returns
+    the names of the threads asked to start."""
     real_start, calls = threading.Thread.start, []
 
-    def faulty_start(thread):  # the second thread of the pool fails to start, once
+    def faulty_start(thread):
         calls.append(thread.name)
         if len(calls) == 2:
             raise RuntimeError("can't start new thread")
         real_start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", faulty_start)
+    return calls
+
+
+def test_a_lane_pool_refuses_an_item_whose_thread_cannot_start_and_runs_it_never(monkeypatch):
+    ran: list[str] = []
+    calls = _faulty_thread_start(monkeypatch)
     pool = LanePool((1, 1), "toy", (ran.extend, ran.extend), max_batch=1)
     with pytest.raises(RuntimeError, match="can't start new thread"):
         pool.lanes[1].submit("refused")
@@ -240,3 +247,16 @@ def test_a_lane_pool_refuses_counts_below_one(threads, max_batch):
         LanePool(threads, "toy", (list, list), max_batch)
     assert str(refused.value) == (f"toy: threads must be two counts >= 1 and max_batch >= 1 "
                                   f"(got threads={threads!r}, max_batch={max_batch})")
+
+
+def test_a_job_whose_pool_thread_cannot_start_ends_once_as_not_run(monkeypatch):
+    calls = _faulty_thread_start(monkeypatch)
+    board, pool = JobBoard("toy"), JobPool(2, "toy")
+    board.submit(pool, lambda job: None, _job(1))    # refused: thread toy_1 did not start
+    board.submit(pool, lambda job: None, _job(2))    # starts toy_1, runs
+    board.drain(10)
+    pool.shutdown()
+
+    assert sorted((r.job_id, r.ok, r.error) for r in board.take_finished()) == [
+        (1, False, "not run: can't start new thread"), (2, True, None)]
+    assert (calls, board.pending) == (["toy_0", "toy_1", "toy_1"], 0)
