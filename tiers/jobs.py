@@ -145,7 +145,7 @@ class LanePool(_Threads):
     threads, kvhal kept half as many reads in flight as vLLM and read 0.89-0.98x its cold reads.
     vLLM's load threads also take stores; kvhal's do not: a store, once its chunk is in host
     memory, has no request waiting on it, and 32 threads of buffered 2 MiB writes measured
-    0.72-1.24x vLLM against 1.5-3.9x on 16 (`kvhal bench tier`, same VM).
+    0.72-1.24x vLLM against 2.26-2.41x on 16 (`kvhal bench tier`, same VM, same hour).
 
     A thread takes the next item of a lane and, while that lane holds more items than there
     are threads taking from it (lane 1: group 1; lane 0: both groups while no store is
