@@ -6,10 +6,10 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
         used chunks are deleted to stay under it. Default: 90% of the space the filesystem
         has available at start plus what the namespace already holds.
     n_read_threads, n_write_threads (int > 0): threads that load and threads that store
-        (default 16 each, as vLLM's fs tier); a store thread also loads while no store is
-        queued (`jobs.LanePool`), so all 32 read while nothing is stored, as vLLM's do. Each
-        thread keeps one request in flight, and the GIL is released for the I/O of a chunk
-        (one call, `_chunkio.c`) and its checksum.
+        (default 16 each, as vLLM's fs tier); the store threads also load while no store is
+        queued (`jobs.LanePool`), so all 32 read then, as vLLM's do. Each thread keeps one
+        request in flight, and the GIL is released for the I/O of a chunk (one call,
+        `_chunkio.c`) and its checksum.
     o_direct ("adaptive" | "small" | "small-writes" | "auto" | true | false): "small" writes
         and reads chunk files whose payload is less than `SMALL_CHUNK_BYTES` (1 MiB) with
         O_DIRECT where the filesystem supports it and its host bytes are `ALIGN`-aligned, and
