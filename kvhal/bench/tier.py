@@ -466,15 +466,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _adaptive_note(tier: str, stats: dict) -> str | None:
-    """What kvhal's `tier` (fs) chose under `o_direct: "adaptive"` (`tiers/fs/large_io.py`): how many
-    large writes and reads went each way; None if it moved no large chunk adaptively."""
-    parts = []
-    for direction in ("writes", "reads"):
-        direct = stats.get(f"large_{direction}_o_direct", 0)
-        buffered = stats.get(f"large_{direction}_buffered", 0)
-        if direct or buffered:
-            parts.append(f"{direct} of {direct + buffered} large {direction} with O_DIRECT")
-    return f"kvhal {tier} adaptive: " + ", ".join(parts) if parts else None
+    """What kvhal's `tier` (fs) chose under `o_direct: "adaptive"` (`tiers/fs/large_io.py`):
+    how many large writes went each way (large reads are all O_DIRECT); None if it wrote no
+    large chunk adaptively."""
+    direct = stats.get("large_writes_o_direct", 0)
+    written = direct + stats.get("large_writes_buffered", 0)
+    return (f"kvhal {tier} adaptive: {direct} of {written} large writes with O_DIRECT"
+            if written else None)
 
 
 def _store(tier_name: str, config: dict):

@@ -291,7 +291,7 @@ class FsTier(IndexedTier):
         return self._large_writes
 
     def _begin(self, job: TierJob) -> tuple[bool, LargeTransfer | None]:
-        """The mode of `job`'s transfer (True: O_DIRECT) and, under "adaptive", the transfer
+        """The mode of store `job`'s write (True: O_DIRECT) and, under "adaptive", the transfer
         its `LargeIoMode` counts in flight until `_ended`."""
         mode = self._adaptive(job)
         if mode is None:
@@ -300,14 +300,13 @@ class FsTier(IndexedTier):
         return transfer.direct, transfer
 
     def _ended(self, job: TierJob, transfer: LargeTransfer | None, ok: bool) -> None:
-        """End `job`'s transfer from `_begin` (None: not adaptive): measured and counted if
-        `ok`, else only no longer in flight."""
+        """End store `job`'s transfer from `_begin` (None: not adaptive): measured and counted
+        if `ok`, else only no longer in flight."""
         if transfer is None:
             return
         self._large_writes.end(transfer, job.nbytes if ok else None)
         if ok:
-            self._count(f"large_{'writes' if job.kind is JobKind.STORE else 'reads'}_"
-                        f"{'o_direct' if transfer.direct else 'buffered'}")
+            self._count(f"large_writes_{'o_direct' if transfer.direct else 'buffered'}")
 
     def _direct(self, job: TierJob) -> bool:
         """Whether `job` moves its chunk file with O_DIRECT (its host bytes must be aligned)."""
@@ -490,15 +489,12 @@ class FsTier(IndexedTier):
             SizeMismatch, OSError: from `read_chunk`.
         """
         self._register_loads([job], 1)
-        dest = self._payload(job)
-        direct, transfer = self._begin(job)
-        ok = False
+        dest, direct = self._payload(job), self._direct(job)
         try:
             for attempt in range(2):
                 try:
                     read_chunk(self._os, path, job.key, dest, self.namespace, direct,
                                self._scratch_buffers())
-                    ok = True
                     return
                 except CorruptChunk as exc:
                     if exc.file_id is None or same_file(path, exc.file_id):
@@ -507,7 +503,6 @@ class FsTier(IndexedTier):
                         raise FileNotFoundError(errno.ENOENT, "rewritten while read twice",
                                                 path) from None
         finally:
-            self._ended(job, transfer, ok)
             self._register_loads([job], -1)
 
     def _load_batch(self, jobs: list[TierJob]) -> list[str | None]:
@@ -519,7 +514,7 @@ class FsTier(IndexedTier):
         batch: list[int] = []
         for i, job in enumerate(jobs):
             try:
-                if not self._check_job(job) and self._batched(job) and not self._adaptive(job):
+                if not self._check_job(job) and self._batched(job):
                     batch.append(i)
             except Exception as exc:  # a malformed job fails alone
                 outcomes[i] = internal_error(exc)
