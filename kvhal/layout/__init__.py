@@ -10,7 +10,9 @@ Pure functions, no I/O. What other layers consume:
 
 2. Device layouts by name (`get_layout(name)`, registered through `kvhal_register_layouts`):
    packed-hnd, packed-nhd, split-nhd, split-hnd, separate-kv, vllm-cpu (attention); mla; mamba
-   (opaque). `DeviceLayout.page_bytes(group, heads)` is one device block of one layer on one
+   (opaque); `strided_layout(PageStrides(...))` for pages read off a tensor's strides (vLLM
+   >= 0.33's `[B, H, N, C]` views, kernel blocks, heads a layer's blocks apart).
+   `DeviceLayout.page_bytes(group, heads)` is one device block of one layer on one
    rank; `DeviceLayout.shape(group, heads, num_blocks)` the expected tensor shape.
 
 3. Canonical format `FORMAT_ID = "kvhal-hnd-v1"`: one layer's chunk page is
@@ -29,10 +31,11 @@ Pure functions, no I/O. What other layers consume:
    every replica).
 """
 from .canonical import (FORMAT_ID, ChunkLayout, GroupMapping, RankShare, canonical_page_bytes,
-                        check_tiles, chunk_layout, coalesce, layouts_for, map_group,
-                        mapping_status, rank_share, run_fragments, verify_tiling)
-from .devices import (BUILTIN_LAYOUTS, DeviceLayout, default_layouts, get_layout,
-                      tensor_element_bytes)
+                        check_spread, check_tiles, chunk_layout, coalesce, layouts_for,
+                        map_group, mapping_status, rank_share, resolve_layout, run_fragments,
+                        verify_tiling)
+from .devices import (BUILTIN_LAYOUTS, DeviceLayout, PageStrides, default_layouts, get_layout,
+                      strided_layout, tensor_element_bytes)
 from .geometry import (ATTENTION_KINDS, ELEMENT_BYTES, Kind, KVCacheSpec, LayerGroup,
                        LayoutError, attention_spec, mla_spec)
 from .mapper import (D2H, H2D, ChunkMapper, DeviceCache, chunk_mapper, device_cache, plan_copies,
@@ -42,9 +45,10 @@ from .plan import CopyPlan, CopyRun
 __all__ = [
     "ATTENTION_KINDS", "BUILTIN_LAYOUTS", "ChunkLayout", "ChunkMapper", "CopyPlan",
     "CopyRun", "D2H", "DeviceCache", "DeviceLayout", "ELEMENT_BYTES", "FORMAT_ID",
-    "GroupMapping", "H2D", "KVCacheSpec", "Kind", "LayerGroup", "LayoutError", "RankShare",
-    "attention_spec", "canonical_page_bytes", "check_tiles", "chunk_layout", "chunk_mapper",
-    "coalesce", "default_layouts", "device_cache", "get_layout", "layouts_for", "map_group",
-    "mapping_status", "mla_spec", "plan_copies", "plan_job_copies", "rank_share", "run_fragments",
-    "tensor_element_bytes", "verify_tiling",
+    "GroupMapping", "H2D", "KVCacheSpec", "Kind", "LayerGroup", "LayoutError", "PageStrides",
+    "RankShare", "attention_spec", "canonical_page_bytes", "check_spread", "check_tiles",
+    "chunk_layout", "chunk_mapper", "coalesce", "default_layouts", "device_cache", "get_layout",
+    "layouts_for", "map_group", "mapping_status", "mla_spec", "plan_copies", "plan_job_copies",
+    "rank_share", "resolve_layout", "run_fragments", "strided_layout", "tensor_element_bytes",
+    "verify_tiling",
 ]

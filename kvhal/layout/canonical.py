@@ -181,25 +181,40 @@ def check_layout(spec: KVCacheSpec, gi: int, layout: DeviceLayout) -> None:
     if group.extra_bytes_per_token and not layout.supports_extra_bytes:
         raise _refuse(spec, gi, f"layout {layout.name!r} has no place for "
                                 f"{group.extra_bytes_per_token} extra bytes per token")
+    if layout.strides is not None and group.tokens_per_page % layout.strides.kernel_tokens:
+        raise _refuse(spec, gi, f"layout {layout.name!r}: kernel blocks of "
+                                f"{layout.strides.kernel_tokens} tokens do not divide the "
+                                f"block of {group.tokens_per_page}")
+
+
+def resolve_layout(layout: str | DeviceLayout) -> DeviceLayout:
+    """A registered layout by name, or `layout` itself when it is a `DeviceLayout` (a
+    `kvhal.layout.strided_layout`).
+
+    Raises:
+        LayoutError: an unknown name (lists the registered ones).
+    """
+    return layout if isinstance(layout, DeviceLayout) else get_layout(layout)
 
 
 @functools.lru_cache(maxsize=4096)
-def map_group(spec: KVCacheSpec, gi: int, layout_name: str, tp_size: int, tp_rank: int,
-              blocks_per_chunk: int) -> GroupMapping:
+def map_group(spec: KVCacheSpec, gi: int, layout_name: str | DeviceLayout, tp_size: int,
+              tp_rank: int, blocks_per_chunk: int) -> GroupMapping:
     """The runs between rank `tp_rank`'s device page of group `gi` and the canonical page.
 
-    Pure and cached per argument tuple.
+    Pure and cached per argument tuple. `layout_name` is a registered layout's name or a
+    `DeviceLayout` (`strided_layout`).
 
     Raises:
         LayoutError: an unknown layout, or an unmappable combination (a Mamba group with
-            blocks_per_chunk > 1 among them); the message names the group's layers and the
-            reason (`.reason`, `.layer`).
+            blocks_per_chunk > 1 among them, a strided page whose rows overlap); the message
+            names the group's layers and the reason (`.reason`, `.layer`).
     """
     _check_positive(blocks_per_chunk, "blocks_per_chunk", MAX_BLOCKS_PER_CHUNK)
     if not isinstance(gi, int) or isinstance(gi, bool) or not 0 <= gi < len(spec.groups):
         raise LayoutError(f"group_index: must be in [0, {len(spec.groups)}), got {gi!r}",
                           field="group_index")
-    layout = get_layout(layout_name)
+    layout = resolve_layout(layout_name)
     check_layout(spec, gi, layout)
     group = spec.groups[gi]
     if group.kind is Kind.MAMBA and blocks_per_chunk != 1:
@@ -214,6 +229,8 @@ def map_group(spec: KVCacheSpec, gi: int, layout_name: str, tp_size: int, tp_ran
         raise _refuse(spec, gi, exc.reason) from None
     tokens, row = group.tokens_per_page, group.row_bytes
     local = layout.offsets(group, share.num_heads)
+    if layout.strides is not None:
+        _check_rows_apart(spec, gi, layout, local[:, :, 0].ravel(), row)
     sizes = np.asarray(group.component_bytes, dtype=np.int64)
     h, t, c = np.indices(local.shape, dtype=np.int64)
     comp = (np.cumsum(sizes) - sizes)[c]
@@ -225,6 +242,14 @@ def map_group(spec: KVCacheSpec, gi: int, layout_name: str, tp_size: int, tp_ran
     return GroupMapping(gi, layout, share, page, plane,
                         canonical_page_bytes(group, blocks_per_chunk), tokens * row, runs,
                         runs if share.writer else ())
+
+
+def _check_rows_apart(spec: KVCacheSpec, gi: int, layout: DeviceLayout, starts: np.ndarray,
+                      row_bytes: int) -> None:
+    """Refuse a strided page whose rows (`row_bytes` from each of `starts`) overlap."""
+    ordered = np.sort(starts)
+    if ordered.size > 1 and (np.diff(ordered) < row_bytes).any():
+        raise _refuse(spec, gi, f"layout {layout.name!r}: rows of {row_bytes} bytes overlap")
 
 
 def coalesce(local: np.ndarray, canonical: np.ndarray, sizes: np.ndarray,
@@ -294,11 +319,12 @@ def layouts_for(spec: KVCacheSpec, layout: str | tuple[str, ...]) -> tuple[str, 
         LayoutError: a sequence whose length differs from the number of groups, or a name that
             is not a string.
     """
-    if isinstance(layout, str):
+    if isinstance(layout, (str, DeviceLayout)):
         return (layout,) * len(spec.groups)
     layout = tuple(layout)
-    if not all(isinstance(name, str) for name in layout):
-        raise LayoutError(f"layout: names must be strings, got {layout!r}", field="layout")
+    if not all(isinstance(name, (str, DeviceLayout)) for name in layout):
+        raise LayoutError(f"layout: names must be strings or DeviceLayouts, got {layout!r}",
+                          field="layout")
     if len(layout) != len(spec.groups):
         raise LayoutError(f"layout: {len(layout)} names for {len(spec.groups)} groups",
                           field="layout")
@@ -354,6 +380,26 @@ def check_tiles(starts: np.ndarray, sizes: np.ndarray, total: int, what: str) ->
         raise LayoutError(f"{what}: {problem} at byte {at} of {total}", reason=problem)
 
 
+def check_spread(starts: np.ndarray, sizes: np.ndarray, nbytes: int, extent: int,
+                 what: str) -> None:
+    """Prove the intervals [start, start + size) never overlap, lie in [0, extent) and cover
+    `nbytes` bytes: a page spread over its extent (`PageStrides`) is moved exactly once.
+
+    Raises:
+        LayoutError: naming `what` and the first overlap, or the bytes covered.
+    """
+    order = np.argsort(starts, kind="stable")
+    starts, sizes = starts[order], sizes[order]
+    ends = starts + sizes
+    bad = np.flatnonzero(starts[1:] < ends[:-1])
+    if bad.size:
+        at = int(starts[bad[0] + 1])
+        raise LayoutError(f"{what}: overlap at byte {at}", reason="overlap")
+    if starts.size and (starts[0] < 0 or ends[-1] > extent) or int(sizes.sum()) != nbytes:
+        raise LayoutError(f"{what}: covers {int(sizes.sum())} bytes in [0, {extent}), the page "
+                          f"has {nbytes}", reason="coverage")
+
+
 def verify_tiling(spec: KVCacheSpec, layout: str | tuple[str, ...], tp_size: int,
                   blocks_per_chunk: int) -> None:
     """Prove the mapping of every group is exact for every rank.
@@ -371,9 +417,12 @@ def verify_tiling(spec: KVCacheSpec, layout: str | tuple[str, ...], tp_size: int
         canon_starts, canon_sizes = [], []
         for rank in range(tp_size):
             m = map_group(spec, gi, name, tp_size, rank, blocks_per_chunk)
-            check_tiles(*run_fragments(m.runs, "local"), m.page_bytes,
-                        f"{where} rank {rank} device page")
             lo, sz = run_fragments(m.runs, "local")
+            if m.layout.strides is None:
+                check_tiles(lo, sz, m.page_bytes, f"{where} rank {rank} device page")
+            else:
+                check_spread(lo, sz, m.page_bytes, m.plane_bytes,
+                             f"{where} rank {rank} device page")
             if np.any(lo // m.plane_bytes != (lo + sz - 1) // m.plane_bytes):
                 raise LayoutError(f"{where} rank {rank}: a fragment crosses a plane")
             for j in range(blocks_per_chunk):

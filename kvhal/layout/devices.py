@@ -39,6 +39,8 @@ class DeviceLayout:
         num_planes: 1, or 2 when K and V live in separate planes of the tensor (`separate-kv`):
             plane p of block b is at `base + p * plane_stride + b * block_stride`.
         supports_extra_bytes: False if the layout has no place for per-token extra bytes.
+        strides: None for the named dense layouts; the byte strides of a layout read off a
+            tensor's strides (`strided_layout`), whose page need not be dense.
     """
 
     name: str
@@ -48,13 +50,18 @@ class DeviceLayout:
     shape: ShapeFn
     num_planes: int = 1
     supports_extra_bytes: bool = False
+    strides: "PageStrides | None" = None
 
     def page_bytes(self, group: LayerGroup, heads: int) -> int:
-        """Bytes of one rank's device page: one layer, one block, `heads` local KV heads."""
+        """Bytes of one rank's device page: one layer, one block, `heads` local KV heads (the
+        bytes a block's copies move; a strided page spreads them over `plane_bytes`)."""
         return heads * group.tokens_per_page * group.row_bytes
 
     def plane_bytes(self, group: LayerGroup, heads: int) -> int:
-        """Bytes of one plane of one block's page (= `page_bytes` for one-plane layouts)."""
+        """Bytes of one plane of one block's page (= `page_bytes` for one-plane layouts); for
+        a strided layout, the span from the page's first byte past its last one."""
+        if self.strides is not None:
+            return self.strides.extent(group, heads)
         return self.page_bytes(group, heads) // self.num_planes
 
 
@@ -173,6 +180,74 @@ BUILTIN_LAYOUTS: tuple[DeviceLayout, ...] = (
         _mamba,
         lambda g, heads, nb: (nb, g.state_bytes)),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class PageStrides:
+    """Where the rows of one device block's page sit, as byte strides from the block's start.
+
+    vLLM >= 0.33 hands every attention and MLA layer a `[B, H, N, C]` view (`C` = one (head,
+    token) row: K then V, or the MLA latent) in one of several memory orders, with a vLLM block
+    of T tokens cut into T / N kernel blocks (`B = num_blocks * T / N`;
+    `vllm.v1.kv_cache_interface.create_kv_cache_views`). Row r of head h, token t of a vLLM
+    block starts at `(t // N) * kernel_stride + h * head_stride + (t % N) * token_stride`; each
+    row is contiguous. The page need not be dense: heads may be a whole layer's blocks apart
+    (vLLM's LHBNC) or a block's other layers apart (BHLNC).
+
+    Attributes:
+        kernel_tokens: Tokens per kernel block (N), dividing the group's block size.
+        kernel_stride: Bytes between the kernel blocks of one vLLM block (0 when N = T).
+        head_stride: Bytes between a token's rows of consecutive local heads.
+        token_stride: Bytes between consecutive tokens' rows of one head in a kernel block.
+    """
+
+    kernel_tokens: int
+    kernel_stride: int
+    head_stride: int
+    token_stride: int
+
+    def kernels(self, group: LayerGroup) -> int:
+        """Kernel blocks per vLLM block (T / N)."""
+        return group.tokens_per_page // self.kernel_tokens
+
+    def offsets(self, group: LayerGroup, heads: int) -> np.ndarray:
+        """`DeviceLayout.offsets` of this page (see the class docstring)."""
+        h, t, c, comp, hb, row = _grid(group, heads)
+        n = self.kernel_tokens
+        return _full((t // n) * self.kernel_stride + h * self.head_stride
+                     + (t % n) * self.token_stride + comp, group, heads)
+
+    def shape(self, group: LayerGroup, heads: int, num_blocks: int) -> tuple:
+        """The `[B, H, N, C]` view of `num_blocks` vLLM blocks, C in elements."""
+        return (num_blocks * self.kernels(group), heads, self.kernel_tokens,
+                _row_dim(group, group.row_bytes // group.element_bytes))
+
+    def extent(self, group: LayerGroup, heads: int) -> int:
+        """Bytes from a block's first row to the end of its last one."""
+        return ((self.kernels(group) - 1) * self.kernel_stride + (heads - 1) * self.head_stride
+                + (self.kernel_tokens - 1) * self.token_stride + group.row_bytes)
+
+
+def strided_layout(strides: PageStrides) -> DeviceLayout:
+    """The device layout of pages placed by `strides` (attention and MLA groups), equal and
+    hashing equal for equal strides (`map_group` caches by it).
+
+    Raises:
+        LayoutError: a stride or token count that is not a non-negative / positive int.
+    """
+    for name in ("kernel_tokens", "kernel_stride", "head_stride", "token_stride"):
+        value = getattr(strides, name)
+        low = 1 if name == "kernel_tokens" else 0
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+            raise LayoutError(f"strides.{name}: must be an int >= {low}, got {value!r}",
+                              field=f"strides.{name}")
+    name = (f"strided(N={strides.kernel_tokens}@{strides.kernel_stride},"
+            f"H@{strides.head_stride},T@{strides.token_stride})")
+    return DeviceLayout(
+        name, _ATTN | {Kind.MLA},
+        "[B, H, N, C] view of vLLM >= 0.33 with the byte strides in its name: a row of K‖V "
+        "(MLA: the latent) per (head, token), kernel blocks of N tokens",
+        strides.offsets, strides.shape, supports_extra_bytes=True, strides=strides)
 
 
 def get_layout(name: str) -> DeviceLayout:

@@ -206,6 +206,13 @@ def device_cache(mapper: ChunkMapper, tensors: Sequence[Any]) -> DeviceCache:
     for i, t in enumerate(tensors):
         m = mapper.groups[groups[i]]
         group = mapper.spec.groups[groups[i]]
+        if m.layout.strides is not None:
+            num_blocks, block_stride = _strided_blocks(i, t, m, group)
+            bases.append(t.data_ptr())
+            blocks.append(block_stride)
+            planes.append(0)
+            counts.add(num_blocks)
+            continue
         two = m.layout.num_planes == 2
         shape, stride, esize = tuple(t.shape), tuple(t.stride()), t.element_size()
         outer = 2 if two else 1
@@ -230,6 +237,36 @@ def device_cache(mapper: ChunkMapper, tensors: Sequence[Any]) -> DeviceCache:
                           field="tensors")
     return DeviceCache(np.array(bases, np.uint64), np.array(blocks, np.int64),
                        np.array(planes, np.int64), counts.pop())
+
+
+def _strided_blocks(i: int, t: Any, m: GroupMapping, group: Any) -> tuple[int, int]:
+    """(vLLM blocks, bytes between them) of layer tensor `i`, a `[B, H, N, C]` view that must
+    hold `m.layout.strides` exactly: H the rank's heads, N the kernel tokens, C one contiguous
+    row, the page strides equal, kernel blocks of a vLLM block `kernel_stride` apart, and no
+    two elements of the view on one byte.
+
+    Raises:
+        LayoutError: names the layer index, the view's shape and byte strides, and the expected.
+    """
+    st = m.layout.strides
+    shape, esize = tuple(t.shape), t.element_size()
+    stride = tuple(s * esize for s in t.stride())
+    ratio = st.kernels(group)
+    expect = st.shape(group, m.share.num_heads, 1)
+    ok = (len(shape) == 4 and shape[1:3] == expect[1:3] and shape[0] >= ratio
+          and shape[0] % ratio == 0 and shape[3] * esize == group.row_bytes
+          and (shape[3] == 1 or stride[3] == esize)
+          and (shape[1] == 1 or stride[1] == st.head_stride)
+          and (shape[2] == 1 or stride[2] == st.token_stride)
+          and (ratio == 1 or stride[0] == st.kernel_stride)
+          and _disjoint(list(zip(shape[:3], stride[:3])), group.row_bytes))
+    if not ok:
+        raise LayoutError(f"tensors[{i}]: shape {shape} (element {esize} B, byte strides "
+                          f"{stride}) does not hold layout {m.layout.name!r}, expected "
+                          f"[B, H, N, C] = (k*{ratio}, {expect[1]}, {expect[2]}, {group.row_bytes} bytes) "
+                          f"with those strides",
+                          field=f"tensors[{i}]", layer=i)
+    return shape[0] // ratio, stride[0] * ratio
 
 
 def _disjoint(dims: list[tuple[int, int]], page_bytes: int) -> bool:

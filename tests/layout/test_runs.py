@@ -123,5 +123,5 @@ def test_layout_names_may_be_a_list():
     mapper = chunk_mapper(spec, ["split-nhd", "mla"], 2, 1, 1)
     assert mapper.layouts == ("split-nhd", "mla")
     assert mapper is chunk_mapper(spec, ("split-nhd", "mla"), 2, 1, 1)
-    with pytest.raises(LayoutError, match=r"^layout: names must be strings, got \(None,"):
+    with pytest.raises(LayoutError, match=r"^layout: names must be strings or DeviceLayouts, got \(None,"):
         chunk_mapper(spec, [None, "mla"], 2, 1, 1)
