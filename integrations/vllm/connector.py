@@ -78,9 +78,9 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
         Raises:
             UnsupportedModelError: fp8 KV scales other than 1.0 (`geometry.check_kv_scales`).
         """
-        check_kv_scales(self.worker_side.deployment,
-                        self._vllm_config.compilation_config.static_forward_context)
-        self.worker_side.register_kv_caches(kv_caches)
+        layers = self._vllm_config.compilation_config.static_forward_context
+        check_kv_scales(self.worker_side.deployment, layers)
+        self.worker_side.register_kv_caches(kv_caches, layers)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Fence preempted blocks: wait for in-flight stores before vLLM reuses them."""

@@ -85,6 +85,9 @@ class Deployment:
         hash_seed: The NONE_HASH seed vLLM uses (`kvhal.keys.resolve_hash_seed`), or None when
             vLLM seeds randomly per process (xxhash forms without PYTHONHASHSEED): then the
             namespace is this process's own and no other process can share its keys.
+        vllm_layout: The memory order vLLM >= 0.33 resolved for its `[B, H, N, C]` KV views
+            (`views.resolved_layout`, e.g. "LBHNC"); None on vLLM 0.32, whose tensors'
+            layouts follow from their shapes (`device_layout_name`).
     """
 
     groups: tuple[GroupInfo, ...]
@@ -94,6 +97,7 @@ class Deployment:
     namespace: bytes
     hash_name: str
     hash_seed: str | None
+    vllm_layout: str | None = None
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -198,6 +202,16 @@ def group_spec(gi: int, group: Any, model: Any, cache_dtype: str = "auto") -> La
     if kind is not Kind.MLA and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         raise _refuse(gi, group, f"K head size {spec.head_size} != V head size "
                                  f"{spec.head_size_v}")
+    if (getattr(spec, "num_head_slots", None) is not None
+            or getattr(spec, "state_content_bytes", None) is not None):
+        raise _refuse(gi, group, f"the attention backend packs its page its own way "
+                                 f"(num_head_slots={getattr(spec, 'num_head_slots', None)}, "
+                                 f"state_content_bytes={getattr(spec, 'state_content_bytes', None)}"
+                                 "; e.g. AITER's shuffled K and V tiles): kvhal maps one K ‖ V "
+                                 "row per (head, token)")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        raise _refuse(gi, group, f"tokens_per_state={spec.tokens_per_state}: pages that do not "
+                                 "hold one row per token are not supported")
     if getattr(spec, "extra_retained_tokens", 0):
         raise _refuse(gi, group, "extra_retained_tokens (multi-module speculative decoding) is "
                                  "not supported")
@@ -311,9 +325,11 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
         cache = KVCacheSpec((spec,))
         infos.append(GroupInfo(gi, cache, tuple(group.layer_names),
                                chunk_layout(cache, blocks_per_chunk).chunk_bytes))
+    from .views import resolved_layout
+
     return Deployment(tuple(infos), block_size, blocks_per_chunk,
                       vllm_config.parallel_config.tensor_parallel_size, namespace, hash_name,
-                      seed)
+                      seed, resolved_layout(kv_cache_config, vllm_config))
 
 
 def check_kv_scales(dep: Deployment, layers: Mapping[str, Any]) -> None:

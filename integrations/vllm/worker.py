@@ -16,16 +16,17 @@ the worker metadata, which cuts the request back if a chunk failed (never `faile
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from kvhal import plugins
 from kvhal.engine import Direction, Worker
 from kvhal.host import HostRegion
-from kvhal.layout import chunk_mapper, device_cache, plan_copies
+from kvhal.layout import Kind, LayoutError, chunk_mapper, device_cache, plan_copies
 
-from .geometry import Deployment, device_layout_name
+from .geometry import Deployment, UnsupportedModelError, device_layout_name
+from .views import backend_of, view_layout
 from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo
 
 _DIRECTIONS = {Direction.D2H: "d2h", Direction.H2D: "h2d"}
@@ -55,6 +56,7 @@ class WorkerSide:
         self.workers: list[Worker] = []
         self.region: HostRegion | None = None
         self._planners: list[Any] = []
+        self._layers: Mapping[str, Any] = {}
         self._registered: list = []
         self._store_reqs: dict[int, str] = {}      # in-flight store job → request id
         self._report: set[str] = set()
@@ -64,14 +66,22 @@ class WorkerSide:
         self._recv_final: set[str] = set()          # no more jobs will come for these
         self._meta = KVHalWorkerMetadata()
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any],
+                           layers: Mapping[str, Any] | None = None) -> None:
         """Map this rank's KV tensors (vLLM's `register_kv_caches` argument), group by group.
+
+        Args:
+            kv_caches: vLLM's per-layer KV tensors by layer name.
+            layers: vLLM's attention layers by name (`static_forward_context`): on vLLM >= 0.33
+                each layer's `attn_backend` says how it reads its view (`views.view_layout`).
 
         Raises:
             kvhal.layout.LayoutError: the tensors do not hold the layout their shape implies.
-            UnsupportedModelError: a tensor shape with no known layout.
+            UnsupportedModelError: a tensor with no known layout, a backend kvhal has not
+                mapped or a view vLLM's layout contradicts (names the layer and backend).
             KeyError: a layer vLLM configured is missing from `kv_caches`.
         """
+        self._layers = layers or {}
         dep = self.deployment
         first = kv_caches[dep.groups[0].layer_names[0]]
         self.backend = plugins.select_backend(backend_name(first.device.type))
@@ -83,10 +93,20 @@ class WorkerSide:
                           for g in dep.groups]
 
     def _planner(self, group, tensors: list) -> Any:
-        layout = device_layout_name(tensors[0], group.kind)
-        mapper = chunk_mapper(group.spec, layout, self.deployment.tp_size, self.tp_rank,
-                              self.deployment.blocks_per_chunk)
-        device = device_cache(mapper, tensors)
+        dep, name = self.deployment, group.layer_names[0]
+        if dep.vllm_layout is None or group.kind is Kind.MAMBA:
+            layout, backend = device_layout_name(tensors[0], group.kind), "-"
+        else:
+            backend = backend_of(self._layers.get(name))
+            layout = view_layout(name, tensors[0], dep.vllm_layout, backend, dep.block_size)
+        try:
+            mapper = chunk_mapper(group.spec, layout, dep.tp_size, self.tp_rank,
+                                  dep.blocks_per_chunk)
+            device = device_cache(mapper, tensors)
+        except LayoutError as exc:
+            raise UnsupportedModelError(
+                f"kv_cache_groups[{group.group_id}] (layer {name}, {backend}, vLLM layout "
+                f"{dep.vllm_layout}, shape {tuple(tensors[0].shape)}): {exc}") from None
 
         def planner(block_ids: np.ndarray, slot_addr: int, direction: Direction):
             return plan_copies(mapper, block_ids, device, slot_addr, _DIRECTIONS[direction])

@@ -1,0 +1,91 @@
+"""vLLM >= 0.33 KV views → kvhal layouts (`integrations/vllm/views.py`): what is refused and why.
+
+The mapping of every backend and layout built by vLLM 0.33's own allocation code is proven in
+`tests/vllm_release/inner/test_gpu_layouts.py`; these are the refusals and the name resolution,
+on plain torch views shaped as `create_kv_cache_views` shapes them.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvhal.integrations.vllm.geometry import UnsupportedModelError, group_spec
+from kvhal.integrations.vllm.views import resolved_layout, view_layout
+from kvhal.layout import DeviceLayout
+
+
+def view(order: str, blocks=6, heads=4, tokens=16, cell=128) -> torch.Tensor:
+    """A bf16 [B, H, N, C] view whose memory order is `order` over "BHNC"."""
+    sizes = dict(B=blocks, H=heads, N=tokens, C=cell)
+    dense = torch.zeros([sizes[d] for d in order], dtype=torch.bfloat16)
+    return dense.permute(*[order.index(d) for d in "BHNC"])
+
+
+def test_flash_attention_lhbnc_maps_heads_a_layer_apart():
+    layout = view_layout("l0", view("HBNC"), "LHBNC", "FLASH_ATTN", 16)
+    assert isinstance(layout, DeviceLayout)
+    # bytes: head stride = 6 blocks x 16 tokens x 256 B, token stride = one 256 B cell
+    assert (layout.strides.head_stride, layout.strides.token_stride) == (6 * 16 * 256, 256)
+
+
+def test_kernel_blocks_half_the_block():
+    layout = view_layout("l0", view("BHNC", blocks=12, tokens=16), "LBHNC", "FLASH_ATTN", 32)
+    assert layout.strides.kernel_tokens == 16
+    assert layout.strides.kernel_stride == 4 * 16 * 256
+
+
+def test_cpu_backend_keeps_its_tiles():
+    assert view_layout("l0", view("BHNC"), "LBHNC", "CPU_ATTN", 16) == "vllm-cpu"
+
+
+def test_strides_that_contradict_vllms_layout_are_refused_naming_layer_backend_and_shape():
+    with pytest.raises(UnsupportedModelError,
+                       match=r"layer l3 \(FLASHINFER, vLLM layout LBHNC\): KV view of shape "
+                             r"\(6, 4, 16, 128\).*do not order blocks, heads and tokens"):
+        view_layout("l3", view("BNHC"), "LBHNC", "FLASHINFER", 16)
+
+
+def test_an_unmapped_backend_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match=r"\(TURBOQUANT,.*has not mapped how this "
+                                                    r"backend reads its KV page"):
+        view_layout("l0", view("BHNC"), "LBHNC", "TURBOQUANT", 16)
+
+
+def test_aiter_shuffled_tiles_are_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", "1")
+    with pytest.raises(UnsupportedModelError, match="shuffles each K and V tile"):
+        view_layout("l0", view("BHNC"), "LBHNC", "ROCM_AITER_UNIFIED_ATTN", 16)
+
+
+def test_kernel_tokens_that_do_not_divide_the_block_are_refused():
+    with pytest.raises(UnsupportedModelError, match="kernel blocks of 24 tokens"):
+        view_layout("l0", view("BHNC", tokens=24), "LBHNC", "FLASH_ATTN", 32)
+
+
+def test_cpu_backend_outside_lbhnc_is_refused():
+    with pytest.raises(UnsupportedModelError, match="CPU_ATTN keeps K rows then V rows"):
+        view_layout("l0", view("BNHC"), "LBNHC", "CPU_ATTN", 16)
+
+
+@pytest.mark.parametrize("name,want", [("HND", "LBHNC"), ("NHD", "LBNHC"), ("BHLNC", "BHLNC"),
+                                       (None, None)])
+def test_resolved_layout_from_the_kv_cache_config(name, want):
+    assert resolved_layout(SimpleNamespace(kv_cache_layout=name), None) == want
+
+
+def test_an_unknown_vllm_layout_is_refused():
+    with pytest.raises(UnsupportedModelError, match="kv_cache_layout 'LNBHC'"):
+        resolved_layout(SimpleNamespace(kv_cache_layout="LNBHC"), None)
+
+
+def test_a_page_the_backend_packs_its_own_way_is_refused():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+    object.__setattr__(spec, "num_head_slots", 2)    # vLLM 0.33: AITER FA's shuffled K/V slots
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.attn"])
+    model = SimpleNamespace(get_total_num_kv_heads=lambda: 4)
+    with pytest.raises(UnsupportedModelError,
+                       match=r"kv_cache_groups\[0\] \(layer model.layers.0.attn.*num_head_slots=2"):
+        group_spec(0, group, model)
