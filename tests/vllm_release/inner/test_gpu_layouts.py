@@ -10,8 +10,9 @@ through the connector's planners by kvhal's engine `Worker` on the cpu HAL backe
 - every store is byte-identical to one canonical chunk computed from the logical KV alone;
 - every configuration loads the chunk stored under FlashInfer-HND at TP 2 (MLA: FlashMLA at
   TP 1) back exactly, and touches no other block.
-Layouts vLLM itself refuses (a kernel-block split of a non-dense page) are skipped with vLLM's
-reason. Breaking kvhal's mapping (head and token strides swapped in `PageStrides.offsets`, or
+With FlashAttention, a second KV cache group of sliding-window attention or of a recurrent
+state (Mamba) round-trips too. Layouts vLLM itself refuses (a kernel-block split of a non-dense
+page, mixed page shapes in a layout that is not block-compact) are skipped with vLLM's reason. Breaking kvhal's mapping (head and token strides swapped in `PageStrides.offsets`, or
 `view_layout` taking every view as LBHNC) fails most cases here.
 
 Runs only under a vLLM >= 0.33 overlay (`tests/vllm_release`). Backends that cannot be
@@ -165,6 +166,7 @@ def test_declarations_match_the_source(b):
 
 
 HEADS, HEAD_SIZE, LATENT, LAYERS, BLOCKS_PER_CHUNK = 4, 64, 576, 2, 2
+STATE_SHAPES = ((3, 128), (4, 16, 16))   # a conv and a recurrent state, bf16: 2816 bytes
 CHUNK = np.array([[5, 2]])        # the vLLM blocks of the one chunk each case moves
 
 
@@ -223,14 +225,18 @@ class Layer:
     attn_backend: object
 
 
-def build(root: Path, b: Backend, layout: str, tp: int, rank: int, monkeypatch):
-    """(connector, kv_caches, kernel block size) of one rank, made as vLLM 0.33 makes them."""
+def build(root: Path, b: Backend, layout: str, tp: int, rank: int, monkeypatch,
+          hybrid: str | None = None):
+    """(connector, kv_caches by layer name) of one rank, made as vLLM 0.33 makes them; with
+    `hybrid` "swa" or "mamba", LAYERS more layers of a sliding window (128 tokens) or of a
+    recurrent state form a second KV cache group, and chunks are one block."""
     from vllm.distributed import parallel_state
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts,
                                                   resolve_kv_cache_layout)
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
     from vllm.v1.worker.utils import (AttentionGroup, allocate_kv_cache,
                                       customize_attention_spec, prepare_kernel_block_sizes)
 
@@ -247,6 +253,17 @@ def build(root: Path, b: Backend, layout: str, tp: int, rank: int, monkeypatch):
             dtype=torch.bfloat16))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     specs = {n: spec for n in names}
+    if hybrid == "swa":
+        specs |= {f"model.layers.{LAYERS + i}.self_attn.attn": customize_attention_spec(
+            cls, SlidingWindowSpec(block_size=b.block_size, num_kv_heads=max(1, HEADS // tp),
+                                   head_size=HEAD_SIZE, dtype=torch.bfloat16,
+                                   sliding_window=128)) for i in range(LAYERS)}
+    elif hybrid == "mamba":
+        specs |= {f"model.layers.{LAYERS + i}.mixer": MambaSpec(
+            block_size=b.block_size, shapes=STATE_SHAPES, dtypes=(torch.bfloat16,) * 2,
+            mamba_cache_mode="align") for i in range(LAYERS)}
+    if hybrid:
+        cfg.kv_transfer_config.kv_connector_extra_config["blocks_per_chunk"] = 1
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", layout)
     supported = [x.name for x in get_supported_kv_cache_layouts([cls])]
     try:
@@ -254,7 +271,8 @@ def build(root: Path, b: Backend, layout: str, tp: int, rank: int, monkeypatch):
     except ValueError as exc:
         pytest.skip(f"vLLM refuses {layout} for {b.name}: {exc}")
     groups = get_global_kv_cache_groups(cfg, [specs])
-    kv_cfg = get_kv_cache_configs(cfg, [specs], [64 * LAYERS * spec.page_size_bytes], groups)[0]
+    kv_cfg = get_kv_cache_configs(cfg, [specs], [64 * len(specs) * spec.page_size_bytes],
+                                  groups)[0]
     kv_cfg.kv_cache_layout = cfg.cache_config.kv_cache_layout
     attn = [[AttentionGroup(cls, g.layer_names, g.kv_cache_spec, gid)]
             for gid, g in enumerate(kv_cfg.kv_cache_groups)]
@@ -263,11 +281,12 @@ def build(root: Path, b: Backend, layout: str, tp: int, rank: int, monkeypatch):
         kv_caches = allocate_kv_cache(kv_cfg, torch.device("cpu"), resolved, kernel)
     except ValueError as exc:
         pytest.skip(f"vLLM refuses to allocate {layout} for {b.name}: {exc}")
-    cfg.compilation_config.static_forward_context = {n: Layer(cls) for n in names}
+    cfg.compilation_config.static_forward_context = {n: Layer(cls) for n in specs
+                                                     if not n.endswith("mixer")}
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: rank)
     conn = KVHalConnector(cfg, KVConnectorRole.WORKER, kv_cfg)
     conn.register_kv_caches(kv_caches)
-    return conn, [kv_caches[n] for n in names], kernel[0]
+    return conn, kv_caches
 
 
 def logical_kv(b: Backend) -> np.ndarray:
@@ -279,10 +298,12 @@ def logical_kv(b: Backend) -> np.ndarray:
     return rng.integers(0, 1 << 15, (LAYERS, nb, heads, b.block_size, row), dtype=np.uint16)
 
 
-def write_views(b: Backend, views: list, kv: np.ndarray, share) -> None:
-    """Write `kv`'s blocks into the rank's views the way the backends read them: FlashAttention
-    & co. as `view.transpose(1, 2).split(head_size, -1)` (K, V: [B', N, H, D]); MLA backends as
-    one latent row per token. Kernel block j of vLLM block b is b * ratio + j."""
+def write_views(b: Backend, views: list, kv: np.ndarray, share, only: int | None = None
+                ) -> None:
+    """Write `kv`'s blocks (or only vLLM block `only`) into the rank's views the way the
+    backends read them: FlashAttention & co. as `view.transpose(1, 2).split(head_size, -1)` (K,
+    V: [B', N, H, D]); MLA backends as one latent row per token. Kernel block j of vLLM block
+    b is b * ratio + j."""
     for layer, view in enumerate(views):
         nb_kernel, heads, kt, _ = view.shape
         ratio = b.block_size // kt
@@ -291,12 +312,13 @@ def write_views(b: Backend, views: list, kv: np.ndarray, share) -> None:
         blocks = torch.from_numpy(mine.reshape(nb, heads, ratio, kt, -1).transpose(
             0, 2, 3, 1, 4).reshape(nb * ratio, kt, heads, -1).copy()).view(torch.bfloat16)
         assert nb_kernel >= nb * ratio
+        rows = slice(0, nb * ratio) if only is None else slice(only * ratio, (only + 1) * ratio)
         if b.mla:
-            view[:nb * ratio].copy_(blocks.transpose(1, 2))
+            view[rows].copy_(blocks[rows].transpose(1, 2))
         else:
             k, v = view.transpose(1, 2).split(HEAD_SIZE, dim=-1)
-            k[:nb * ratio].copy_(blocks[..., :HEAD_SIZE])
-            v[:nb * ratio].copy_(blocks[..., HEAD_SIZE:])
+            k[rows].copy_(blocks[rows][..., :HEAD_SIZE])
+            v[rows].copy_(blocks[rows][..., HEAD_SIZE:])
 
 
 def read_views(b: Backend, views: list, nb: int) -> np.ndarray:
@@ -316,22 +338,23 @@ def read_views(b: Backend, views: list, nb: int) -> np.ndarray:
     return np.stack(out)
 
 
-def canonical(kv: np.ndarray) -> np.ndarray:
-    """The kvhal-hnd-v1 chunk of CHUNK from logical KV alone: per layer [head][token][row]."""
-    pages = [np.concatenate(list(kv[layer, CHUNK[0]]), axis=1) for layer in range(LAYERS)]
+def canonical(kv: np.ndarray, chunk: np.ndarray = CHUNK) -> np.ndarray:
+    """The kvhal-hnd-v1 chunk of `chunk` from logical KV alone: per layer [head][token][row]."""
+    pages = [np.concatenate(list(kv[layer, chunk[0]]), axis=1) for layer in range(LAYERS)]
     return np.concatenate([p.ravel() for p in pages]).view(np.uint8)
 
 
-def move(conn, direction: Direction, host: np.ndarray) -> None:
-    """Run one job of CHUNK between the rank's views and host slot `host` through kvhal's
-    engine `Worker` on the rank's cpu backend (each rank registers the slot, as each vLLM
-    worker process maps the host region)."""
+def move(conn, direction: Direction, host: np.ndarray, chunk: np.ndarray = CHUNK,
+         group: int = 0) -> None:
+    """Run one job of `chunk` of KV cache group `group` between the rank's views and host slot
+    `host` through kvhal's engine `Worker` on the rank's cpu backend (each rank registers the
+    slot, as each vLLM worker process maps the host region)."""
     backend = conn.worker_side.backend
     slot = backend.register_host(host.ctypes.data, host.nbytes)
-    worker = Worker(backend, conn.worker_side._planners[0], host_ptr=slot.ptr,
+    worker = Worker(backend, conn.worker_side._planners[group], host_ptr=slot.ptr,
                     slot_bytes=slot.nbytes)
     submit = worker.submit_store if direction is Direction.D2H else worker.submit_load
-    submit(1, CHUNK, np.array([0]))
+    submit(1, chunk, np.array([0]))
     worker.wait()
     results = worker.get_finished()
     worker.close()
@@ -354,7 +377,8 @@ def stored_chunk(root, b, layout, tp, monkeypatch) -> tuple[np.ndarray, list]:
     kv = logical_kv(b)
     ranks, host = [], np.zeros(canonical(kv).size, np.uint8)
     for rank in range(tp):
-        conn, views, _ = build(root, b, layout, tp, rank, monkeypatch)
+        conn, caches = build(root, b, layout, tp, rank, monkeypatch)
+        views = [caches[n] for n in conn.worker_side.deployment.groups[0].layer_names]
         group = conn.worker_side.deployment.groups[0].spec.groups[0]
         share = rank_share(group, tp, rank)
         write_views(b, views, kv, share)
@@ -388,3 +412,66 @@ def test_store_is_canonical_and_a_load_from_another_layout_is_exact(root, b, lay
         np.testing.assert_array_equal(got[:, CHUNK[0]], want[:, CHUNK[0]])
         others = [i for i in range(8) if i not in CHUNK[0]]
         assert not got[:, others].any()
+
+
+HYBRIDS = [pytest.param(kind, layout, tp, id=f"{kind}-{layout}-tp{tp}") for kind in ("swa", "mamba")
+           for layout in ALL for tp in ((1, 2) if kind == "swa" else (1,))]
+
+
+@pytest.mark.parametrize("kind,layout,tp", HYBRIDS)
+def test_sliding_window_and_state_groups_round_trip(root, kind, layout, tp, monkeypatch):
+    """FlashAttention with a second KV cache group: sliding-window attention, or a recurrent
+    state (vLLM's `MambaSpec`, pages padded to the attention page, at TP 1 as kvhal maps it);
+    both groups' one-block chunks are canonical and load back exactly (a state group under a
+    block-outer layout is refused, see below). The groups overlay one
+    allocation, each vLLM block owned by one group at a time: group 0 moves block 5, group 1
+    block 2."""
+    from kvhal.integrations.vllm.geometry import UnsupportedModelError
+    from kvhal.layout import rank_share
+    b, chunks = BACKENDS[0], (np.array([[5]]), np.array([[2]]))
+    if kind == "mamba" and layout.startswith("B"):
+        # block-outer layouts pack attention and state layers into one group of per-layer
+        # specs (UniformTypeKVCacheSpecs), which kvhal refuses at start, by name
+        with pytest.raises(UnsupportedModelError, match="UniformTypeKVCacheSpecs is not "
+                                                        "supported"):
+            build(root, b, layout, tp, 0, monkeypatch, hybrid=kind)
+        return
+    full = logical_kv(b)
+    second = np.random.default_rng(3).integers(0, 1 << 15, full.shape, dtype=np.uint16)
+    state_bytes = sum(int(np.prod(s)) for s in STATE_SHAPES) * 2
+    states = np.random.default_rng(4).integers(0, 256, (LAYERS, 8, state_bytes), np.uint8)
+    ranks, hosts = [], None
+    for rank in range(tp):
+        conn, caches = build(root, b, layout, tp, rank, monkeypatch, hybrid=kind)
+        groups = conn.worker_side.deployment.groups
+        views = [[caches[n] for n in g.layer_names] for g in groups]
+        shares = [rank_share(g.spec.groups[0], tp, rank) for g in groups]
+        hosts = hosts or [np.zeros(g.chunk_nbytes, np.uint8) for g in groups]
+        write_views(b, views[0], full, shares[0], only=5)
+        if kind == "swa":
+            write_views(b, views[1], second, shares[1], only=2)
+        else:
+            for layer, v in enumerate(views[1]):
+                assert v.shape[1:3] == (1, 1) and v.shape[3] == state_bytes
+                v[2, 0, 0].view(torch.uint8).copy_(torch.from_numpy(states[layer, 2]))
+        for g, host in enumerate(hosts):
+            move(conn, Direction.D2H, host, chunks[g], g)
+        ranks.append((conn, views, shares))
+    np.testing.assert_array_equal(hosts[0], canonical(full, chunks[0]))
+    np.testing.assert_array_equal(hosts[1], canonical(second, chunks[1]) if kind == "swa"
+                                  else states[:, 2].ravel())
+    for conn, views, shares in ranks:
+        for group_views in views:
+            for v in group_views:
+                v.zero_()
+        for g, host in enumerate(hosts):
+            move(conn, Direction.H2D, host, chunks[g], g)
+        got = read_views(b, views[0], 8)
+        lo, n = shares[0].first_head, shares[0].num_heads
+        np.testing.assert_array_equal(got[:, 5], full[:, 5, lo:lo + n])
+        if kind == "swa":
+            np.testing.assert_array_equal(read_views(b, views[1], 8)[:, 2],
+                                          second[:, 2, lo:lo + n])
+        else:
+            got = np.stack([v[2, 0, 0].view(torch.uint8).numpy() for v in views[1]])
+            np.testing.assert_array_equal(got, states[:, 2])
