@@ -10,7 +10,7 @@ inner` runs in that interpreter (`VLLM_TARGET_DEVICE=cpu`, `KVHAL_VLLM_OVERLAY=<
 - 0.33 only: the `engine` tests: vLLM's real `Scheduler` with kvhal's scheduler side, and
   kvhal's worker side on `allocate_kv_cache` CPU tensors, through the synchronous,
   asynchronous (several groups; fs promotion), sliding-window and state paths, with
-  `PrefixCacheStats.hits_by_source` and the connector stats. vLLM 0.34 configures
+  `PrefixCacheStats.hits_by_source` and the connector stats; sleep mode. vLLM 0.34 configures
   no engine on an x86 CPU without triton-cpu (not on PyPI), so on 0.34 those are skipped (the
   inner conftest's `ENGINE_REFUSED`) and only the API checks run.
 
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 INNER = Path(__file__).with_name("inner")
 ROOT = Path(__file__).resolve().parents[2]
 #: Inner tests that must pass per release (module names); the rest may only skip by reason.
-REQUIRED = {"0.33.0": {"test_connector_api", "test_scheduler_paths"},
+REQUIRED = {"0.33.0": {"test_connector_api", "test_scheduler_paths", "test_sleep_mode"},
             "0.34.0": {"test_connector_api"}}
 
 

@@ -39,7 +39,7 @@ def test_kvhal_overrides_the_methods_it_routes():
     assert {"register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
             "wait_for_save", "get_finished", "get_num_new_matched_tokens",
             "update_state_after_alloc", "build_connector_meta", "request_finished",
-            "request_finished_all_groups"} <= names
+            "request_finished_all_groups", "supports_sleep_mode"} <= names
 
 
 @pytest.mark.parametrize("name,owner", _overrides(), ids=lambda v: getattr(v, "__name__", v))
