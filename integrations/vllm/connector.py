@@ -1,4 +1,4 @@
-"""`KVHalConnector`: kvhal as a vLLM KV connector (vLLM `KVConnectorBase_V1`, vLLM 0.32).
+"""`KVHalConnector`: kvhal as a vLLM KV connector (vLLM `KVConnectorBase_V1`, vLLM 0.32-0.34).
 
 Select it with `kv_transfer_config={"kv_connector": "KVHalConnector", "kv_role": "kv_both",
 "kv_connector_extra_config": {...kvhal config, DESIGN §7...}}` (the `vllm.general_plugins`
@@ -81,6 +81,28 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
         layers = self._vllm_config.compilation_config.static_forward_context
         check_kv_scales(self.worker_side.deployment, layers)
         self.worker_side.register_kv_caches(kv_caches, layers)
+        self._kv_caches = kv_caches
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """True (vLLM >= 0.33 asks before it enables `--enable-sleep-mode`): before vLLM's
+        sleep discards the device KV cache, `unregister_kv_caches` waits for every transfer
+        that touches it; `restore_kv_caches` checks it came back at the same addresses.
+        Secondary tiers keep their chunks across the sleep; the host tier is cleared, since
+        vLLM's sleep resets the prefix cache with `reset_connector=True` (`reset_cache`)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: drain every job reading or writing device KV (`WorkerSide`)."""
+        self.worker_side.unregister_kv_caches(self._kv_caches)
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: check the KV tensors' addresses (`WorkerSide`).
+
+        Raises:
+            RuntimeError: a KV tensor moved during the sleep (names the layer).
+        """
+        self.worker_side.restore_kv_caches(self._kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Fence preempted blocks: wait for in-flight stores before vLLM reuses them."""

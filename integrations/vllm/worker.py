@@ -65,6 +65,7 @@ class WorkerSide:
         self._async_jobs: dict[int, tuple[int, str]] = {}   # in-flight → (group, request)
         self._recv_final: set[str] = set()          # no more jobs will come for these
         self._meta = KVHalWorkerMetadata()
+        self._asleep: dict[str, int] | None = None   # layer → address while vLLM sleeps
 
     def register_kv_caches(self, kv_caches: dict[str, Any],
                            layers: Mapping[str, Any] | None = None) -> None:
@@ -222,3 +223,37 @@ class WorkerSide:
         for allocation in self._registered:
             self.backend.free(allocation)
         self._registered = []
+
+    # -- sleep mode (vLLM >= 0.33: `unregister_kv_caches` / `restore_kv_caches`) -------------
+    def unregister_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Before vLLM's sleep discards or remaps the device KV cache: wait for every job of
+        every group that reads it (stores) or writes it (loads), so no copy touches that
+        memory after this returns, and note where each tensor lives. kvhal holds no
+        registration of device memory (its copy plans hold raw addresses), so this drain is
+        all there is to undo. Results stay queued for the next `get_finished`. Idempotent.
+
+        Args:
+            kv_caches: The tensors given to `register_kv_caches`.
+        """
+        for worker in self.workers:
+            worker.wait()
+        if self._asleep is None:
+            self._asleep = {name: t.data_ptr() for name, t in kv_caches.items()}
+
+    def restore_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """After vLLM's wake-up: check that every KV tensor is back at its address from before
+        the sleep (vLLM's CuMem allocator maps the same virtual addresses again), since the
+        copy plans built by `register_kv_caches` address it there. Idempotent.
+
+        Raises:
+            RuntimeError: a tensor moved (names the layer and both addresses); kvhal would
+                copy into memory that is no longer the KV cache.
+        """
+        if self._asleep is None:
+            return
+        for name, addr in self._asleep.items():
+            now = kv_caches[name].data_ptr()
+            if now != addr:
+                raise RuntimeError(f"{name}: KV cache moved from {addr:#x} to {now:#x} across "
+                                   "sleep; kvhal's copy plans address the old memory")
+        self._asleep = None

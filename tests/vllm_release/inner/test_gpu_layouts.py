@@ -35,15 +35,9 @@ import torch
 
 from kvhal.engine import Direction, Worker
 
-try:
-    from vllm import __version__ as _vllm_version
-except ImportError:
-    _vllm_version = "0"
-if tuple(int(x) for x in _vllm_version.split(".")[:2] if x.isdigit()) < (0, 33):
-    pytest.skip(f"needs vLLM >= 0.33's source, this is {_vllm_version} (run by "
-                "tests/vllm_release)", allow_module_level=True)
+from .rig import AttentionLayer
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.engine, pytest.mark.filterwarnings("ignore")]
 
 ALL = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC")
 
@@ -218,13 +212,6 @@ def vllm_config(root: Path, mla: bool, block_size: int, tp: int):
     return cfg
 
 
-@dataclass
-class Layer:
-    """What kvhal reads of one of vLLM's attention layers: its backend."""
-
-    attn_backend: object
-
-
 def build(root: Path, b: Backend, layout: str, tp: int, rank: int, monkeypatch,
           hybrid: str | None = None):
     """(connector, kv_caches by layer name) of one rank, made as vLLM 0.33 makes them; with
@@ -281,7 +268,7 @@ def build(root: Path, b: Backend, layout: str, tp: int, rank: int, monkeypatch,
         kv_caches = allocate_kv_cache(kv_cfg, torch.device("cpu"), resolved, kernel)
     except ValueError as exc:
         pytest.skip(f"vLLM refuses to allocate {layout} for {b.name}: {exc}")
-    cfg.compilation_config.static_forward_context = {n: Layer(cls) for n in specs
+    cfg.compilation_config.static_forward_context = {n: AttentionLayer(cls) for n in specs
                                                      if not n.endswith("mixer")}
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: rank)
     conn = KVHalConnector(cfg, KVConnectorRole.WORKER, kv_cfg)
