@@ -70,19 +70,27 @@ CASES = [(order, kind, tp, kt) for order in ORDERS for kind in (Kind.FULL, Kind.
          if not (kt == 4 and order[0] != "L")]     # vLLM splits only layer-outer layouts
 
 
+def chunk_case(kind: Kind, heads: int = 4, block: int = 8, nblocks: int = 6):
+    """(spec, seeded logical KV at TP 1 as uint8 [layer][vLLM block][head][token][row], the
+    chunk's vLLM blocks, its canonical bytes [layer][head][chunk token][row])."""
+    spec = kv_spec(kind, heads, block)
+    group = spec.groups[0]
+    logical = np.random.default_rng(7).integers(
+        0, 256, (2, nblocks, group.num_kv_heads, block, group.row_bytes), np.uint8)
+    chunk_ids = np.array([4, 1])
+    want = np.concatenate([np.concatenate(list(logical[layer, chunk_ids]), axis=1).ravel()
+                           for layer in range(2)])
+    return spec, logical, chunk_ids, want
+
+
 @pytest.mark.parametrize("order,kind,tp,kt", CASES,
                          ids=lambda p: str(getattr(p, "value", p)))
 def test_store_then_load_is_canonical_and_exact(order, kind, tp, kt):
-    heads, block, nblocks, per_chunk = 4, 8, 6, 2
-    spec = kv_spec(kind, heads, block)
+    block, nblocks, per_chunk = 8, 6, 2
+    spec, logical, chunk_ids, want = chunk_case(kind)
     group = spec.groups[0]
     row = group.row_bytes
-    rng = np.random.default_rng(7)
-    # logical KV of the model at TP 1: [layer][vLLM block][head][token][row]
-    logical = rng.integers(0, 256, (2, nblocks, group.num_kv_heads, block, row), np.uint8)
-    chunk_ids = np.array([4, 1])
-    want = np.concatenate([np.concatenate(list(logical[layer, chunk_ids]), axis=1).ravel()
-                           for layer in range(2)])  # [layer][head][chunk token][row]
+    rng = np.random.default_rng(8)
     host = np.zeros(want.size, np.uint8)
     loaded = []
     for rank in range(tp):

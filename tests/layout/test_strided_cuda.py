@@ -9,7 +9,7 @@ import pytest
 
 from kvhal.layout import PageStrides, chunk_mapper, device_cache, rank_share, strided_layout
 
-from .test_strided import CASES, ORDERS, kv_spec
+from .test_strided import CASES, ORDERS, chunk_case
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 if not torch.cuda.is_available():
@@ -32,15 +32,11 @@ def test_cuda_store_then_load_is_canonical_and_exact(backend, order, kind, tp, k
     from kvhal.engine import Worker
     from kvhal.hal import host_array
 
-    heads, block, nblocks, per_chunk = 4, 8, 6, 2
-    spec = kv_spec(kind, heads, block)
+    block, nblocks, per_chunk = 8, 6, 2
+    spec, logical, chunk_ids, want = chunk_case(kind)
     group = spec.groups[0]
     row = group.row_bytes
-    rng = np.random.default_rng(7)
-    logical = rng.integers(0, 256, (2, nblocks, group.num_kv_heads, block, row), np.uint8)
-    chunk = np.array([[4, 1]])
-    want = np.concatenate([np.concatenate(list(logical[layer, chunk[0]]), axis=1).ravel()
-                           for layer in range(2)])
+    chunk = chunk_ids[None]
     host = backend.alloc_pinned(want.size)
     host_array(host)[:] = 0
     ranks = []

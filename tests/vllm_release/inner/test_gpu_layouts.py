@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import inspect
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
