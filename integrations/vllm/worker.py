@@ -8,15 +8,21 @@ backend of their device. Jobs arrive in `KVHalMetadata`, each for one group; one
 the host region (the scheduler's shared region, `HostRegion.attach_shared`, attached on first
 use).
 
-Synchronous loads (`KVHalMetadata.loads`) hold up the forward; their failed blocks go to
-`take_load_errors`. Asynchronous loads (`KVHalMetadata.async_loads`) run beside it; a request
-is reported in `finished_recving` once the scheduler said its load is final and all its jobs
-have ended on this rank. Their outcome (`num_ok` per job) reaches the scheduler side through
+Ordering against the forward (`compute.ComputeStream`): stores wait on an event recorded on the
+compute stream (torch's current stream on CUDA/ROCm) when `wait_for_save` starts them, after
+the layers that wrote their KV; synchronous loads (`KVHalMetadata.loads`) hold up attention
+through a wait queued on the compute stream in `wait_for_layer_load` (vLLM-CPU, whose forward
+runs on the host: the host blocks there). `wait_for_save` then blocks the host until they have
+ended, so their failed blocks are in `take_load_errors` when vLLM asks.
+
+Asynchronous loads (`KVHalMetadata.async_loads`) run beside the forward; a request is reported
+in `finished_recving` once the scheduler said its load is final and all its jobs have ended on
+this rank. Their outcome (`num_ok` per job) reaches the scheduler side through
 the worker metadata, which cuts the request back if a chunk failed (never `failed_recving`).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -25,7 +31,8 @@ from kvhal.engine import Direction, Worker
 from kvhal.host import HostRegion
 from kvhal.layout import Kind, LayoutError, chunk_mapper, device_cache, plan_copies
 
-from .geometry import Deployment, UnsupportedModelError, device_layout_name
+from .compute import ComputeStream, compute_stream
+from .geometry import Deployment, UnsupportedModelError, state_layout_name
 from .views import backend_of, view_layout
 from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo
 
@@ -47,20 +54,26 @@ class WorkerSide:
     Args:
         deployment: Geometry and namespace (`geometry.deployment`).
         tp_rank: This worker's tensor-parallel rank.
+        compute: Makes the `ComputeStream` of the forward from the KV tensors' backend (called
+            once, on first use; default `compute.compute_stream`).
     """
 
-    def __init__(self, deployment: Deployment, tp_rank: int):
+    def __init__(self, deployment: Deployment, tp_rank: int,
+                 compute: Callable[[Any], ComputeStream] = compute_stream):
         self.deployment = deployment
         self.tp_rank = tp_rank
         self.backend: Any = None
         self.workers: list[Worker] = []
+        self.compute: ComputeStream | None = None
+        self._make_compute = compute
         self.region: HostRegion | None = None
         self._planners: list[Any] = []
         self._layers: Mapping[str, Any] = {}
         self._registered: list = []
         self._store_reqs: dict[int, str] = {}      # in-flight store job → request id
         self._report: set[str] = set()
-        self._loads_waiting: list[tuple[int, int]] = []   # (group, job id) of sync loads
+        self._loads_waiting: list[tuple[int, int]] = []   # (group, job id): sync, not ordered
+        self._loads_ordered: list[tuple[int, int]] = []   # ordered before attention, not ended
         self._load_errors: set[int] = set()
         self._async_jobs: dict[int, tuple[int, str]] = {}   # in-flight → (group, request)
         self._recv_final: set[str] = set()          # no more jobs will come for these
@@ -95,8 +108,13 @@ class WorkerSide:
 
     def _planner(self, group, tensors: list) -> Any:
         dep, name = self.deployment, group.layer_names[0]
-        if dep.vllm_layout is None or group.kind is Kind.MAMBA:
-            layout, backend = device_layout_name(tensors[0], group.kind), "-"
+        if group.kind is Kind.MAMBA:
+            layout, backend = state_layout_name(tensors[0]), "-"
+        elif dep.vllm_layout is None:
+            raise UnsupportedModelError(
+                f"kv_cache_groups[{group.group_id}] (layer {name}): vLLM resolved no KV cache "
+                "layout (KVCacheConfig.kv_cache_layout), so kvhal cannot tell how its KV views "
+                "are laid out; kvhal runs on vLLM-CPU 0.32 and vLLM >= 0.33")
         else:
             backend = backend_of(self._layers.get(name))
             layout = view_layout(name, tensors[0], dep.vllm_layout, backend, dep.block_size)
@@ -123,6 +141,7 @@ class WorkerSide:
                             for planner, pool, offset in zip(self._planners, layout.pools,
                                                              layout.offsets)]
             self._first_slots = layout.first_slots
+            self.compute = self._make_compute(self.backend)
         return self.workers
 
     # -- per step ----------------------------------------------------------------------------
@@ -153,22 +172,32 @@ class WorkerSide:
             self._loads_waiting.append((job.group, job.job_id))
 
     def wait_for_layer_load(self) -> None:
-        """Block until this step's synchronous loads have landed (the first layer's attention
-        needs them; one plan moves every layer of a chunk, so the first wait covers all)."""
+        """Before attention reads this step's synchronously loaded blocks: order the forward's
+        later work after their copies (`ComputeStream.wait_job`: a wait on the compute stream,
+        or on vLLM-CPU the host blocks until they have landed). The first layer's call covers
+        every layer: one plan moves every layer of a chunk."""
         while self._loads_waiting:
             group, job_id = self._loads_waiting.pop()
-            self.workers[group].wait(job_id)
+            self.compute.wait_job(self.workers[group], job_id)
+            self._loads_ordered.append((group, job_id))
 
     def wait_for_save(self, meta: KVHalMetadata) -> None:
-        """Start this step's stores. On the cpu backend the forward pass has finished writing
-        the KV when vLLM calls this, so no compute event is needed."""
+        """After the step's forward was queued: block until its synchronous loads have ended
+        (the forward waits for them anyway; their failed blocks must reach `take_load_errors`),
+        then start its stores, each behind an event recorded on the compute stream now, after
+        the layers that wrote their KV (on vLLM-CPU the forward has finished: no event)."""
         self.wait_for_layer_load()
+        while self._loads_ordered:
+            group, job_id = self._loads_ordered.pop()
+            self.workers[group].wait(job_id)
         if not meta.stores:
             return
         workers = self._attach(meta.region)
+        after = self.compute.record()
         for job in meta.stores:
             workers[job.group].submit_store(job.job_id, job.block_ids,
-                                            job.slots - self._first_slots[job.group])
+                                            job.slots - self._first_slots[job.group],
+                                            after=after)
             self._store_reqs[job.job_id] = job.req_id
 
     def get_finished(self) -> tuple[set[str], set[str]]:
@@ -215,9 +244,12 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
-        """Wait for every job, then release streams, the region and the registrations."""
+        """Wait for every job, then release streams, the compute event, the region and the
+        registrations."""
         for worker in self.workers:
             worker.close()
+        if self.compute is not None:
+            self.compute.close()
         if self.region is not None:
             self.region.close()
         for allocation in self._registered:

@@ -4,7 +4,9 @@ Each job moves whole chunks between device blocks and host slots. A planner turn
 (its device block ids and its host slot address) into a `CopyPlan` for the given direction, so
 the worker does not know the layout. Stores run on a dedicated store stream, loads on a
 dedicated load stream; a store first makes its stream wait on the caller's event recorded after
-the compute that produced the KV, so it never copies KV before it is written.
+the compute that produced the KV, so it never copies KV before it is written; the compute that
+reads loaded KV orders itself after the load with `stream_wait_job` (a stream wait, the host
+does not block) or `wait` (the host blocks).
 
 A job is planned in one call when the planner offers `plan_job` (`JobPlanner`), else chunk by
 chunk, then issued together: every 2D copy, then one `copy_batch_async` for all contiguous
@@ -30,7 +32,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from kvhal.hal import DeviceBackend, DeviceFaultError, Event, HalError
+from kvhal.hal import DeviceBackend, DeviceFaultError, Event, HalError, Stream
 from kvhal.layout.plan import CopyPlan, merge_plans
 
 from .types import Direction, EngineError, TransferResult
@@ -289,6 +291,21 @@ class Worker:
         for job in list(self._by_id.values()):
             if np.isin(job.block_ids, wanted).any():
                 self._wait_job(job)
+
+    def stream_wait_job(self, stream: Stream, job_id: int) -> None:
+        """Make `stream` (e.g. the engine's compute stream) wait for every copy of job
+        `job_id` issued so far, without blocking the host: a stream wait on the job's tail
+        event, bound to its current record (so recycling the event later is harmless).
+
+        The job still ends exactly once, through `get_finished` or `wait`, and its host slots
+        and device blocks stay reserved until then. A job not in flight has ended (or never
+        began): there is nothing to wait for. After a device fault the job is replayed on
+        its own stream, which `stream` does not wait for: the fault fails the job, so its
+        blocks are reported and never served.
+        """
+        job = self._by_id.get(job_id)
+        if job is not None:
+            self.backend.stream_wait_event(stream, job.tail)
 
     def wait(self, job_id: int | None = None) -> None:
         """Block until job `job_id` (None: every job) has finished. Results stay queued."""

@@ -5,15 +5,17 @@ view of it, shape (num_blocks, block_bytes), so tests write KV and read back byt
 """
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from kvhal.backends.cpu import CpuBackend
 from kvhal.config import parse_config
 from kvhal.engine import BlockPlanner, Manager, TransferResult, Worker, build_manager
-from kvhal.hal import address_array
+from kvhal.hal import Stream, address_array
 from kvhal.host import HostRegion, host_geometry
 from kvhal.keys import ChunkKey, block_hashes, chunk_keys, hash_function, namespace_digest, none_hash
 
@@ -115,3 +117,30 @@ def synthetic_keys(n: int, ns: bytes | None = None, tag: int = 0) -> list[ChunkK
     """n distinct keys (hash bytes derived from tag and index), for bookkeeping tests."""
     ns = ns or namespace()
     return [ChunkKey(ns, 0, (tag * 1_000_003 + i).to_bytes(8, "big")) for i in range(n)]
+
+
+class FaultyLateStreams(CpuBackend):
+    """A cpu backend on which every copy queued on a stream that `late(stream)` picks starts
+    `delay_s` late, as if a long kernel ran ahead of it on that stream. The default is far
+    above chaos mode's delays (≤ 2 ms per operation), so a copy racing it without a stream
+    wait runs first every time."""
+
+    def __init__(self, late: Callable[[Stream], bool], delay_s: float = 0.05, **kwargs):
+        super().__init__(**kwargs)
+        self.late, self.delay_s = late, delay_s
+
+    def _delay(self, stream: Stream) -> None:
+        if self.late(stream):
+            self._worker(stream).submit(functools.partial(time.sleep, self.delay_s))
+
+    def copy_async(self, dst, src, nbytes, stream):
+        self._delay(stream)
+        super().copy_async(dst, src, nbytes, stream)
+
+    def copy_batch_async(self, dsts, srcs, sizes, stream):
+        self._delay(stream)
+        super().copy_batch_async(dsts, srcs, sizes, stream)
+
+    def copy_2d_batch_async(self, copies, stream):
+        self._delay(stream)
+        super().copy_2d_batch_async(copies, stream)

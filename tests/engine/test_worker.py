@@ -1,4 +1,5 @@
-"""Worker: stores wait for the compute, failed sub-transfers fail the rest, fenced blocks."""
+"""Worker: stores wait for the compute, the compute waits for loads, failed sub-transfers fail
+the rest, fenced blocks."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ from kvhal.hal import host_array
 from kvhal.layout.plan import merge_plans
 from kvhal.tiers.base import Lookup
 
-from .rig import chunk_blocks, make_rig, synthetic_keys
+from .rig import FaultyLateStreams, chunk_blocks, make_rig, synthetic_keys
 
 HIT, MISS, RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
 CHUNK_BLOCKS, BLOCK_BYTES = 2, 2048
@@ -56,6 +57,39 @@ def test_store_after_delayed_compute_restores_identical_bytes(seed):
 def test_without_the_compute_event_the_store_copies_stale_bytes():
     """The test above can fail: drop the event wait and chaos mode exposes it."""
     assert _delayed_compute_round_trips(5, runs=200, wait=False) > 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_a_reader_after_stream_wait_job_sees_the_late_load(seed):
+    """A read queued on a "compute" stream after `stream_wait_job` gets the loaded bytes,
+    though the load's copies start 50 ms late; the job still ends exactly once.
+
+    Shown to fail: with the stream wait removed from `stream_wait_job`, 4/4 seeds read the
+    stale 0xFF bytes."""
+    compute: list = []
+    backend = FaultyLateStreams(lambda s: s.handle is not compute[0].handle, chaos_seed=seed)
+    compute.append(backend.create_stream())
+    rig = make_rig(capacity=4, blocks_per_chunk=CHUNK_BLOCKS, block_bytes=BLOCK_BYTES,
+                   num_blocks=8, backend=backend)
+    out = backend.alloc_pinned(CHUNK_BYTES)
+    try:
+        data = _blocks_data(rig, 0, 2)
+        key = synthetic_keys(1, tag=seed)
+        assert rig.store(key, chunk_blocks(0, 1, CHUNK_BLOCKS)).num_ok == 1
+        rig.dev[2:4] = 0xFF
+        plan = rig.manager.prepare_load(key)
+        rig.worker.submit_load(plan.job_id, chunk_blocks(2, 1, CHUNK_BLOCKS), plan.slots)
+        rig.worker.stream_wait_job(compute[0], plan.job_id)
+        backend.copy_async(out.ptr, rig.worker.planner.device_base + 2 * BLOCK_BYTES,
+                           CHUNK_BYTES, compute[0])
+        backend.stream_synchronize(compute[0])
+        assert np.array_equal(host_array(out), data[0:2].ravel())
+        assert rig.finish(plan.job_id).num_ok == 1
+        assert rig.worker.get_finished() == []
+    finally:
+        backend.free(out)
+        backend.destroy_stream(compute[0])
+        rig.close()
 
 
 class FaultyPlanner:

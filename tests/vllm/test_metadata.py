@@ -1,4 +1,5 @@
-"""Worker → scheduler metadata across TP ranks, and the layout a vLLM KV tensor maps to."""
+"""Worker → scheduler metadata across TP ranks, and the layout a vLLM state tensor maps to
+(attention and MLA views: `test_views.py`)."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,7 @@ pytest.importorskip("vllm", reason="the connector's metadata subclasses vLLM's (
 import torch  # noqa: E402
 
 from kvhal.integrations.vllm.geometry import (UnsupportedModelError,  # noqa: E402
-                                              device_layout_name)
-from kvhal.layout import Kind  # noqa: E402
+                                              state_layout_name)
 from kvhal.integrations.vllm.metadata import KVHalWorkerMetadata  # noqa: E402
 
 
@@ -21,31 +21,13 @@ def test_aggregate_sums_ranks_and_keeps_the_smallest_num_ok():
     assert merged.num_ok == {7: 3, 8: 2}
 
 
-@pytest.mark.parametrize("shape,layout", [((16, 2, 128, 128), "vllm-cpu"),
-                                          ((2, 16, 128, 2, 64), "separate-kv")],
-                         ids=["cpu-4d", "separate-kv"])
-def test_device_layout_of_vllm_kv_tensors(shape, layout):
-    assert device_layout_name(torch.empty(shape, dtype=torch.bfloat16), Kind.FULL) == layout
-
-
-def test_vllm_cpu_mla_tensor_maps_to_the_latent_layout():
-    # vLLM-CPU's MLA backend registers (num_blocks, 1, 16, 576) per layer (measured, 0.32).
-    assert device_layout_name(torch.empty(8, 1, 16, 576, dtype=torch.bfloat16),
-                              Kind.MLA) == "mla"
-
-
-def test_unknown_kv_tensor_shape_is_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match=r"shape \(4, 4\)"):
-        device_layout_name(torch.empty(4, 4), Kind.FULL)
-
-
 def test_vllm_state_page_view_maps_to_the_state_layout():
     # vLLM 0.32 hands a state layer its raw page view (num_blocks, 1, 1, state bytes) int8,
     # blocks a padded page apart (measured on vLLM-CPU, tiny Qwen3-Next: strides (65536, ...)).
     pages = torch.empty(8, 65536, dtype=torch.int8)[:, :35840].reshape(8, 1, 1, 35840)
-    assert device_layout_name(pages, Kind.MAMBA) == "mamba"
+    assert state_layout_name(pages) == "mamba"
     with pytest.raises(UnsupportedModelError, match=r"state tensor of shape \(8, 3, 512\)"):
-        device_layout_name(torch.empty(8, 3, 512, dtype=torch.bfloat16), Kind.MAMBA)
+        state_layout_name(torch.empty(8, 3, 512, dtype=torch.bfloat16))
 
 
 def test_kvhal_leaves_vllms_load_failure_policy_at_its_default():
