@@ -152,14 +152,19 @@ class WorkerSide:
                 worker.wait()
 
     def start_load_kv(self, meta: KVHalMetadata) -> None:
-        """Issue this step's loads. Chunks of a synchronous load the scheduler could not hold
-        (slot -1) and every chunk after them fail at once: their blocks are reported as load
-        errors. Asynchronous loads are issued without being waited for."""
+        """Issue this step's loads, each behind an event recorded on the compute stream now:
+        work queued there before (an earlier step's attention still reading blocks vLLM has
+        since freed and handed to these loads) runs before a load overwrites them. Chunks of
+        a synchronous load the scheduler could not hold (slot -1) and every chunk after them
+        fail at once: their blocks are reported as load errors. Asynchronous loads are issued
+        without being waited for."""
         workers = self._attach(meta.region)
         self._report.update(meta.report_sending)
+        after = self.compute.record() if meta.async_loads or meta.loads else None
         for job in meta.async_loads:
             workers[job.group].submit_load(job.job_id, job.block_ids,
-                                           job.slots - self._first_slots[job.group])
+                                           job.slots - self._first_slots[job.group],
+                                           after=after)
             self._async_jobs[job.job_id] = (job.group, job.req_id)
         self._recv_final.update(meta.recv_final)
         for job in meta.loads:
@@ -168,7 +173,8 @@ class WorkerSide:
             if job.job_id < 0:
                 continue
             local = job.slots[:valid] - self._first_slots[job.group]
-            workers[job.group].submit_load(job.job_id, job.block_ids[:valid], local)
+            workers[job.group].submit_load(job.job_id, job.block_ids[:valid], local,
+                                           after=after)
             self._loads_waiting.append((job.group, job.job_id))
 
     def wait_for_layer_load(self) -> None:

@@ -216,6 +216,41 @@ def test_attention_on_the_compute_stream_reads_the_loaded_kv(monkeypatch, seed):
         rank.close()
 
 
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+def test_a_load_lands_after_earlier_compute_reading_its_blocks(monkeypatch, seed):
+    """Work queued on the compute stream before a load (the last step's attention, late,
+    still reading blocks vLLM has freed and now hands to the load) reads the blocks' old
+    bytes: the load waits for it.
+
+    Shown to fail with the ordering removed: with `after=` dropped from the synchronous
+    `submit_load` in `WorkerSide.start_load_kv`, 10/10 seeds read the loaded bytes."""
+    rank, backend, sim = _cpu_rank(monkeypatch, seed, late=_is)
+    out = backend.alloc_pinned(len(rank.blocks(DST_BLOCKS)))
+    try:
+        for i, name in enumerate(LAYERS):
+            rank.kv[name][_index(SRC_BLOCKS)] = _random_kv(rank, seed * 7 + i)
+        rank.store(1, SRC_BLOCKS)
+        assert rank.ended(1) == 1
+        for t in rank.kv.values():
+            t.view(torch.int16)[_index(DST_BLOCKS)] = -1
+        old = rank.blocks(DST_BLOCKS)
+        offset = 0
+        for name in LAYERS:              # the earlier attention reads the blocks, late
+            first = rank.kv[name][int(DST_BLOCKS[0, 0])]
+            nbytes = first.nbytes * DST_BLOCKS.size
+            backend.copy_async(out.ptr + offset, first.data_ptr(), nbytes, sim)
+            offset += nbytes
+        rank.start_load(2, DST_BLOCKS)
+        backend.stream_synchronize(sim)
+        rank.side.wait_for_save(rank.meta())
+        assert np.array_equal(host_array(out), old)
+        assert not np.array_equal(rank.blocks(DST_BLOCKS), old)     # the load did land
+    finally:
+        backend.destroy_stream(sim)
+        backend.free(out)
+        rank.close()
+
+
 @needs_gpu
 def test_cuda_store_waits_for_the_forward_on_the_current_stream():
     """As `test_store_holds_the_kv_a_late_forward_wrote`, with `WorkerSide`'s own compute
