@@ -77,7 +77,7 @@ def backend_of(layer: Any) -> str:
 
 
 def view_layout(layer_name: str, tensor: Any, vllm_layout: str, backend: str,
-                block_size: int) -> str | DeviceLayout:
+                block_size: int, row_bytes: int) -> str | DeviceLayout:
     """The kvhal device layout of one attention or MLA layer's `[B, H, N, C]` view.
 
     Args:
@@ -87,6 +87,7 @@ def view_layout(layer_name: str, tensor: Any, vllm_layout: str, backend: str,
         vllm_layout: vLLM's resolved layout (`resolved_layout`).
         backend: The layer's attention backend name (`backend_of`).
         block_size: vLLM's block size in tokens (T).
+        row_bytes: Bytes of one (head, token) row of the layer's group (K ‖ V, or the latent).
 
     Returns:
         "vllm-cpu" for vLLM's CPU backend, else a `strided_layout` of the view's byte strides
@@ -94,9 +95,9 @@ def view_layout(layer_name: str, tensor: Any, vllm_layout: str, backend: str,
 
     Raises:
         UnsupportedModelError: a backend kvhal has not mapped, AITER's shuffled tiles, a view
-            that is not 4-D, whose N does not divide T, whose cell is not contiguous, or whose
-            strides order B, H, N otherwise than `vllm_layout` says; names the layer, the
-            backend, the shape and the byte strides.
+            that is not 4-D, whose N does not divide T, whose cell is not contiguous or not
+            `row_bytes` long, or whose strides order B, H, N otherwise than `vllm_layout` says;
+            names the layer, the backend, the shape and the byte strides.
     """
     shape, esize = tuple(tensor.shape), tensor.element_size()
     strides = tuple(s * esize for s in tensor.stride())
@@ -115,8 +116,11 @@ def view_layout(layer_name: str, tensor: Any, vllm_layout: str, backend: str,
     if len(shape) != 4:
         raise refuse("not a [B, H, N, C] view")
     num_kernel, heads, kernel_tokens, _ = shape
-    if kernel_tokens < 1 or block_size % kernel_tokens or num_kernel % (block_size
-                                                                        // kernel_tokens):
+    if shape[3] * esize != row_bytes:
+        raise refuse(f"cells of {shape[3] * esize} bytes, the group's K ‖ V rows have "
+                     f"{row_bytes}")
+    if (block_size < 1 or kernel_tokens < 1 or block_size % kernel_tokens
+            or num_kernel % (block_size // kernel_tokens)):
         raise refuse(f"kernel blocks of {kernel_tokens} tokens do not split blocks of "
                      f"{block_size} tokens into B = {num_kernel}")
     if shape[3] > 1 and strides[3] != esize:

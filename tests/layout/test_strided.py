@@ -162,3 +162,25 @@ def test_bad_strides_name_the_field(field, value):
     args[field] = value
     with pytest.raises(LayoutError, match=f"strides.{field}"):
         strided_layout(PageStrides(**args))
+
+
+def test_numpy_strides_are_taken_as_python_ints():
+    # np.int16 strides once overflowed in the page extent: wrong offsets, no error
+    spec = kv_spec(Kind.FULL, 4, 8)
+    row = spec.groups[0].row_bytes
+    layout = strided_layout(PageStrides(np.int16(8), np.int16(0), np.int16(8 * row),
+                                        np.int16(row)))
+    assert layout == strided_layout(PageStrides(8, 0, 8 * row, row))
+    assert chunk_mapper(spec, layout, 1, 0, 1).groups[0].plane_bytes == 4 * 8 * row
+
+
+def test_equal_strides_make_equal_layouts_that_share_a_mapping():
+    spec = kv_spec(Kind.FULL, 4, 8)
+    a, b = (strided_layout(PageStrides(8, 0, 128, 16)) for _ in range(2))
+    assert a == b and hash(a) == hash(b)
+    assert chunk_mapper(spec, a, 1, 0, 1) is chunk_mapper(spec, b, 1, 0, 1)
+
+
+def test_a_stride_beyond_any_memory_is_refused():
+    with pytest.raises(LayoutError, match=r"strides.head_stride: must be an int in \[0, "):
+        strided_layout(PageStrides(8, 0, 2**62, 16))

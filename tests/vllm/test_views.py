@@ -24,49 +24,49 @@ def view(order: str, blocks=6, heads=4, tokens=16, cell=128) -> torch.Tensor:
 
 
 def test_flash_attention_lhbnc_maps_heads_a_layer_apart():
-    layout = view_layout("l0", view("HBNC"), "LHBNC", "FLASH_ATTN", 16)
+    layout = view_layout("l0", view("HBNC"), "LHBNC", "FLASH_ATTN", 16, 256)
     assert isinstance(layout, DeviceLayout)
     # bytes: head stride = 6 blocks x 16 tokens x 256 B, token stride = one 256 B cell
     assert (layout.strides.head_stride, layout.strides.token_stride) == (6 * 16 * 256, 256)
 
 
 def test_kernel_blocks_half_the_block():
-    layout = view_layout("l0", view("BHNC", blocks=12, tokens=16), "LBHNC", "FLASH_ATTN", 32)
+    layout = view_layout("l0", view("BHNC", blocks=12, tokens=16), "LBHNC", "FLASH_ATTN", 32, 256)
     assert layout.strides.kernel_tokens == 16
     assert layout.strides.kernel_stride == 4 * 16 * 256
 
 
 def test_cpu_backend_keeps_its_tiles():
-    assert view_layout("l0", view("BHNC"), "LBHNC", "CPU_ATTN", 16) == "vllm-cpu"
+    assert view_layout("l0", view("BHNC"), "LBHNC", "CPU_ATTN", 16, 256) == "vllm-cpu"
 
 
 def test_strides_that_contradict_vllms_layout_are_refused_naming_layer_backend_and_shape():
     with pytest.raises(UnsupportedModelError,
                        match=r"layer l3 \(FLASHINFER, vLLM layout LBHNC\): KV view of shape "
                              r"\(6, 4, 16, 128\).*do not order blocks, heads and tokens"):
-        view_layout("l3", view("BNHC"), "LBHNC", "FLASHINFER", 16)
+        view_layout("l3", view("BNHC"), "LBHNC", "FLASHINFER", 16, 256)
 
 
 def test_an_unmapped_backend_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match=r"\(TURBOQUANT,.*has not mapped how this "
                                                     r"backend reads its KV page"):
-        view_layout("l0", view("BHNC"), "LBHNC", "TURBOQUANT", 16)
+        view_layout("l0", view("BHNC"), "LBHNC", "TURBOQUANT", 16, 256)
 
 
 def test_aiter_shuffled_tiles_are_refused(monkeypatch):
     monkeypatch.setenv("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", "1")
     with pytest.raises(UnsupportedModelError, match="shuffles each K and V tile"):
-        view_layout("l0", view("BHNC"), "LBHNC", "ROCM_AITER_UNIFIED_ATTN", 16)
+        view_layout("l0", view("BHNC"), "LBHNC", "ROCM_AITER_UNIFIED_ATTN", 16, 256)
 
 
 def test_kernel_tokens_that_do_not_divide_the_block_are_refused():
     with pytest.raises(UnsupportedModelError, match="kernel blocks of 24 tokens"):
-        view_layout("l0", view("BHNC", tokens=24), "LBHNC", "FLASH_ATTN", 32)
+        view_layout("l0", view("BHNC", tokens=24), "LBHNC", "FLASH_ATTN", 32, 256)
 
 
 def test_cpu_backend_outside_lbhnc_is_refused():
     with pytest.raises(UnsupportedModelError, match="CPU_ATTN keeps K rows then V rows"):
-        view_layout("l0", view("BNHC"), "LBNHC", "CPU_ATTN", 16)
+        view_layout("l0", view("BNHC"), "LBNHC", "CPU_ATTN", 16, 256)
 
 
 @pytest.mark.parametrize("name,want", [("HND", "LBHNC"), ("NHD", "LBNHC"), ("BHLNC", "BHLNC"),
@@ -89,3 +89,28 @@ def test_a_page_the_backend_packs_its_own_way_is_refused():
     with pytest.raises(UnsupportedModelError,
                        match=r"kv_cache_groups\[0\] \(layer model.layers.0.attn.*num_head_slots=2"):
         group_spec(0, group, model)
+
+
+def test_a_cell_that_is_not_the_groups_row_is_refused_by_size():
+    with pytest.raises(UnsupportedModelError, match="cells of 128 bytes, the group's K ‖ V "
+                                                    "rows have 256"):
+        view_layout("l0", view("BHNC", cell=64), "LBHNC", "FLASH_ATTN", 16, 256)
+
+
+def test_a_group_whose_layers_read_their_views_differently_is_refused():
+    from kvhal.integrations.vllm.geometry import Deployment, GroupInfo
+    from kvhal.integrations.vllm.worker import WorkerSide
+    from kvhal.layout import attention_spec, chunk_layout
+    spec = attention_spec(num_layers=2, num_kv_heads=4, head_size=64, dtype="bf16",
+                          block_size=16)
+    names = ("l0", "l1")
+    group = GroupInfo(0, spec, names, chunk_layout(spec, 1).chunk_bytes)
+    dep = Deployment((group,), 16, 1, 1, b"\0" * 16, "sha256", "0", "LBHNC")
+    backends = {"l0": "FLASH_ATTN", "l1": "CPU_ATTN"}   # rows vs K-rows-then-V-rows tiles
+    layers = {n: SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda b=b: b))
+              for n, b in backends.items()}
+    side = WorkerSide(dep, 0)
+    with pytest.raises(UnsupportedModelError, match=r"layer l1 \(CPU_ATTN\) lays out its KV "
+                                                    r"otherwise than layer l0 \(FLASH_ATTN\)"):
+        side.register_kv_caches({n: view("BHNC") for n in names}, layers)
+    side.close()
