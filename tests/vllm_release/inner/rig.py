@@ -22,6 +22,7 @@ whose attention page holds the state), so no attention page is padded.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -191,18 +192,29 @@ class Rig:
         self.scheduler.add_request(request)
         return request
 
-    def run(self, max_steps: int = 200, after_save: Callable[[Any], None] | None = None) -> None:
-        """Step until the scheduler has no request left (and no delayed free)."""
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                return
-            self.step(after_save)
-        raise AssertionError(f"not done after {max_steps} steps")
+    def run(self, timeout_s: float = 120.0, after_save: Callable[[Any], None] | None = None
+            ) -> None:
+        """Step until the scheduler has no request left (and no delayed free), as an engine
+        does: steps that schedule nothing (waiting on kvhal's transfers) go on, 1 ms apart.
+        A loaded machine runs the transfers' threads late, so a bound on steps (200 once
+        ran out under a parallel test run) would fail correct code: the bound is time.
+
+        Raises:
+            AssertionError: requests left after `timeout_s` seconds (names how many steps).
+        """
+        deadline, steps = time.monotonic() + timeout_s, 0
+        while self.scheduler.has_requests():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {timeout_s} s ({steps} steps)")
+            if not self.step(after_save):
+                time.sleep(0.001)
+            steps += 1
 
     # -- one engine step ---------------------------------------------------------------------
-    def step(self, after_save: Callable[[Any], None] | None = None) -> None:
+    def step(self, after_save: Callable[[Any], None] | None = None) -> int:
         """One `schedule` → worker step → `update_from_output`; `after_save(metadata)` runs
-        right after `wait_for_save` issued the stores of the step's `KVHalMetadata`."""
+        right after `wait_for_save` issued the stores of the step's `KVHalMetadata`. Returns
+        the tokens the step scheduled."""
         out = self.scheduler.schedule()
         worker, meta = self.worker, out.kv_connector_metadata
         worker.bind_connector_metadata(meta)
@@ -234,6 +246,7 @@ class Rig:
         for eco in engine_outputs.values():
             if eco.scheduler_stats is not None:
                 self.stats.append(eco.scheduler_stats)
+        return out.total_num_scheduled_tokens
 
     def _forward(self, out: Any) -> None:
         """The stand-in forward pass (module docstring) of every scheduled request."""
