@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .canonical import ChunkLayout, GroupMapping, chunk_layout, layouts_for, map_group
-from .devices import MAX_STRIDE, tensor_element_bytes
+from .devices import MAX_STRIDE, DeviceLayout, tensor_element_bytes
 from .geometry import KVCacheSpec, LayoutError
 from .plan import CopyPlan
 
@@ -70,13 +70,14 @@ class ChunkMapper:
     safe to share between threads).
 
     Attributes:
-        spec, layouts, tp_size, tp_rank, blocks_per_chunk: What it was built for.
+        spec, layouts, tp_size, tp_rank, blocks_per_chunk: What it was built for (a layout
+            is a registered name or a `strided_layout`).
         groups: One `GroupMapping` per spec group.
         chunk: Where each layer's canonical page sits in the host slot.
     """
 
     spec: KVCacheSpec
-    layouts: tuple[str, ...]
+    layouts: tuple[str | DeviceLayout, ...]
     tp_size: int
     tp_rank: int
     blocks_per_chunk: int
