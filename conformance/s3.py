@@ -17,10 +17,12 @@ import atexit
 import dataclasses
 import socket
 import threading
+from typing import TYPE_CHECKING
 
 import pytest
 
-from kvhal.tiers.obj.local_server import LocalS3Server
+if TYPE_CHECKING:  # imported on first use: `kvhal.tiers.obj` needs the `s3` extra
+    from kvhal.tiers.obj.local_server import LocalS3Server
 
 BUCKET = "kvhal-tests"
 #: Static test credentials (moto accepts any by default).
@@ -31,7 +33,12 @@ _lock = threading.Lock()
 
 
 def shared_server() -> LocalS3Server:
-    """This process's moto server (started on first use, with `BUCKET`; killed at exit)."""
+    """This process's moto server (started on first use, with `BUCKET`; killed at exit).
+
+    Raises:
+        ImportError: the `s3` extra (obstore) is not installed.
+    """
+    from kvhal.tiers.obj.local_server import LocalS3Server
     global _server
     with _lock:
         if _server is None or not _server.running:
@@ -43,7 +50,9 @@ def shared_server() -> LocalS3Server:
 
 @pytest.fixture(scope="session")
 def s3_server() -> LocalS3Server:
-    """The shared moto server (see `shared_server`)."""
+    """The shared moto server (see `shared_server`), or a skip naming the `s3` extra."""
+    pytest.importorskip("obstore", reason="the obj tier needs the s3 extra: pip install "
+                                          "'kvhal[s3]'")
     return shared_server()
 
 

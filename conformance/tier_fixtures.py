@@ -47,8 +47,12 @@ def selected_tiers(config: pytest.Config) -> list[str]:
 
 @pytest.fixture
 def harness(tier_name: str) -> TierHarness:
-    """The harness of the tier under test."""
-    return harnesses()[tier_name]
+    """The harness of the tier under test, or a skip naming the extra its tier needs."""
+    harness = harnesses()[tier_name]
+    missing = harness.missing_extra()
+    if missing:
+        pytest.skip(missing)
+    return harness
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import os
 import subprocess
 import tempfile
@@ -68,6 +69,8 @@ class TierHarness:
         stored_objects: `stored_objects(config)` → (complete objects, temp objects) currently
             in the store (e.g. chunk files and temp files), or None.
         kill_points: SIGKILL points of the torn-chunk test (each starts a writer process).
+        extra: (kvhal extra, module) where the tier needs an extra: tests of the tier skip,
+            naming the extra, when the module does not import; None: no extra needed.
         why_not: Reason printed when a test is skipped for a missing capability.
     """
 
@@ -83,7 +86,20 @@ class TierHarness:
     services: Services | None = None
     settle: Settle | None = None
     ready: Callable[[SecondaryTier], None] | None = None
+    extra: tuple[str, str] | None = None
     why_not: str = ""
+
+    def missing_extra(self) -> str | None:
+        """Why this tier cannot run here (its `extra` does not import), or None."""
+        if self.extra is None:
+            return None
+        extra, module = self.extra
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return (f"the {self.name} tier needs the {extra} extra ({exc.name} missing): "
+                    f"pip install 'kvhal[{extra}]'")
+        return None
 
     def make(self, config: Config, host: memoryview, namespace: bytes) -> SecondaryTier:
         """Construct the tier through its registered factory (and wait until it is `ready`)."""
@@ -302,7 +318,7 @@ def _obj_stored_objects(config: Config) -> tuple[list[str], list[str]]:
 register_harness(TierHarness(
     "obj", config=_obj_config, persistent=True, shared_by_processes=True,
     damage=_obj_damage, damage_kinds=DAMAGE_KINDS, faulty=_obj_faulty,
-    stored_objects=_obj_stored_objects,
+    stored_objects=_obj_stored_objects, extra=("s3", "kvhal.tiers.obj"),
     # a PUT is atomic on the server, so a kill can only lose a chunk, never tear one; 20 points
     # cover kills before, during and after requests (100 took ~5 min on 2 loaded cores)
     kill_points=20))
@@ -312,7 +328,7 @@ register_harness(TierHarness(
 register_harness(TierHarness(
     "p2p", config=p2p.config, persistent=True, shared_by_processes=True,
     services=p2p.keeper, settle=p2p.settle, ready=p2p.ready, damage=p2p.damage,
-    damage_kinds=("bitflip-payload", "truncate", "delete"),
+    damage_kinds=("bitflip-payload", "truncate", "delete"), extra=("p2p", "kvhal.tiers.p2p"),
     # each kill point starts a writer process and the keeper pulls each chunk it reports
     kill_points=12,
     why_not="p2p chunks live in the memory of the instances serving them (no files, no "
