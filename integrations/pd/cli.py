@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-timeout-s", type=_positive_seconds, default=300.0,
                    help="seconds a prefill leg may take; prefill-first then decodes without "
                    "it (default: %(default)s)")
-    p.add_argument("--shutdown-timeout-s", type=non_negative_float, default=60.0,
+    p.add_argument("--shutdown-timeout-s", type=_positive_seconds, default=60.0,
                    help="seconds requests in flight get to finish on SIGTERM/SIGINT "
                    "(default: %(default)s)")
     p.set_defaults(func=run)
