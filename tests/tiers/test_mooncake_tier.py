@@ -239,20 +239,22 @@ def test_chunks_the_pool_evicts_become_misses_and_removals(mooncake_master):
     with LocalMaster(flags) as master:
         host, array = host_region(4 << 20)
         tier = MooncakeTier(master.tier_config(refresh_interval_s=0.05), host, NAMESPACE)
-        keys = [chunk_key(NAMESPACE, 100 + i) for i in range(24)]
-        results = []
-        for i, key in enumerate(keys):
-            array[:2 << 20] = payload(100 + i, 2 << 20)
-            results.append(store(tier, key, 0, 2 << 20))
-        removed: set = set()
-        wait_for(lambda: removed.update(tier.take_removed()) or len(removed) >= 4, 15.0,
-                 "evictions reported")
-        outcomes = []
-        for i, key in enumerate(keys):
-            r = load(tier, key, 2 << 20, 2 << 20)
-            exact = np.array_equal(array[2 << 20:4 << 20], payload(100 + i, 2 << 20))
-            outcomes.append("ok" if r.ok and exact else "WRONG" if r.ok else "miss")
-        tier.close()
+        try:
+            keys = [chunk_key(NAMESPACE, 100 + i) for i in range(24)]
+            results = []
+            for i, key in enumerate(keys):
+                array[:2 << 20] = payload(100 + i, 2 << 20)
+                results.append(store(tier, key, 0, 2 << 20))
+            removed: set = set()
+            wait_for(lambda: removed.update(tier.take_removed()) or len(removed) >= 4, 15.0,
+                     "evictions reported")
+            outcomes = []
+            for i, key in enumerate(keys):
+                r = load(tier, key, 2 << 20, 2 << 20)
+                exact = np.array_equal(array[2 << 20:4 << 20], payload(100 + i, 2 << 20))
+                outcomes.append("ok" if r.ok and exact else "WRONG" if r.ok else "miss")
+        finally:
+            tier.close()
 
     assert sum(r.ok for r in results) >= 10
     assert "WRONG" not in outcomes
