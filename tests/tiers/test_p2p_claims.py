@@ -16,6 +16,7 @@ from kvhal.tiers.base import JobKind, Lookup, TierJob
 from kvhal.tiers.chunk_format import payload_checksum
 from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.auth import AuthError, client_handshake
+from kvhal.tiers.p2p import server as p2p_server
 from kvhal.tiers.p2p.server import MAX_HANDSHAKING
 from kvhal.tiers.p2p.transport import TcpConnection
 from kvhal.tiers.p2p.wire import (MAX_KEYS_PER_FRAME, NONCE_BYTES, PROTOCOL_VERSION, decode,
@@ -113,7 +114,8 @@ def test_busy_once_max_inflight_transfers_are_in_flight(tiers):
     `Server._serve_data`'s `self._slots.acquire(blocking=False)` check removed the third pull
     is held too and never answered `busy`; with one slot fewer the second pull is `busy`)."""
     paused = FaultyPausedTransport()
-    server, _ = tiers(config(max_inflight=2), transport=paused, stored=1)
+    server, _ = tiers(config(max_inflight=2, timeout_s=WAIT_S), transport=paused,
+                      stored=1)
     tier, array = tiers(config(peers=[server.identity], num_threads=3, timeout_s=WAIT_S))
     assert tier.wait_synced(WAIT_S)
     results: dict = {}
@@ -227,8 +229,12 @@ def _flooded_handshake(server, flood) -> tuple[bool | str, int | None]:
 
 
 @pytest.fixture
-def flood_sockets():
-    opened: list = []   # sockets and connections
+def flood_sockets(monkeypatch):
+    """Sockets and connections of a flood, closed after the test. Handshakes may last
+    `WAIT_S` meanwhile (with the tier's `timeout_s`), not `HANDSHAKE_S`: the flood and the
+    paused peer must not time out on a loaded machine."""
+    monkeypatch.setattr(p2p_server, "HANDSHAKE_S", WAIT_S)
+    opened: list = []
     yield opened
     for s in opened:
         s.close()
@@ -241,7 +247,7 @@ def test_a_silent_flood_during_a_handshake_cannot_drop_it(tiers, flood_sockets):
     handshake regardless (`next(iter(self._handshaking))` in `Server._accept_loop`, as before
     issue 26: the `MAX_HANDSHAKING`-th silent connection dropped the peer) or when
     `auth.server_handshake` stops reporting a hello it has heard."""
-    server, _ = tiers(config(), stored=1)
+    server, _ = tiers(config(timeout_s=WAIT_S), stored=1)
     count = 3 * MAX_HANDSHAKING
 
     def flood():
@@ -263,7 +269,7 @@ def test_a_hello_flood_drops_a_handshake_from_the_max_handshaking_th(tiers, floo
     doing that faster than once per round trip of the peer keeps it out while it lasts; the
     peer then retries (its feed link with backoff, its pulls as misses). Fails when the bound
     moves (e.g. `>` for `>=` in `Server._accept_loop`: 17 handshakes held)."""
-    server, _ = tiers(config(), stored=1)
+    server, _ = tiers(config(timeout_s=WAIT_S), stored=1)
 
     def flood():
         for _ in range(count):   # one by one: the server has heard each before the next
