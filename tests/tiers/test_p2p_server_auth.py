@@ -163,6 +163,7 @@ def test_a_recorded_handshake_replayed_on_a_new_connection_is_refused(server, cl
         assert recorded.recv(time.monotonic() + REPLY_S, "chunk")["n"] == 4096  # it was good
     finally:
         recorded.close()
+    wait_for(lambda: server.stats().get("chunks_served") == 1, REPLY_S, "the recorded get")
     hello, auth = recorded.sent[:2]
     replay = clients()
 
