@@ -72,7 +72,7 @@ def test_bench_tier_unknown_tier_and_bad_config_are_one_line():
     out = kvhal("bench", "tier", "--tier", "nope")
     assert (out.returncode, out.stderr) == (
         1, "kvhal bench: error: --tier: 'nope' is not a registered tier type; registered: "
-           "memory, fs, p2p, obj\n")
+           "memory, fs, p2p, obj, mooncake\n")
     out = kvhal("bench", "tier", "--config", "[1]")
     assert (out.returncode, out.stderr) == (
         1, "kvhal bench: error: --config: must be a JSON object, got list\n")
