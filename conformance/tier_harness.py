@@ -138,7 +138,9 @@ class FaultyOs:
 
     Used where a real component cannot produce the error on demand: EIO (no faulty disk in
     CI), EACCES (CI runs as root, and root ignores permission bits), ENOSPC on loads and
-    where no tiny tmpfs can be mounted. `raised` counts the injected errors.
+    where no tiny tmpfs can be mounted. `raised` counts the injected errors. It switches the
+    fs tier's C I/O path off (that path runs only with the real `os`): the same errors are
+    injected into the C path by `tests/tiers/test_fs_c_path.py`, under strace.
     """
 
     def __init__(self, err: int, calls: tuple[str, ...]):
