@@ -13,10 +13,13 @@ import re
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 
+#: Seconds a `/metrics` scrape may take.
+SCRAPE_TIMEOUT_S = 30
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -27,6 +30,25 @@ def readme_block(marker: str) -> str:
     if m is None:
         raise LookupError(f"README.md has no bash block after '<!-- {marker}'")
     return m.group(1)
+
+
+def scrape(base: str) -> str:
+    """The text of `{base}/metrics` (base: "http://host:port")."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=SCRAPE_TIMEOUT_S) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` in Prometheus `text` whose labels include `labels` (0 if
+    none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
 
 
 def free_port() -> int:
