@@ -1,6 +1,6 @@
 """Processes and servers the proxy tests talk to over real sockets.
 
-`ProxyProcess` runs `kvhal proxy ...` as its own process on a free port. `RecordingBackend`
+`ProxyProcess` runs `kvhal proxy ...` as its own process (`--port 0`: a free port). `RecordingBackend`
 is a tiny HTTP server (aiohttp, on one event-loop thread shared by all of them) that records
 every body the proxy sends it, so a test can check the exact legs; it answers with a fixed
 JSON echo, never pretending to be vLLM. `FaultyBackend` answers its legs with an HTTP error
@@ -53,23 +53,25 @@ def request(url: str, body: dict | None = None, timeout_s: float = 60.0
 
 
 class ProxyProcess:
-    """`kvhal proxy ARGS --port 0` in its own process; `url` once its startup line is out.
+    """`kvhal proxy` in its own process; `url` once its startup line is out.
 
     Args:
-        args: Arguments after `kvhal proxy` (backends, order, ...).
+        command: The command line, e.g. `[KVHAL, "proxy", "--port", "0", ...]` or a README
+            block run by bash (which execs the proxy).
         log: File receiving the proxy's stderr (its log lines).
+        env: The process's environment (default: this one's).
         timeout_s: Seconds to wait for the startup line.
 
     Raises:
         RuntimeError: the proxy exited or printed no startup line in time (with its log).
     """
 
-    def __init__(self, args: list[str], log: Path, timeout_s: float = 60.0):
+    def __init__(self, command: list[str], log: Path, env: dict | None = None,
+                 timeout_s: float = 60.0):
         self.log = log
         self._log = log.open("w")
-        self.proc = subprocess.Popen([KVHAL, "proxy", "--port", "0", *args], text=True,
-                                     stdout=subprocess.PIPE, stderr=self._log,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(command, text=True, env=env, stdout=subprocess.PIPE,
+                                     stderr=self._log, preexec_fn=die_with_parent)
         self.startup = self._read_line(timeout_s)
         m = STARTUP.match(self.startup)
         if m is None:

@@ -14,7 +14,7 @@ import pytest
 
 from kvhal.integrations.pd.legs import RemotePrefill, decode_body, prefill_body
 
-from .servers import FaultyBackend, ProxyProcess, RecordingBackend, SSEStream, request
+from .servers import KVHAL, FaultyBackend, ProxyProcess, RecordingBackend, SSEStream, request
 
 CLIENT = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 0,
           "kv_transfer_params": {"max_offload_tokens": 128}}
@@ -42,7 +42,8 @@ def proxy(tmp_path):
     def start(prefillers, decoders, *args: str, p2p=P2P) -> ProxyProcess:
         argv = [a for p in prefillers for a in ("--prefiller", f"{p.url},{p2p[0]}:{p2p[1]}")]
         argv += [a for d in decoders for a in ("--decoder", d.url)]
-        made.append(ProxyProcess([*argv, *args], tmp_path / f"proxy{len(made)}.log"))
+        made.append(ProxyProcess([KVHAL, "proxy", "--port", "0", *argv, *args],
+                                 tmp_path / f"proxy{len(made)}.log"))
         return made[-1]
     yield start
     for p in made:
