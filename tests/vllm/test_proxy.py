@@ -175,8 +175,9 @@ def test_a_streamed_answer_equals_the_unstreamed_one(runs):
 
 
 def test_models_are_the_decoders(runs):
-    """Fails when /v1/models is not the decoder's answer (ids and times are made per call,
-    so the models' names and lengths are compared)."""
+    """Fails when vLLM's /v1/models answer is not passed through (ids and times are made
+    per call, so the models' names and lengths are compared; which backend answers is
+    tests/pd's `test_models_come_from_a_decoder`)."""
     (status, via_proxy), (_, direct) = runs["models"]
 
     def models(answer: dict) -> list[tuple]:
