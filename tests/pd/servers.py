@@ -153,6 +153,7 @@ class Received:
     headers: dict
     body: dict | None
     seq: int
+    transport: object = None          # the connection it came on (asyncio transport)
     answered_seq: int | None = None
     waited_ok: bool | None = None     # the `answer_after` condition held in time
 
@@ -183,7 +184,7 @@ class RecordingBackend:
 
     async def _start(self) -> str:
         self._arrived, self._release = asyncio.Event(), asyncio.Queue()
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)   # as vLLM: no 1 MiB cap
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/{tail:.*}", self._post)
@@ -197,6 +198,12 @@ class RecordingBackend:
     def legs(self) -> list[Received]:
         """The `POST /v1/...` requests received, in arrival order."""
         return [r for r in self.received if r.path.startswith("/v1/") and r.body is not None]
+
+    def connection_closed(self, rec: Received) -> bool:
+        """Whether the connection `rec` came on is closed or closing (thread-safe)."""
+        async def check() -> bool:
+            return rec.transport is None or rec.transport.is_closing()
+        return self._loop.run(check())
 
     def release(self) -> None:
         """Let a held SSE stream send its next event (thread-safe)."""
@@ -214,7 +221,8 @@ class RecordingBackend:
         return web.json_response({"backend": self.name})
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
-        rec = Received(request.path, dict(request.headers), await request.json(), next(_SEQ))
+        rec = Received(request.path, dict(request.headers), await request.json(), next(_SEQ),
+                       request.transport)
         self.received.append(rec)
         self._arrived.set()
         if self.answer_after is not None:
@@ -234,12 +242,16 @@ class RecordingBackend:
             return web.json_response({"backend": self.name, "echo": rec.body})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(3):
-            if i:
-                await asyncio.wait_for(self._release.get(), 30)
-            await resp.write(f"data: {json.dumps({'backend': self.name, 'n': i})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            for i in range(3):
+                if i:
+                    await asyncio.wait_for(self._release.get(), 30)
+                await resp.write(f"data: {json.dumps({'backend': self.name, 'n': i})}\n\n"
+                                 .encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:     # the proxy closed the leg
+            pass
         return resp
 
 
