@@ -18,6 +18,7 @@ leg. In the last two the decoder waits for chunks the prefiller has not parked y
 Failures, answered as JSON `{"error": {"message", "type": "kvhal_proxy_error", "backend",
 "code"}}`, never a traceback:
     400: the client's body is not a JSON object, or its `kv_transfer_params` is not one.
+    413: the body is over `MAX_BODY_BYTES`.
     502: the chosen decoder could not be reached (connection refused, reset, timeout);
         `backend` names it and the decoder is marked unhealthy. Not retried elsewhere.
     503: no decoder is healthy; `message` names each one and why.
@@ -34,6 +35,9 @@ other orders the decode leg already carries `remote_prefiller` when the prefill 
 the decoder's p2p tier then finds nothing under the id and recomputes (the tier's failure
 policy). A failed or abandoned decode leg cancels its prefill leg (closing the connection
 aborts it in vLLM, so its parked KV is not held until the tier's timeout).
+
+A client that disconnects cancels its request: both legs' connections are closed, which
+aborts them in vLLM.
 
 Shutdown (SIGTERM, SIGINT): the listener closes, requests in flight finish (up to
 `shutdown_timeout_s`), the health poller stops, the client session closes; exit code 0.
@@ -62,6 +66,8 @@ log = logging.getLogger("kvhal.proxy")
 
 #: Bytes of randomness in a `kv_request_id` (base64url: 32 characters).
 REQUEST_ID_BYTES = 24
+#: Largest client body accepted (aiohttp's default, 1 MiB, is a 150K-token prompt of ids).
+MAX_BODY_BYTES = 256 << 20
 #: Header pinning a request to one data-parallel rank of a vLLM API server.
 DP_RANK_HEADER = "X-data-parallel-rank"
 #: Client headers forwarded to both legs (API keys).
@@ -115,6 +121,15 @@ def _failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _unreachable(exc: BaseException) -> bool:
+    """Whether a failed call says the backend is down (refused, reset, connect timeout), not
+    merely slow (`prefill_timeout_s` passed)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return True
+    return isinstance(exc, (aiohttp.ClientError, OSError)) and not isinstance(
+        exc, asyncio.TimeoutError)
+
+
 class Proxy:
     """The aiohttp application's state: pools, the client session, the health poller."""
 
@@ -129,7 +144,7 @@ class Proxy:
 
     def app(self) -> web.Application:
         """The aiohttp application serving the routes of the module docstring."""
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -218,6 +233,8 @@ class Proxy:
             body = await request.json()
         except ValueError as exc:
             return _error(400, f"request body is not valid JSON: {exc}")
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
         if not isinstance(body, dict):
             return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
         try:
@@ -301,8 +318,7 @@ class Proxy:
             why = _failure(exc)
             log.warning("request %s: prefill leg to %s failed: %s; the decoder recomputes",
                         rid, prefiller.url, why)
-            self.prefillers.done(prefiller, why, unreachable=not isinstance(
-                exc, asyncio.TimeoutError))
+            self.prefillers.done(prefiller, why, unreachable=_unreachable(exc))
             return None, None
         if resp.status >= 500:
             log.warning("request %s: prefill leg to %s answered HTTP %d; the decoder "
@@ -327,14 +343,14 @@ class Proxy:
         except BaseException:
             self.decoders.done(backend)
             raise
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for name in PASSED_HEADERS:
+            if name in upstream.headers:
+                resp.headers[name] = upstream.headers[name]
+        if upstream.content_length is not None:
+            resp.content_length = upstream.content_length
         error, finished = None, False
         try:
-            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for name in PASSED_HEADERS:
-                if name in upstream.headers:
-                    resp.headers[name] = upstream.headers[name]
-            if upstream.content_length is not None:
-                resp.content_length = upstream.content_length
             await resp.prepare(request)
             while True:
                 try:
@@ -342,20 +358,25 @@ class Proxy:
                 except (aiohttp.ClientError, OSError) as exc:
                     error = _failure(exc)
                     log.warning("decoder %s failed mid-answer: %s", backend.url, error)
-                    request.transport.abort()   # the client sees an incomplete body
+                    if request.transport is not None:
+                        request.transport.abort()   # the client sees an incomplete body
                     return resp
                 if not chunk:
                     break
                 await resp.write(chunk)
             finished = True
-            await resp.write_eof()
+        except ConnectionResetError:    # the client left (handled here: no traceback logged)
+            log.info("client left; closing the leg to decoder %s", backend.url)
             return resp
         finally:
             if finished:
                 upstream.release()
             else:
                 upstream.close()    # closing the connection aborts the request in vLLM
-            self.decoders.done(backend, error)
+            self.decoders.done(backend, error)    # before the client can see the end
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
+        return resp
 
     @staticmethod
     async def _on_chunk_sent(_session, trace_ctx, _params) -> None:
@@ -375,7 +396,9 @@ async def serve(config: ProxyConfig, announce: Callable[[str], Any] = print) -> 
         OSError: the listen address cannot be bound.
     """
     proxy = Proxy(config)
-    runner = web.AppRunner(proxy.app(), access_log=None,
+    # handler_cancellation: a client that leaves cancels its handler at once, which closes
+    # the legs' connections (vLLM aborts those requests), even while no token is due.
+    runner = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True,
                            shutdown_timeout=config.shutdown_timeout_s)
     await runner.setup()
     try:

@@ -1,6 +1,6 @@
 """Processes and servers the proxy tests talk to over real sockets.
 
-`ProxyProcess` runs `kvhal proxy ...` as its own process on a free port. `RecordingBackend`
+`ProxyProcess` runs `kvhal proxy ...` as its own process (`--port 0`: a free port). `RecordingBackend`
 is a tiny HTTP server (aiohttp, on one event-loop thread shared by all of them) that records
 every body the proxy sends it, so a test can check the exact legs; it answers with a fixed
 JSON echo, never pretending to be vLLM. `FaultyBackend` answers its legs with an HTTP error
@@ -53,23 +53,25 @@ def request(url: str, body: dict | None = None, timeout_s: float = 60.0
 
 
 class ProxyProcess:
-    """`kvhal proxy ARGS --port 0` in its own process; `url` once its startup line is out.
+    """`kvhal proxy` in its own process; `url` once its startup line is out.
 
     Args:
-        args: Arguments after `kvhal proxy` (backends, order, ...).
+        command: The command line, e.g. `[KVHAL, "proxy", "--port", "0", ...]` or a README
+            block run by bash (which execs the proxy).
         log: File receiving the proxy's stderr (its log lines).
+        env: The process's environment (default: this one's).
         timeout_s: Seconds to wait for the startup line.
 
     Raises:
         RuntimeError: the proxy exited or printed no startup line in time (with its log).
     """
 
-    def __init__(self, args: list[str], log: Path, timeout_s: float = 60.0):
+    def __init__(self, command: list[str], log: Path, env: dict | None = None,
+                 timeout_s: float = 60.0):
         self.log = log
         self._log = log.open("w")
-        self.proc = subprocess.Popen([KVHAL, "proxy", "--port", "0", *args], text=True,
-                                     stdout=subprocess.PIPE, stderr=self._log,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(command, text=True, env=env, stdout=subprocess.PIPE,
+                                     stderr=self._log, preexec_fn=die_with_parent)
         self.startup = self._read_line(timeout_s)
         m = STARTUP.match(self.startup)
         if m is None:
@@ -151,6 +153,7 @@ class Received:
     headers: dict
     body: dict | None
     seq: int
+    transport: object = None          # the connection it came on (asyncio transport)
     answered_seq: int | None = None
     waited_ok: bool | None = None     # the `answer_after` condition held in time
 
@@ -181,7 +184,7 @@ class RecordingBackend:
 
     async def _start(self) -> str:
         self._arrived, self._release = asyncio.Event(), asyncio.Queue()
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)   # as vLLM: no 1 MiB cap
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/{tail:.*}", self._post)
@@ -195,6 +198,12 @@ class RecordingBackend:
     def legs(self) -> list[Received]:
         """The `POST /v1/...` requests received, in arrival order."""
         return [r for r in self.received if r.path.startswith("/v1/") and r.body is not None]
+
+    def connection_closed(self, rec: Received) -> bool:
+        """Whether the connection `rec` came on is closed or closing (thread-safe)."""
+        async def check() -> bool:
+            return rec.transport is None or rec.transport.is_closing()
+        return self._loop.run(check())
 
     def release(self) -> None:
         """Let a held SSE stream send its next event (thread-safe)."""
@@ -212,7 +221,8 @@ class RecordingBackend:
         return web.json_response({"backend": self.name})
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
-        rec = Received(request.path, dict(request.headers), await request.json(), next(_SEQ))
+        rec = Received(request.path, dict(request.headers), await request.json(), next(_SEQ),
+                       request.transport)
         self.received.append(rec)
         self._arrived.set()
         if self.answer_after is not None:
@@ -232,12 +242,16 @@ class RecordingBackend:
             return web.json_response({"backend": self.name, "echo": rec.body})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(3):
-            if i:
-                await asyncio.wait_for(self._release.get(), 30)
-            await resp.write(f"data: {json.dumps({'backend': self.name, 'n': i})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            for i in range(3):
+                if i:
+                    await asyncio.wait_for(self._release.get(), 30)
+                await resp.write(f"data: {json.dumps({'backend': self.name, 'n': i})}\n\n"
+                                 .encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:     # the proxy closed the leg
+            pass
         return resp
 
 

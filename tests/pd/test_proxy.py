@@ -14,7 +14,7 @@ import pytest
 
 from kvhal.integrations.pd.legs import RemotePrefill, decode_body, prefill_body
 
-from .servers import FaultyBackend, ProxyProcess, RecordingBackend, SSEStream, request
+from .servers import KVHAL, FaultyBackend, ProxyProcess, RecordingBackend, SSEStream, request
 
 CLIENT = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 0,
           "kv_transfer_params": {"max_offload_tokens": 128}}
@@ -42,11 +42,19 @@ def proxy(tmp_path):
     def start(prefillers, decoders, *args: str, p2p=P2P) -> ProxyProcess:
         argv = [a for p in prefillers for a in ("--prefiller", f"{p.url},{p2p[0]}:{p2p[1]}")]
         argv += [a for d in decoders for a in ("--decoder", d.url)]
-        made.append(ProxyProcess([*argv, *args], tmp_path / f"proxy{len(made)}.log"))
+        made.append(ProxyProcess([KVHAL, "proxy", "--port", "0", *argv, *args],
+                                 tmp_path / f"proxy{len(made)}.log"))
         return made[-1]
     yield start
     for p in made:
         p.kill()
+
+
+def _wait(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
 
 
 def _id(leg) -> str:
@@ -104,6 +112,7 @@ def test_concurrent_sends_both_legs_before_either_answers(backend, proxy):
     p.answer_after, d.answer_after = (d, 30.0), (p, 30.0)
     px = proxy([p], [d], "--order", "concurrent")
     assert request(f"{px.url}/v1/completions", CLIENT)[0] == 200
+    _wait(lambda: p.legs[0].answered_seq is not None)   # it may answer after the client's
     assert (p.legs[0].waited_ok, d.legs[0].waited_ok) == (True, True)
 
 
@@ -326,3 +335,44 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0(backend, proxy):
     finally:
         stream.close()
     assert px.proc.wait(30) == 0
+
+
+def test_a_client_leaving_mid_stream_closes_the_decode_leg(backend, proxy):
+    """The client drops its stream after the first event, while the decoder has nothing
+    more to send: the proxy closes its connection to the decoder at once (vLLM aborts a
+    request whose connection closes). Fails without aiohttp's `handler_cancellation` (the
+    relay waits for the decoder's next event before noticing)."""
+    p, d = backend("p"), backend("d")
+    px = proxy([p], [d])
+    stream = SSEStream(f"{px.url}/v1/completions", CLIENT | {"stream": True}, timeout_s=20)
+    stream.next_event()
+    stream.close()
+    # the decoder waits 30 s for a release that never comes
+    _wait(lambda: d.connection_closed(d.legs[0]), timeout_s=20)
+    assert d.legs[0].answered_seq is None     # closed by the proxy, not by the decoder
+    assert "Traceback" not in px.log.read_text()
+
+
+def test_a_slow_prefill_leg_times_out_and_the_decoder_computes(backend, proxy):
+    """prefill-first with `--prefill-timeout-s 1`, the prefiller holding its answer 30 s:
+    after 1 s the decode leg goes out without `remote_prefiller`; the prefiller stays
+    healthy (slow, not down). Fails when the prefill leg has no deadline (the request takes
+    the full 30 s, over this test's 20 s client timeout)."""
+    p, d = backend("p"), backend("d")
+    p.answer_after = (backend("never"), 30.0)
+    px = proxy([p], [d], "--prefill-timeout-s", "1")
+    status, answer = request(f"{px.url}/v1/completions", CLIENT, timeout_s=20)
+    assert status == 200 and d.legs[0].body == decode_body(CLIENT, None)
+    prefiller = px.health()[1]["prefillers"][0]
+    assert (prefiller["healthy"], prefiller["failures"]) == (True, 1)
+
+
+def test_a_body_over_aiohttps_1_mib_default_passes(backend, proxy):
+    """A 400,000-token prompt (2.6 MB of JSON) reaches both legs. Fails with aiohttp's
+    default `client_max_size` (413)."""
+    p, d = backend("p"), backend("d")
+    px = proxy([p], [d])
+    body = CLIENT | {"prompt": list(range(100_000, 500_000))}
+    status, answer = request(f"{px.url}/v1/completions", body)
+    assert status == 200 and answer["echo"]["prompt"] == body["prompt"]
+    assert p.legs[0].body["prompt"] == body["prompt"]
