@@ -230,9 +230,9 @@ def test_a_full_pool_fails_the_store_with_a_counter(open_tier):
 
 
 def test_chunks_the_pool_evicts_become_misses_and_removals(mooncake_master):
-    """Storing 3x a 16 MiB pool whose master evicts above half full: every load is ok and exact
-    or a miss, and every evicted key is reported removed. Fails when re-checks keep keys the
-    pool dropped (e.g. `reconcile` fed every held key)."""
+    """Storing into a 16 MiB pool whose master evicts above half full until it has evicted:
+    every load is ok and exact or a miss, and every evicted key is reported removed. Fails when
+    re-checks keep keys the pool dropped (e.g. `reconcile` fed every held key)."""
     mooncake_master.kill()
     flags = {"client_ttl": "2", "default_kv_lease_ttl": "200",
              "eviction_high_watermark_ratio": "0.5", "eviction_ratio": "0.2"}
@@ -240,14 +240,15 @@ def test_chunks_the_pool_evicts_become_misses_and_removals(mooncake_master):
         host, array = host_region(4 << 20)
         tier = MooncakeTier(master.tier_config(refresh_interval_s=0.05), host, NAMESPACE)
         try:
-            keys = [chunk_key(NAMESPACE, 100 + i) for i in range(24)]
-            results = []
-            for i, key in enumerate(keys):
+            keys, results, removed = [], [], set()
+            deadline = time.monotonic() + 60.0
+            while len(removed) < 3 and time.monotonic() < deadline:   # stores go on until
+                i = len(keys)                                          # the master evicts
+                keys.append(chunk_key(NAMESPACE, 100 + i))
                 array[:2 << 20] = payload(100 + i, 2 << 20)
-                results.append(store(tier, key, 0, 2 << 20))
-            removed: set = set()
-            wait_for(lambda: removed.update(tier.take_removed()) or len(removed) >= 4, 15.0,
-                     "evictions reported")
+                results.append(store(tier, keys[-1], 0, 2 << 20))
+                time.sleep(0.05)
+                removed.update(tier.take_removed())
             outcomes = []
             for i, key in enumerate(keys):
                 r = load(tier, key, 2 << 20, 2 << 20)
@@ -256,9 +257,10 @@ def test_chunks_the_pool_evicts_become_misses_and_removals(mooncake_master):
         finally:
             tier.close()
 
-    assert sum(r.ok for r in results) >= 10
-    assert "WRONG" not in outcomes
-    assert all(outcomes[keys.index(k)] == "miss" for k in removed)
+    stored = [r.ok for r in results]
+    assert len(removed) >= 3 and sum(stored) >= 4, (stored, removed)
+    assert "WRONG" not in outcomes, outcomes
+    assert all(outcomes[keys.index(k)] == "miss" for k in removed), (outcomes, removed)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -275,6 +277,7 @@ def test_chunks_the_pool_evicts_become_misses_and_removals(mooncake_master):
     ({"refresh_interval_s": True}, "refresh_interval_s: must be a number"),
     ({"io_threads": 2.5}, "io_threads: must be an integer in [1, 64], got 2.5"),
     ({"local_hostname": ""}, "local_hostname: must be a host name or address"),
+    ({"prefix": "a/../b"}, "prefix: segments between \"/\" must be non-empty"),
     ({"bucket": "x"}, "bucket: unknown key for the mooncake tier; accepted: device_name"),
 ], ids=lambda p: p if isinstance(p, str) else next(iter(p)))
 def test_bad_config_values_are_named_errors(bad, message):

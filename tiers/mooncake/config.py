@@ -17,6 +17,8 @@ Keys named after Mooncake Store's own (`MooncakeDistributedStore.setup` and its 
     replica_num (int in [1, 16]): copies of each chunk in the pool (`ReplicateConfig`;
         default 1).
 kvhal's own keys:
+    prefix (str): object names start with `<prefix>/` (default "kvhal"): pools shared by
+        several deployments keep them apart.
     io_threads (int in [1, 64]): threads per direction (loads and stores each; default 2).
     refresh_interval_s (number in [0.001, 86400]): how often indexed chunks are re-checked with
         one `batch_is_exist` per 1,024 keys (evicted or lost chunks become misses and
@@ -35,6 +37,7 @@ from typing import Any, Mapping
 
 from ..base import TierError
 from ..fs.config import MAX_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S
+from ..obj.config import normalize_prefix
 
 DEFAULT_SEGMENT_BYTES = 512 << 20
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -52,7 +55,7 @@ _METADATA_RE = re.compile(r"^(?:https?|etcd)://[A-Za-z0-9.\[\]:-]+(?::\d{1,5})?(
 _DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$")
 _KEYS = frozenset({"master_server_address", "metadata_server", "local_hostname", "protocol",
                    "device_name", "global_segment_size", "local_buffer_size", "replica_num",
-                   "io_threads", "refresh_interval_s", "timeout_s"})
+                   "prefix", "io_threads", "refresh_interval_s", "timeout_s"})
 _PASSTHROUGH = frozenset({"type", "module_path"})
 
 
@@ -68,6 +71,7 @@ class MooncakeConfig:
     global_segment_size: int
     local_buffer_size: int
     replica_num: int
+    prefix: str
     io_threads: int
     refresh_interval_s: float
     timeout_s: float
@@ -138,6 +142,7 @@ def parse_config(config: Mapping[str, Any]) -> MooncakeConfig:
         local_buffer_size=_number(config, "local_buffer_size", DEFAULT_BUFFER_BYTES,
                                   MIN_POOL_BYTES, MAX_POOL_BYTES, integer=True),
         replica_num=_number(config, "replica_num", 1, 1, 16, integer=True),
+        prefix=normalize_prefix(config.get("prefix", "kvhal")) or "kvhal",
         io_threads=_number(config, "io_threads", DEFAULT_IO_THREADS, 1, 64, integer=True),
         refresh_interval_s=float(_number(config, "refresh_interval_s",
                                          DEFAULT_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S,
