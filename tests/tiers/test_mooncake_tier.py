@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from conformance.mooncake import require
 from kvhal import plugins
 from kvhal.tiers.base import Lookup, TierError
 from kvhal.tiers.chunk_format import HEADER_BYTES, record_nbytes
@@ -19,6 +20,7 @@ from kvhal.tiers.mooncake import MooncakeTier, parse_config
 from kvhal.tiers.mooncake.local_master import LocalMaster
 
 from .helpers import NAMESPACE, chunk_key, host_region, load, payload, store, wait_for
+from .test_fs_cli import kvhal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 300001          # not a multiple of 4 KiB: the record's padding is exercised
@@ -308,3 +310,27 @@ def test_a_missing_package_is_one_error_naming_what_to_install(monkeypatch):
         "type: the mooncake tier needs the mooncake extra (mooncake.store missing): pip "
         "install 'kvhal[mooncake]' (the mooncake-transfer-engine-non-cuda wheel) and apt-get "
         "install libibverbs1")
+
+
+def test_bench_tier_mooncake_prints_tier_and_raw_loops_side_by_side():
+    """`kvhal bench tier --tier mooncake` on a pool it starts itself: the tier, the registered
+    and the plain raw loop, their ratios from the same run, and one chunk's latency."""
+    require()
+    out = kvhal("bench", "tier", "--tier", "mooncake", "--chunk-bytes", "256KiB", "--count",
+                "4", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads(out.stdout)
+    tier, raw, plain = figures["contenders"]
+
+    assert (figures["tier"], figures["chunk_bytes"], figures["count"]) == ("mooncake",
+                                                                         256 << 10, 4)
+    assert [c["name"] for c in figures["contenders"]] == ["kvhal mooncake",
+                                                          "raw put_from/get_into", "raw put/get"]
+    assert figures["write_vs_raw"] == tier["write_median_gbps"] / raw["write_median_gbps"]
+    assert figures["read_vs_plain"] == tier["read_median_gbps"] / plain["read_median_gbps"]
+    assert figures["registered_vs_plain_read"] == (raw["read_median_gbps"]
+                                                   / plain["read_median_gbps"])
+    assert figures["kvhal_stats"]["bytes_loaded"] == 4 * (256 << 10)     # one pass, verified
+    assert set(figures["latency_us"]) == {"kvhal mooncake", "raw put_from/get_into",
+                                          "raw put/get"}
+    assert figures["latency_us"]["kvhal mooncake"]["samples"] == 4

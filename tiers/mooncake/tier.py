@@ -99,6 +99,9 @@ class MooncakeTier(IndexedTier):
                               (partial(self._jobs.run_batch, self._load_batch),
                                partial(self._jobs.run_batch, self._store_batch)), MAX_BATCH)
         self._load_pool, self._store_pool = self._pool.lanes
+        #: (threads that may run loads, threads that may run stores): the store threads also
+        #: load while no store is queued (`LanePool`).
+        self.io_threads = (2 * cfg.io_threads, cfg.io_threads)
         self._remover = JobPool(1, "kvhal-mooncake-remove")
 
     def __repr__(self) -> str:
@@ -144,8 +147,9 @@ class MooncakeTier(IndexedTier):
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, already_stored,
         corrupt, missing, size_mismatch, pool_full, request_errors, master_unreachable,
         removed, remove_errors, exist_checked, exist_errors, exist_timeouts (absent while 0);
-        plus chunks (indexed keys)."""
-        return self._jobs.counters() | {"chunks": len(self._index)}
+        plus chunks (indexed keys) and durability ("pool": chunks live in the pool's memory,
+        with `replica_num` copies)."""
+        return self._jobs.counters() | {"chunks": len(self._index), "durability": "pool"}
 
     # -- jobs ---------------------------------------------------------------------------------
     def _exist(self, keys: list[ChunkKey]) -> list[int]:
