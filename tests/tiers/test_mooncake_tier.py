@@ -334,3 +334,33 @@ def test_bench_tier_mooncake_prints_tier_and_raw_loops_side_by_side():
     assert set(figures["latency_us"]) == {"kvhal mooncake", "raw put_from/get_into",
                                           "raw put/get"}
     assert figures["latency_us"]["kvhal mooncake"]["samples"] == 4
+
+
+def test_a_killed_segment_owner_takes_its_chunks_and_they_become_misses(mooncake_master):
+    """The chunks live in a `mooncake_client` process's segment (the tier lends none); once it
+    is SIGKILLed they load as misses, never wrong bytes, and reach `take_removed` when the
+    master drops the dead client (client_ttl 2 s). Fails when a failed get is reported ok or
+    re-checks keep the keys (e.g. `Prober._refresh` not called)."""
+    from kvhal.tiers.mooncake.local_master import SegmentKeeper
+    keeper = SegmentKeeper(mooncake_master, 64 << 20).start()
+    host, array = host_region()
+    tier = MooncakeTier(mooncake_master.tier_config(global_segment_size=0,
+                                                    refresh_interval_s=0.05), host, NAMESPACE)
+    try:
+        keys = [chunk_key(NAMESPACE, 200 + i) for i in range(4)]
+        for i, key in enumerate(keys):
+            array[:N] = payload(200 + i, N)
+            assert store(tier, key, 0, N).ok
+        keeper.kill()
+        removed: set = set()
+        wait_for(lambda: removed.update(tier.take_removed()) or len(removed) == 4, 30.0,
+                 "the dead owner's chunks removed")
+        loads = [load(tier, key, (1 + i) * N, N) for i, key in enumerate(keys)]
+        answers = [settled(tier, key) for key in keys]
+    finally:
+        tier.close()
+        keeper.kill()
+
+    assert removed == set(keys)
+    assert [r.ok for r in loads] == [False] * 4, loads
+    assert answers == [Lookup.MISS] * 4
