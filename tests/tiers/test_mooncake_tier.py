@@ -364,3 +364,42 @@ def test_a_killed_segment_owner_takes_its_chunks_and_they_become_misses(mooncake
     assert removed == set(keys)
     assert [r.ok for r in loads] == [False] * 4, loads
     assert answers == [Lookup.MISS] * 4
+
+
+def _state(pid: int) -> str:
+    """The process state letter of `pid` (/proc/PID/stat: "T" once stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+def test_a_hung_segment_owner_fails_jobs_within_the_timeout_and_the_tier_recovers(
+        mooncake_master):
+    """The keeper holding the chunk is SIGSTOPped: the load fails (a miss with a counter)
+    within the TCP progress bound the tier sets from timeout_s, and loads again once the owner
+    resumes, with the same tier. Fails when the bound is not set (Mooncake's default: 30 s)."""
+    import signal
+    from kvhal.tiers.mooncake.local_master import SegmentKeeper
+    keeper = SegmentKeeper(mooncake_master, 64 << 20).start()
+    host, array = host_region()
+    tier = MooncakeTier(mooncake_master.tier_config(global_segment_size=0, timeout_s=2.0),
+                        host, NAMESPACE)
+    try:
+        key = chunk_key(NAMESPACE, 300)
+        array[:N] = payload(300, N)
+        assert store(tier, key, 0, N).ok
+        bound = int(os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"])   # the first tier's, process-wide
+        os.kill(keeper._proc.pid, signal.SIGSTOP)
+        wait_for(lambda: _state(keeper._proc.pid) == "T", 10.0, "the keeper stopped")
+        t0 = time.monotonic()
+        hung = load(tier, key, N, N)
+        elapsed = time.monotonic() - t0
+        os.kill(keeper._proc.pid, signal.SIGCONT)
+        again = load(tier, key, 2 * N, N)
+    finally:
+        tier.close()
+        keeper.kill()
+
+    assert not hung.ok and hung.error == "get: TRANSFER_FAIL (-800)"
+    assert elapsed < bound + 3.0, (elapsed, bound)
+    assert tier.stats()["request_errors"] == 1
+    assert again.ok and np.array_equal(array[2 * N:3 * N], payload(300, N))

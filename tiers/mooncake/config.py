@@ -23,9 +23,11 @@ kvhal's own keys:
     refresh_interval_s (number in [0.001, 86400]): how often indexed chunks are re-checked with
         one `batch_is_exist` per 1,024 keys (evicted or lost chunks become misses and
         removals), and how long a chunk found absent stays a miss (default 1 s).
-    timeout_s (number in [1, 3600]): bound of one existence check's wait, `drain` and
-        `close` (default 10 s). Mooncake's own RPC gives up on a dead master after ~4.3 s
-        (measured), so jobs end then even if `timeout_s` is shorter.
+    timeout_s (number in [1, 3600]): bound of a TCP transfer that makes no progress (a hung
+        segment owner: Mooncake's `MC_TCP_PROGRESS_TIMEOUT_SEC` / `MC_TCP_STATUS_TIMEOUT_SEC`,
+        whole seconds, set from it unless already set) and of the RETRY answers while an
+        existence check is pending (default 10 s). Mooncake's own RPC gives up on a dead
+        master after ~4.3 s (measured), so a job ends then even if `timeout_s` is shorter.
 Errors name the key (`global_segment_size: ...`); the config loader prefixes the list position.
 """
 from __future__ import annotations
