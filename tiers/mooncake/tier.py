@@ -1,17 +1,17 @@
 """`mooncake`: the Mooncake Store secondary tier — KV in a distributed memory pool.
 
 Each chunk is one object of the pool holding exactly one chunk record
-(`kvhal.tiers.chunk_format`, as fs files and obj objects) under the name
-`<prefix>/<namespace hex>/<ChunkKey.hex()>` (prefix default "kvhal"). Zero-copy: the whole
-host region is registered with the store's transfer engine at start, and a batch of chunks
-moves with one `batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` call whose
-buffers are [record header, host slot, zero padding]: the payload goes straight between the
-pool and the host slot; only the 4 KiB header (and the padding to a 4 KiB multiple) lives in
-a registered scratch area. A load is reported ok only after the header (magic, key,
-namespace, sizes) and the payload's xxh3-128 are verified in the slot; a missing object (evicted by the pool, lost
-with its master or its segment's owner), a short or corrupt record or a failed call is a
-failed job (a miss) with a counter, never wrong bytes reported as loaded; a corrupt object is
-removed from the pool.
+(`kvhal.tiers.chunk_format`, as fs files and obj objects) under the name `<prefix>/<namespace
+hex>/<ChunkKey.hex()>` (prefix default "kvhal"). Zero-copy: the whole host region is registered
+with the store's transfer engine at start, and a batch of chunks moves with one
+`batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` call whose buffers are [record
+header, host slot, zero padding]: the payload goes straight between the pool and the host slot;
+only the 4 KiB header (and the padding to a 4 KiB multiple) lives in a registered scratch area.
+A load is reported ok only after the header (magic, key, namespace, sizes) and the payload's
+xxh3-128 are verified in the slot; a missing object (evicted by the pool, lost with its master
+or its segment's owner), a short or corrupt record or a failed call is a failed job (a miss)
+with a counter, never wrong bytes reported as loaded; a corrupt object is removed from the
+pool.
 
 Capacity and eviction are the pool's (`mooncake_master -eviction_high_watermark_ratio`, leases,
 soft pins); the tier evicts nothing itself. A full pool (`NO_AVAILABLE_HANDLE`) fails stores
