@@ -17,7 +17,7 @@ import pytest
 from kvhal.tiers.base import Lookup
 
 from . import tier_workers
-from .tier_fixtures import DRAIN_TIMEOUT_S, chunk_key, load, payload
+from .tier_fixtures import DRAIN_TIMEOUT_S, chunk_key, load, lookup, payload
 
 pytestmark = pytest.mark.slow
 
@@ -175,8 +175,8 @@ def test_sigkilled_writers_never_leave_a_torn_chunk(harness, shared_store, names
         for i in range(first + CHUNKS_PER_WRITER):
             key = chunk_key(namespace, i)
             if i in stored_all:
-                assert tier.lookup(key) is Lookup.HIT, f"stored chunk {i} lost"
-            if tier.lookup(key) is Lookup.HIT:
+                assert lookup(tier, key) is Lookup.HIT, f"stored chunk {i} lost"
+            if lookup(tier, key) is Lookup.HIT:
                 result = load(tier, key, 0, nbytes, job_id=i)
                 assert result.ok, f"chunk {i}: {result.error}"
                 np.testing.assert_array_equal(array[:nbytes], payload(i, nbytes))

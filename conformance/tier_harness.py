@@ -25,7 +25,7 @@ from kvhal import plugins
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import SecondaryTier
 
-from . import p2p
+from . import mooncake, p2p
 
 #: Damage kinds of `TierHarness.damage`: flip one payload bit, flip one header bit (fs-like
 #: tiers with a header), cut the stored object short, delete it.
@@ -71,6 +71,8 @@ class TierHarness:
         kill_points: SIGKILL points of the torn-chunk test (each starts a writer process).
         extra: (kvhal extra, module) where the tier needs an extra: tests of the tier skip,
             naming the extra, when the module does not import; None: no extra needed.
+        own_capacity: The tier enforces `max_bytes` itself, least recently used first; False
+            where the store it fronts evicts by its own policy (Mooncake's master).
         why_not: Reason printed when a test is skipped for a missing capability.
     """
 
@@ -83,6 +85,7 @@ class TierHarness:
     faulty: Faulty | None = None
     stored_objects: Callable[[Config], tuple[list[str], list[str]]] | None = None
     kill_points: int = 100
+    own_capacity: bool = True
     services: Services | None = None
     settle: Settle | None = None
     ready: Callable[[SecondaryTier], None] | None = None
@@ -335,3 +338,12 @@ register_harness(TierHarness(
     kill_points=12,
     why_not="p2p chunks live in the memory of the instances serving them (no files, no "
             "errno-level I/O to inject)"))
+
+
+# -- mooncake -------------------------------------------------------------------------------
+register_harness(TierHarness(
+    "mooncake", config=mooncake.config, persistent=True, shared_by_processes=True,
+    damage=mooncake.damage, damage_kinds=DAMAGE_KINDS, own_capacity=False, kill_points=12,
+    why_not="a Mooncake pool's capacity and eviction are its master's (watermark, leases), "
+            "not max_bytes LRU, and its client has no errno-level I/O to inject (real master "
+            "kills, a full pool and eviction: tests/tiers/test_mooncake_tier.py)"))

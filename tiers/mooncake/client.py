@@ -6,10 +6,15 @@ is one `TierError` naming what to install. Its batch calls return one int per ke
 (`batch_get_into*`), 0 (`batch_put_from*` ok) or a negative `ErrorCode`
 (`mooncake-store/include/types.h`; `ERROR_NAMES` below). A dead master makes calls return
 RPC_FAIL after Mooncake's own RPC timeout (~4.3 s measured); the client reconnects by itself
-once the master is back (its objects are gone: the master keeps metadata in memory).
+once the master is back (its objects are gone: the master keeps metadata in memory). A TCP
+transfer to a segment owner that stops answering fails after `MC_TCP_PROGRESS_TIMEOUT_SEC` /
+`MC_TCP_STATUS_TIMEOUT_SEC` (Mooncake's default: 30 s); `connect` sets both to the tier's
+`timeout_s` unless already set (process-wide: the first tier of a process sets them).
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import numpy as np
@@ -27,6 +32,8 @@ ERROR_NAMES = {-1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_
 OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS, NO_AVAILABLE_HANDLE = -704, -705, -200
 #: Codes that mean "the object is not (or no longer) there": a miss and a removal.
 GONE = frozenset({OBJECT_NOT_FOUND, -712, -710})
+#: Mooncake's bounds (whole seconds) of a TCP transfer that makes no progress.
+TIMEOUT_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 INSTALL_HINT = ("pip install 'kvhal[mooncake]' (the mooncake-transfer-engine-non-cuda wheel) "
                 "and apt-get install libibverbs1")
 
@@ -73,6 +80,8 @@ def connect(cfg: MooncakeConfig) -> Any:
             unreachable, refused segment size): names master and metadata server.
     """
     store = store_class()()
+    for name in TIMEOUT_ENV:
+        os.environ.setdefault(name, str(max(1, math.floor(cfg.timeout_s))))
     rc = store.setup(cfg.local_hostname, cfg.metadata_server, cfg.global_segment_size,
                      cfg.local_buffer_size, cfg.protocol, cfg.device_name,
                      cfg.master_server_address)

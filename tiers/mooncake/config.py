@@ -17,13 +17,17 @@ Keys named after Mooncake Store's own (`MooncakeDistributedStore.setup` and its 
     replica_num (int in [1, 16]): copies of each chunk in the pool (`ReplicateConfig`;
         default 1).
 kvhal's own keys:
+    prefix (str): object names start with `<prefix>/` (default "kvhal"): pools shared by
+        several deployments keep them apart.
     io_threads (int in [1, 64]): threads per direction (loads and stores each; default 2).
     refresh_interval_s (number in [0.001, 86400]): how often indexed chunks are re-checked with
         one `batch_is_exist` per 1,024 keys (evicted or lost chunks become misses and
         removals), and how long a chunk found absent stays a miss (default 1 s).
-    timeout_s (number in [1, 3600]): bound of one existence check's wait, `drain` and
-        `close` (default 10 s). Mooncake's own RPC gives up on a dead master after ~4.3 s
-        (measured), so jobs end then even if `timeout_s` is shorter.
+    timeout_s (number in [1, 3600]): bound of a TCP transfer that makes no progress (a hung
+        segment owner: Mooncake's `MC_TCP_PROGRESS_TIMEOUT_SEC` / `MC_TCP_STATUS_TIMEOUT_SEC`,
+        whole seconds, set from it unless already set) and of the RETRY answers while an
+        existence check is pending (default 10 s). Mooncake's own RPC gives up on a dead
+        master after ~4.3 s (measured), so a job ends then even if `timeout_s` is shorter.
 Errors name the key (`global_segment_size: ...`); the config loader prefixes the list position.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, Mapping
 
 from ..base import TierError
 from ..fs.config import MAX_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S
+from ..obj.config import normalize_prefix
 
 DEFAULT_SEGMENT_BYTES = 512 << 20
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -52,7 +57,7 @@ _METADATA_RE = re.compile(r"^(?:https?|etcd)://[A-Za-z0-9.\[\]:-]+(?::\d{1,5})?(
 _DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$")
 _KEYS = frozenset({"master_server_address", "metadata_server", "local_hostname", "protocol",
                    "device_name", "global_segment_size", "local_buffer_size", "replica_num",
-                   "io_threads", "refresh_interval_s", "timeout_s"})
+                   "prefix", "io_threads", "refresh_interval_s", "timeout_s"})
 _PASSTHROUGH = frozenset({"type", "module_path"})
 
 
@@ -68,6 +73,7 @@ class MooncakeConfig:
     global_segment_size: int
     local_buffer_size: int
     replica_num: int
+    prefix: str
     io_threads: int
     refresh_interval_s: float
     timeout_s: float
@@ -138,6 +144,7 @@ def parse_config(config: Mapping[str, Any]) -> MooncakeConfig:
         local_buffer_size=_number(config, "local_buffer_size", DEFAULT_BUFFER_BYTES,
                                   MIN_POOL_BYTES, MAX_POOL_BYTES, integer=True),
         replica_num=_number(config, "replica_num", 1, 1, 16, integer=True),
+        prefix=normalize_prefix(config.get("prefix", "kvhal")) or "kvhal",
         io_threads=_number(config, "io_threads", DEFAULT_IO_THREADS, 1, 64, integer=True),
         refresh_interval_s=float(_number(config, "refresh_interval_s",
                                          DEFAULT_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S,

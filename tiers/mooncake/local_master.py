@@ -114,3 +114,49 @@ def _listening(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+class SegmentKeeper:
+    """A `mooncake_client` process lending `segment_bytes` of memory to a pool: chunks stored
+    by clients that lend none (`global_segment_size` 0) land there and outlive them.
+
+    Args:
+        master: The pool's master (running).
+        segment_bytes: Memory lent, bytes.
+    """
+
+    def __init__(self, master: LocalMaster, segment_bytes: int):
+        self.port = free_port()
+        self._args = [f"-master_server_address=127.0.0.1:{master.rpc_port}",
+                      f"-metadata_server=http://127.0.0.1:{master.metadata_port}/metadata",
+                      "-host=127.0.0.1", f"-port={self.port}", "-protocol=tcp",
+                      f"-global_segment_size={segment_bytes}"]
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> "SegmentKeeper":
+        """Start the client and wait until it serves (its segment is mounted by then).
+
+        Raises:
+            RuntimeError: no `mooncake_client` binary, or it did not serve within
+                `START_TIMEOUT_S`.
+        """
+        binary = os.path.join(os.path.dirname(master_binary() or ""), "mooncake_client")
+        if not os.access(binary, os.X_OK):
+            raise RuntimeError("mooncake_client not found: pip install 'kvhal[mooncake]'")
+        self._proc = subprocess.Popen([binary] + self._args, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _listening(self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"mooncake_client did not serve on {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the client (the pool loses its segment's objects). Idempotent."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        if self._proc is not None:
+            self._proc.wait()
+            self._proc = None

@@ -43,6 +43,7 @@ class Prober:
         self._cond = threading.Condition()
         self._queued: dict[ChunkKey, float] = {}       # key → deadline of its RETRY answers
         self._absent: dict[ChunkKey, float] = {}       # key → time it may be checked again
+        self._marked: dict[ChunkKey, float] = {}       # key → when `mark_absent` last saw it
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvhal-mooncake-probe",
                                         daemon=True)
@@ -69,6 +70,14 @@ class Prober:
             self._absent[key] = now + self._interval
             self._count("exist_timeouts")
             return Lookup.MISS
+
+    def mark_absent(self, key: ChunkKey) -> None:
+        """`key` was found missing or corrupt: a MISS for `refresh_interval_s` (then checked
+        again), and a check already in flight does not index it."""
+        now = time.monotonic()
+        with self._cond:
+            self._absent[key] = now + self._interval
+            self._marked[key] = now
 
     def forget_absent(self, key: ChunkKey) -> None:
         """`key` was just stored by this tier: no longer a remembered absence."""
@@ -98,17 +107,21 @@ class Prober:
                 next_refresh = time.monotonic() + self._interval
 
     def _check(self, keys: list[ChunkKey]) -> None:
+        started = time.monotonic()
         answers = self._ask(keys)
         now = time.monotonic()
-        present = [k for k, a in zip(keys, answers) if a == 1]
-        for key in present:
-            self._index.add(key, 0)
-        with self._cond:
+        with self._cond:   # a key marked absent meanwhile was seen before it went: stays absent
+            for i, key in enumerate(keys):
+                if answers[i] == 1 and self._marked.get(key, -1.0) < started:
+                    self._index.add(key, 0)
+                elif answers[i] == 1:
+                    answers[i] = 0
             for key, answer in zip(keys, answers):
                 self._queued.pop(key, None)
                 if answer != 1:
                     self._absent[key] = now + self._interval
             self._absent = {k: t for k, t in self._absent.items() if t > now}
+            self._marked = {k: t for k, t in self._marked.items() if t >= started}
         self._count("exist_checked", len(keys))
 
     def _refresh(self) -> None:

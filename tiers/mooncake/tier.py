@@ -1,17 +1,17 @@
 """`mooncake`: the Mooncake Store secondary tier — KV in a distributed memory pool.
 
 Each chunk is one object of the pool holding exactly one chunk record
-(`kvhal.tiers.chunk_format`, as fs files and obj objects) under the name
-`kvhal/<namespace hex>/<ChunkKey.hex()>`. Zero-copy: the whole host region is registered with
-the store's transfer engine at start, and a batch of chunks moves with one
-`batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` call whose buffers are
-[record header, host slot, zero padding]: the payload goes straight between the pool and the
-host slot; only the 4 KiB header (and the padding to a 4 KiB multiple) lives in a registered
-scratch area. A load is reported ok only after the header (magic, key, namespace, sizes) and
-the payload's xxh3-128 are verified in the slot; a missing object (evicted by the pool, lost
-with its master or its segment's owner), a short or corrupt record or a failed call is a
-failed job (a miss) with a counter, never wrong bytes reported as loaded; a corrupt object is
-removed from the pool.
+(`kvhal.tiers.chunk_format`, as fs files and obj objects) under the name `<prefix>/<namespace
+hex>/<ChunkKey.hex()>` (prefix default "kvhal"). Zero-copy: the whole host region is registered
+with the store's transfer engine at start, and a batch of chunks moves with one
+`batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` call whose buffers are [record
+header, host slot, zero padding]: the payload goes straight between the pool and the host slot;
+only the 4 KiB header (and the padding to a 4 KiB multiple) lives in a registered scratch area.
+A load is reported ok only after the header (magic, key, namespace, sizes) and the payload's
+xxh3-128 are verified in the slot; a missing object (evicted by the pool, lost with its master
+or its segment's owner), a short or corrupt record or a failed call is a failed job (a miss)
+with a counter, never wrong bytes reported as loaded; a corrupt object is removed from the
+pool.
 
 Capacity and eviction are the pool's (`mooncake_master -eviction_high_watermark_ratio`, leases,
 soft pins); the tier evicts nothing itself. A full pool (`NO_AVAILABLE_HANDLE`) fails stores
@@ -42,9 +42,9 @@ from .probe import Prober
 MAX_BATCH = 16
 
 
-def object_name(namespace: bytes, key: ChunkKey) -> str:
-    """The pool object name of `key` of `namespace`."""
-    return f"kvhal/{namespace.hex()}/{key.hex()}"
+def object_name(prefix: str, namespace: bytes, key: ChunkKey) -> str:
+    """The pool object name of `key` of `namespace` under `prefix`."""
+    return f"{prefix}/{namespace.hex()}/{key.hex()}"
 
 
 class MooncakeTier(IndexedTier):
@@ -53,7 +53,7 @@ class MooncakeTier(IndexedTier):
     Args:
         config: This tier's `secondary_tiers` entry.
         host: Writable, C-contiguous memoryview (format "B") of the host region.
-        namespace: 16-byte namespace digest; objects are named `kvhal/<namespace hex>/...`.
+        namespace: 16-byte namespace digest; objects are named `<prefix>/<namespace hex>/...`.
 
     Raises:
         TierError: bad config, the `mooncake` extra or libibverbs missing, the pool
@@ -98,6 +98,9 @@ class MooncakeTier(IndexedTier):
                               (partial(self._jobs.run_batch, self._load_batch),
                                partial(self._jobs.run_batch, self._store_batch)), MAX_BATCH)
         self._load_pool, self._store_pool = self._pool.lanes
+        #: (threads that may run loads, threads that may run stores): the store threads also
+        #: load while no store is queued (`LanePool`).
+        self.io_threads = (2 * cfg.io_threads, cfg.io_threads)
         self._remover = JobPool(1, "kvhal-mooncake-remove")
 
     def __repr__(self) -> str:
@@ -106,7 +109,7 @@ class MooncakeTier(IndexedTier):
 
     def object_name(self, key: ChunkKey) -> str:
         """The pool object name of `key`."""
-        return object_name(self.namespace, key)
+        return object_name(self.config.prefix, self.namespace, key)
 
     # -- SecondaryTier ------------------------------------------------------------------------
     def lookup(self, key: ChunkKey) -> Lookup:
@@ -143,8 +146,9 @@ class MooncakeTier(IndexedTier):
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, already_stored,
         corrupt, missing, size_mismatch, pool_full, request_errors, master_unreachable,
         removed, remove_errors, exist_checked, exist_errors, exist_timeouts (absent while 0);
-        plus chunks (indexed keys)."""
-        return self._jobs.counters() | {"chunks": len(self._index)}
+        plus chunks (indexed keys) and durability ("pool": chunks live in the pool's memory,
+        with `replica_num` copies)."""
+        return self._jobs.counters() | {"chunks": len(self._index), "durability": "pool"}
 
     # -- jobs ---------------------------------------------------------------------------------
     def _exist(self, keys: list[ChunkKey]) -> list[int]:
@@ -248,6 +252,7 @@ class MooncakeTier(IndexedTier):
         if code < 0:
             if code in GONE:
                 self._index.discard(job.key)
+                self._prober.mark_absent(job.key)
                 self._jobs.count("missing")
                 return f"not found: {error_name(code)}"
             size = self._client.get_size(self.object_name(job.key))
@@ -278,8 +283,10 @@ class MooncakeTier(IndexedTier):
         return None
 
     def _remove_later(self, key: ChunkKey) -> None:
-        """Forget `key` now and remove its object from the pool on the remove thread."""
+        """Forget `key` now (a miss until re-checked after the removal) and remove its object
+        from the pool on the remove thread."""
         self._index.discard(key)
+        self._prober.mark_absent(key)
         try:
             self._remover.submit(self._remove, key)
         except RuntimeError:  # closing: the object stays; a later load finds it corrupt
@@ -287,4 +294,5 @@ class MooncakeTier(IndexedTier):
 
     def _remove(self, key: ChunkKey) -> None:
         code = self._client.remove(self.object_name(key), True)
+        self._prober.mark_absent(key)   # a check that ran before the removal saw the object
         self._jobs.count("removed" if code == 0 or code in GONE else "remove_errors")
