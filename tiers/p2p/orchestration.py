@@ -82,7 +82,6 @@ def _source(block: Any, where: str, request: Hashable) -> tuple[str, Peer] | Non
                        "kv_request_id, remote_host, remote_port, got %s; ignored (no "
                        "orchestration)", request, where, type(block).__name__)
         return None
-    kv_id = _kv_id(block, where, request)
     host, port = block.get("remote_host"), _port(block.get("remote_port"))
     if not isinstance(host, str) or not host or any(c.isspace() for c in host):
         logger.warning("request %s: kv_transfer_params.%s.remote_host must be a host name or "
@@ -95,6 +94,7 @@ def _source(block: Any, where: str, request: Hashable) -> tuple[str, Peer] | Non
                        "ignored (no orchestration)", request, where,
                        _shown(block.get("remote_port")))
         return None
+    kv_id = _kv_id(block, where, request)
     if kv_id is None:
         return None
     return kv_id, (host[1:-1] if host.startswith("[") and host.endswith("]") else host, port)
