@@ -137,8 +137,8 @@ def released(prefiller) -> bool:
 
 
 def test_prefiller_first_decoder_gets_every_chunk_byte_exact_and_pins_end(prefiller, decoder):
-    """Fails when parked chunks are not served or not released: e.g. with `Parking.fetched`
-    not ending a sealed, fully fetched record (its pins stay: `parked_held` 4)."""
+    """Fails when parked chunks are not held and served (e.g. with `Parking.park` holding
+    nothing) or not released after the decoder's `done`."""
     p, d = prefiller(), decoder()
     assert p.leg("p1", "pd-1")
     assert p.store("p1", 0, 4) == 4
@@ -162,7 +162,8 @@ def test_decoder_first_streams_chunks_as_they_land_and_a_missing_one_fails_fast(
     0 lands before chunk 2 is stored), and a chunk the prefill never stores fails as soon as
     the prefill ends, not after `fetch_wait_s`. Fails when a fetch does not wait for its
     chunk (e.g. `Parking.wait` answering "not stored" while the record is open), or when the
-    seal does not wake waiters (the missing chunk then fails after 30 s)."""
+    seal does not refuse a chunk the record lacks (e.g. with the `record.sealed` answer
+    removed from `Parking.wait`, chunk 3 waits 30 s)."""
     p, d = prefiller(arrival_timeout_s=20.0), decoder()
     d.pull("d1", decode_params(p, "pd-2"), 0, 4)      # chunk 3 will never be stored
     time.sleep(0.3)   # the fetches are waiting for a leg that has not arrived
@@ -172,6 +173,7 @@ def test_decoder_first_streams_chunks_as_they_land_and_a_missing_one_fails_fast(
     d.collect(1)
     first_seen = time.monotonic()
     assert p.store("p1", 1, 2) == 2
+    assert p.store("p1", 5, 1) == 1     # parked, never fetched: the record stays open
     d.collect(3)
     closed = time.monotonic()
     p.close_leg("p1")
@@ -179,9 +181,7 @@ def test_decoder_first_streams_chunks_as_they_land_and_a_missing_one_fails_fast(
 
     assert [landed[i][0] for i in range(4)] == [True, True, True, False]
     assert landed[0][2] <= first_seen < landed[2][2]
-    # refused at once: the chunk is not stored, or (every parked chunk fetched) the id is done
-    assert landed[3][1].endswith(("(chunk not stored by the prefill)",
-                                  "(kv_request_id finished)")), landed[3][1]
+    assert landed[3][1].endswith("(chunk not stored by the prefill)"), landed[3][1]
     assert landed[3][2] - closed < 5.0 < FETCH_WAIT_S
     for i in range(3):
         np.testing.assert_array_equal(d.chunk_bytes(i), payload(i, SLOT))
@@ -257,8 +257,9 @@ def test_unknown_id_waits_only_for_its_arrival_and_a_wrong_key_gets_nothing(
 
 
 def test_second_fetch_of_a_finished_id_is_refused_at_once(prefiller, decoder):
-    """Fails when a finished id is forgotten at once (the second fetch then waits
-    `arrival_timeout_s` = 20 s) or served again from released slots."""
+    """The first decoder fetched every parked chunk of the sealed leg: the pins go at once,
+    without a `done`. Fails when a finished id is forgotten (the second fetch then waits
+    `arrival_timeout_s` = 20 s), e.g. with `_complete` not recording it."""
     p = prefiller(arrival_timeout_s=20.0)
     assert p.leg("p1", "pd-6") and p.store("p1", 0, 2) == 2
     p.close_leg("p1")
@@ -307,7 +308,8 @@ def test_decoder_done_with_part_of_the_chunks_releases_the_rest(prefiller, decod
 
 def test_prefiller_host_tier_full_the_rest_fails_fast(prefiller, decoder):
     """The prefiller's host tier holds 4 chunks: chunks 4-5 are never stored, and the decoder
-    hears so at the end of the prefill. Fails when the seal does not refuse absent chunks."""
+    hears so at the end of the prefill (once every parked chunk was fetched the id is done,
+    which refuses them at once too). Fails when neither refuses them (30 s wait)."""
     p = prefiller(slots=4)
     assert p.leg("p1", "pd-9")
     assert p.store("p1", 0, 6) == 4
