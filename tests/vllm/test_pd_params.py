@@ -109,7 +109,8 @@ def legs(module_tmp):
 @pytest.mark.slow
 def test_decode_leg_pulls_the_prefill_legs_chunks_identical_to_vllms_own_hit(legs):
     """Fails when the prefill leg does not park its chunks or the decode leg does not pull by
-    id (B has no peers: without them it computes the prompt, num_cached_tokens 0)."""
+    id (B has no peers: without them it computes the prompt): seen with the scheduler's
+    `manager.open_request` call removed (num_cached_tokens 0)."""
     decoded, hit = legs["decode"]["p1"], legs["a_hit"]["p1"]
     assert hit["num_cached_tokens"] == FULL_HIT
     assert (decoded["num_cached_tokens"], decoded["hit_tokens"]) == (FULL_HIT,
@@ -122,7 +123,9 @@ def test_decode_leg_pulls_the_prefill_legs_chunks_identical_to_vllms_own_hit(leg
 @pytest.mark.slow
 def test_unknown_id_and_malformed_params_are_answered_as_cold_runs(legs):
     """Fails when a refused pull or a malformed block is not answered correctly (an engine
-    error, or bytes that are not the prompt's)."""
+    error, or bytes that are not the prompt's), or when the decode leg never tries its
+    prefiller (seen with the scheduler's `manager.open_request` call removed: no p2p
+    load_failed)."""
     unknown, malformed = legs["unknown"]["p2"], legs["malformed"]["p3"]
     assert unknown["num_cached_tokens"] == 0 and unknown["hit_tokens"] == {}
     assert_same(unknown, legs["a_cold_p2"]["p2"])

@@ -33,10 +33,10 @@ Keys:
         concurrent legs) before it is refused; default 5.
     The orchestrator's view: a prefiller is named in a decode leg's `remote_prefiller` (and a
     peer in `remote_kv_source`) by `remote_host` = its `advertise_host` (or `host`) and
-    `remote_port` = its `port` + its vLLM data-parallel index (each DP engine listens on
-    its own port; 0 for DP=1), i.e. exactly its `P2PTier.identity`. Give prefillers a fixed
-    `port`. Every instance needs the same `auth_key`; `peers` may stay empty (a decode leg
-    needs no directory).
+    `remote_port` = its `port`, i.e. exactly its `P2PTier.identity`. Give prefillers a fixed
+    `port`. (vLLM's own tier binds `port` + the engine's data-parallel index; kvhal binds
+    `port` as given, so one DP engine per config.) Every instance needs the same
+    `auth_key`; `peers` may stay empty (a decode leg needs no directory).
 Errors name the key (`peers[1]: ...`); the config loader prefixes the list position.
 """
 from __future__ import annotations
