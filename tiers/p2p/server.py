@@ -15,7 +15,11 @@ before their proof: `MAX_HANDSHAKING` of them arriving within one handshake of a
   `heartbeat_s` passes without one, so the subscriber notices a silent or lost peer and any
   gap at the tail.
 - "data": a loop of `get(key, n)` → `chunk(key, n)` + n raw payload bytes + `end(sum)`, or
-  `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). The chunk is held
+  `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). A decode leg's
+  `fetch(id, key, n, wait_ms)` first waits (at most `wait_ms`) until the prefill leg parked
+  the chunk under `id` (`parking.py`), then is answered as a `get`, or `miss(why)` at once
+  when the id or the chunk is refused; `done(id)` (the decoder is finished with `id`: its
+  parked chunks are released) is answered `ok`. The chunk is held
   (`Source.acquire`: host slot pinned) for the whole transfer and released after it; `sum` is
   the xxh3-128 digest the bytes had when stored (own store: bytes damaged since then fail the
   puller's check), or the digest of the pinned host slot taken at its first serve
@@ -33,6 +37,7 @@ from typing import Callable, Protocol
 from kvhal.keys import ChunkKey
 
 from .auth import AuthError, server_handshake
+from .parking import HELD, Parking
 from .source import Feed, Served
 from .transport import Connection, Transport
 from .wire import MAX_KEYS_PER_FRAME, WireError, encode
@@ -65,6 +70,7 @@ class Server:
         heartbeat_s: Longest silence on a feed connection.
         max_inflight: Transfers served at once.
         count: `count(name)` bumps a tier counter (e.g. "auth_failed").
+        parking: The prefill legs' parked chunks `fetch` and `done` address.
 
     Raises:
         OSError: the listener cannot bind.
@@ -72,12 +78,13 @@ class Server:
 
     def __init__(self, transport: Transport, host: str, port: int, key: bytes, feed: Feed,
                  source: Source, *, timeout_s: float, heartbeat_s: float, max_inflight: int,
-                 count: Callable[[str], None]):
+                 count: Callable[[str], None], parking: Parking):
         self._listener = transport.listen(host, port)
         self.address = self._listener.address
         self._key = key
         self._feed = feed
         self.source = source
+        self._parking = parking
         self._timeout_s = timeout_s
         self._heartbeat_s = heartbeat_s
         self._slots = threading.BoundedSemaphore(max_inflight)
@@ -171,31 +178,48 @@ class Server:
 
     def _serve_data(self, conn: Connection) -> None:
         while not self._closed:
-            request = conn.recv(time.monotonic() + IDLE_S, "get")
+            request = conn.recv(time.monotonic() + IDLE_S, "get", "fetch", "done")
+            if request["t"] == "done":
+                self._parking.finish(request["id"])
+                conn.send(encode("ok"), time.monotonic() + self._timeout_s)
+                continue
+            if request["t"] == "fetch":
+                status = self._parking.wait(request["id"], request["key"],
+                                            time.monotonic() + request["wait_ms"] / 1e3,
+                                            alive=lambda: not conn.peer_closed())
+                if status != HELD:
+                    self._count("fetch_refused")
+                    conn.send(encode("miss", why=status),
+                              time.monotonic() + self._timeout_s)
+                    continue
             deadline = time.monotonic() + self._timeout_s
             if not self._slots.acquire(blocking=False):
                 self._count("serve_busy")
                 conn.send(encode("busy"), deadline)
                 continue
             try:
-                self._serve_chunk(conn, request["key"], request["n"], deadline)
+                sent = self._serve_chunk(conn, request["key"], request["n"], deadline)
             finally:
                 self._slots.release()
+            if sent and request["t"] == "fetch":
+                self._parking.fetched(request["id"], request["key"])
 
     def _serve_chunk(self, conn: Connection, key: ChunkKey, nbytes: int,
-                     deadline: float) -> None:
+                     deadline: float) -> bool:
+        """Send `key` (held for the transfer) or a miss; True if the chunk was sent."""
         served = self.source.acquire(key)
         if served is None:
             self._count("serve_missing")
             conn.send(encode("miss", why="not held"), deadline)
-            return
+            return False
         try:
             if len(served.payload) != nbytes:
                 conn.send(encode("miss", why=f"holds {len(served.payload)} bytes"), deadline)
-                return
+                return False
             conn.send_parts((encode("chunk", key=key, n=nbytes), served.payload,
                              encode("end", sum=served.checksum)), deadline)
             self._count("chunks_served")
+            return True
         finally:
             served.release()
 
