@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from kvhal.host import host_geometry  # noqa: E402
 from kvhal.integrations.vllm.engine import CONNECTOR, engine_env  # noqa: E402
 from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
+from kvhal.integrations.vllm.server import free_port  # noqa: E402
 from kvhal.keys import block_hashes, hash_function, none_hash  # noqa: E402
 from kvhal.metrics import METRICS  # noqa: E402
 from kvhal.tiers.chunk_format import record_nbytes  # noqa: E402
@@ -48,12 +48,6 @@ HOST_CHUNKS, FS_CHUNKS = 8, 16
 PROMPTS = {"a": prompt(21), "b": prompt(22), "c": prompt(23)}
 ORDER = ("a", "b", "a", "c")
 START_TIMEOUT_S = 240
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(base: str, body: dict) -> dict:
@@ -132,7 +126,7 @@ def served(tmp_path_factory):
              "secondary_tiers": [{"type": "fs", "root_dir": fs_root,
                                   "max_bytes": FS_CHUNKS * record_nbytes(CHUNK_NBYTES)}]}
     sub = Subscriber()
-    port = _port()
+    port = free_port()
     model = build_model(TINY)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--skip-tokenizer-init", "--enforce-eager", "--host", "127.0.0.1",
