@@ -17,6 +17,9 @@ FULL_HIT = 896
 #: state per layer, so 256-token blocks) and as bf16 elsewhere (35,840 bytes, 128-token
 #: blocks); the tests' token counts assume 128. `test_hybrid_state.py` runs "auto" once too.
 BF16_STATE = {"mamba_ssm_cache_dtype": "bfloat16"}
+#: One bf16 step of a logit of magnitude 1-2 (the tiny random models' logits): 2**-7. Cross-TP
+#: checks allow a tenth of it beyond vLLM's own TP=1 vs TP=2 spread (test_sliding_window_tp).
+LOGIT_STEP = 2.0 ** -7
 
 
 def prompt(seed: int, num_tokens: int = PROMPT_TOKENS) -> list[int]:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
+import shlex
 import subprocess
 import urllib.request
 from pathlib import Path
+from typing import Sequence
 
 from kvhal.integrations.vllm.server import ServerProcess, free_port
 
@@ -60,16 +63,19 @@ class Server(ServerProcess):
         timeout_s: Seconds `wait_ready` waits for `/health`.
         marker: The README block to run (default: the server command).
         env: More environment variables the block reads (e.g. `P2P_PORT`).
+        args: More vLLM arguments appended to the block's command (e.g. a TP size).
     """
 
     def __init__(self, model: Path, root: Path, log: Path, timeout_s: float = 400.0,
-                 marker: str = "server command", env: dict[str, str] | None = None):
+                 marker: str = "server command", env: dict[str, str] | None = None,
+                 args: Sequence[str] = ()):
         port = free_port()
         full = {**os.environ, "MODEL": str(model), "PORT": str(port),
                 "KVHAL_ROOT": str(root), "HF_HUB_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         full.pop("PYTHONHASHSEED", None)         # vLLM's defaults, as a new user has them
-        super().__init__(["bash", "-c", readme_block(marker)], port, log, full, timeout_s)
+        script = " ".join([readme_block(marker), *map(shlex.quote, args)])
+        super().__init__(["bash", "-c", script], port, log, full, timeout_s)
         self.url = self.base_url
 
     def client_call(self) -> dict:
@@ -77,3 +83,24 @@ class Server(ServerProcess):
         out = subprocess.run(["bash", "-c", readme_block("client call")], env=self.env,
                              capture_output=True, text=True, timeout=300, check=True)
         return json.loads(out.stdout)
+
+
+def p2p_key_file(folder: Path) -> Path:
+    """A new random p2p `auth_key` in `folder`/p2p.key (`KVHAL_P2P_KEY_FILE` of the README's
+    P/D blocks)."""
+    key = folder / "p2p.key"
+    key.write_text(secrets.token_urlsafe(24))
+    return key
+
+
+def readme_proxy(log: Path, order: str, prefiller: ServerProcess, p2p_port: int,
+                 decoder: ServerProcess):
+    """The README's "pd proxy command" (`kvhal proxy`, on a free port) in `order` between one
+    prefiller, whose p2p tier listens on 127.0.0.1:`p2p_port`, and one decoder; a running
+    `tests.pd.servers.ProxyProcess` logging to `log`."""
+    from ..pd.servers import ProxyProcess
+
+    return ProxyProcess(
+        ["bash", "-c", readme_block("pd proxy command")], log,
+        env={**os.environ, "PORT": "0", "ORDER": order, "DECODER": decoder.base_url,
+             "PREFILLER": f"{prefiller.base_url},127.0.0.1:{p2p_port}"})

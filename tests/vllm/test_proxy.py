@@ -11,9 +11,7 @@ in turn, with the proxy still running.
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
 import time
 import urllib.request
 
@@ -26,7 +24,7 @@ from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
 
 from ..pd.servers import ProxyProcess, SSEStream, request  # noqa: E402
 from .conftest import PROMPT_TOKENS, prompt  # noqa: E402
-from .server import Server, free_port, readme_block  # noqa: E402
+from .server import Server, free_port, p2p_key_file, readme_proxy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -80,20 +78,16 @@ def _streamed(px: ProxyProcess, body: dict) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(module_tmp) -> dict:
     model = build_model(TINY)
-    key = module_tmp / "p2p.key"
-    key.write_text(secrets.token_urlsafe(24))
     p2p_port = free_port()
-    env = {"KVHAL_P2P_KEY_FILE": str(key), "P2P_PORT": str(p2p_port)}
+    env = {"KVHAL_P2P_KEY_FILE": str(p2p_key_file(module_tmp)), "P2P_PORT": str(p2p_port)}
     servers = {role: Server(model, module_tmp, module_tmp / f"{role}.log",
                             marker=f"pd {role} command", env=env)
                for role in ("prefiller", "decoder")}
     proxies: list[ProxyProcess] = []
 
     def proxy(order: str) -> ProxyProcess:
-        proxies.append(ProxyProcess(
-            ["bash", "-c", readme_block("pd proxy command")], module_tmp / f"proxy-{order}.log",
-            env={**os.environ, "PORT": "0", "ORDER": order, "DECODER": servers["decoder"].url,
-                 "PREFILLER": f"{servers['prefiller'].url},127.0.0.1:{p2p_port}"}))
+        proxies.append(readme_proxy(module_tmp / f"proxy-{order}.log", order,
+                                    servers["prefiller"], p2p_port, servers["decoder"]))
         return proxies[-1]
 
     out: dict = {"servers": servers}

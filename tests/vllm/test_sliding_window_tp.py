@@ -33,7 +33,7 @@ from kvhal.integrations.vllm.runner import EngineProcess  # noqa: E402
 from kvhal.keys import block_hashes, hash_function, none_hash  # noqa: E402
 from kvhal.tiers.chunk_format import HEADER_BYTES, decode_header, payload_checksum  # noqa: E402
 
-from .conftest import FULL_HIT, RUNNER, prompt  # noqa: E402
+from .conftest import FULL_HIT, LOGIT_STEP, RUNNER, prompt  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,6 @@ A = {f"a{i}": prompt(31 + i) for i in range(3)}
 B = {f"b{i}": prompt(41 + i) for i in range(3)}
 X = prompt(33, 500)
 GROUPS = 2  # 0: sliding window, 1: full attention
-#: One bf16 step of a logit of magnitude 1-2 (the tiny random models' logits): 2**-7.
-LOGIT_STEP = 2.0 ** -7
 
 
 def gen(prompts: dict, salt: str | None = None) -> dict:
