@@ -44,18 +44,21 @@ class Server:
         root: fs tier folder (`KVHAL_ROOT`).
         log: File receiving the server's stdout and stderr.
         timeout_s: Seconds `wait_ready` waits for `/health`.
+        block: The README block to run (after `<!-- block`).
+        env: More environment variables the block reads.
     """
 
-    def __init__(self, model: Path, root: Path, log: Path, timeout_s: float = 400.0):
+    def __init__(self, model: Path, root: Path, log: Path, timeout_s: float = 400.0, *,
+                 block: str = "server command", env: dict[str, str] | None = None):
         self.port = free_port()
         self.env = {**os.environ, "MODEL": str(model), "PORT": str(self.port),
                     "KVHAL_ROOT": str(root), "HF_HUB_OFFLINE": "1",
-                    "VLLM_CPU_KVCACHE_SPACE": "1"}
+                    "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         self.env.pop("PYTHONHASHSEED", None)         # vLLM's defaults, as a new user has them
         self.log = log
         self._log = log.open("w")
         self._seen: dict[int, psutil.Process] = {}
-        self.proc = subprocess.Popen(["bash", "-c", readme_block("server command")],
+        self.proc = subprocess.Popen(["bash", "-c", readme_block(block)],
                                      env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.timeout_s = timeout_s
