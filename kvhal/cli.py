@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "kvhal.fsck",
     "kvhal.layout_cli",
     "kvhal.integrations.vllm.demo",
+    "kvhal.integrations.pd.cli",
 )
 
 

@@ -52,10 +52,10 @@ def legs(module_tmp):
     key_file.write_text(KEY)
     p2p_port = fixed_port()
     prefiller = Server(model, module_tmp / "unused", module_tmp / "prefiller.log",
-                       block="pd server command",
+                       marker="pd server command",
                        env={"P2P_PORT": str(p2p_port), "P2P_KEY_FILE": str(key_file)})
     decoder = Server(model, module_tmp / "unused", module_tmp / "decoder.log",
-                     block="pd server command",
+                     marker="pd server command",
                      env={"P2P_PORT": "0", "P2P_KEY_FILE": str(key_file)})
     source = {"remote_host": "127.0.0.1", "remote_port": p2p_port}
     out: dict = {}

@@ -2,11 +2,14 @@
 
 A connection first passes the HMAC challenge (`auth.py`) within `timeout_s`, at most
 `HANDSHAKE_S`; until then it is served nothing. At most `MAX_HANDSHAKING` connections are in
-the handshake at once: a new one over that drops the oldest of them (counted
-`handshakes_dropped`; a missed handshake deadline counts `handshake_timeouts`). So clients
-that connect and stay silent hold at most that many connections and threads, each for at most
-`HANDSHAKE_S`: they can neither fill the `MAX_CONNECTIONS` of authenticated peers nor keep a
-connecting peer, whose handshake takes two round trips, from getting in. Then by its role:
+the handshake at once: a new one over that drops the oldest of them that has not sent a valid
+hello yet, or else the oldest (counted `handshakes_dropped`; a missed handshake deadline counts
+`handshake_timeouts`). So clients that connect and stay silent hold at most that many
+connections and threads, each for at most `HANDSHAKE_S`: they can neither fill the
+`MAX_CONNECTIONS` of authenticated peers nor drop a connecting peer once its hello is read,
+however fast they keep coming. Clients that each send a hello cannot be told from a peer
+before their proof: `MAX_HANDSHAKING` of them arriving within one handshake of a peer drop it
+(it retries). Then by its role:
 - "feed": the feed's snapshot in pages (`snap`, the last with `last=True`), then every event
   (`ev`) as it happens, and a heartbeat (`hb`, with the last event number) whenever
   `heartbeat_s` passes without one, so the subscriber notices a silent or lost peer and any
@@ -88,7 +91,7 @@ class Server:
         self._count = count
         self._lock = threading.Lock()
         self._conns: dict[Connection, threading.Thread] = {}
-        self._handshaking: dict[Connection, None] = {}  # insertion order: oldest first
+        self._handshaking: dict[Connection, bool] = {}  # -> hello heard; oldest first
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvhal-p2p-accept",
                                           daemon=True)
@@ -109,9 +112,10 @@ class Server:
                     self._count("connections_refused")
                     continue
                 if len(self._handshaking) >= MAX_HANDSHAKING:
-                    dropped = next(iter(self._handshaking))
+                    dropped = next((c for c, heard in self._handshaking.items() if not heard),
+                                   next(iter(self._handshaking)))
                     del self._handshaking[dropped]
-                self._handshaking[conn] = None
+                self._handshaking[conn] = False
                 thread = threading.Thread(target=self._serve, args=(conn,),
                                           name="kvhal-p2p-serve", daemon=True)
                 self._conns[conn] = thread
@@ -123,13 +127,18 @@ class Server:
     def _handshake(self, conn: Connection) -> dict:
         deadline = time.monotonic() + min(self._timeout_s, HANDSHAKE_S)
         try:
-            return server_handshake(conn, self._key, deadline)
+            return server_handshake(conn, self._key, deadline, lambda: self._heard(conn))
         except TimeoutError:
             self._count("handshake_timeouts")
             raise
         finally:
             with self._lock:
                 self._handshaking.pop(conn, None)
+
+    def _heard(self, conn: Connection) -> None:
+        with self._lock:
+            if conn in self._handshaking:   # not dropped meanwhile
+                self._handshaking[conn] = True
 
     def _serve(self, conn: Connection) -> None:
         try:

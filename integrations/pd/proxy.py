@@ -1,0 +1,423 @@
+"""The P/D proxy: OpenAI requests in, a prefill leg and a decode leg out (aiohttp).
+
+Routes:
+    POST /v1/completions, /v1/chat/completions: one disaggregated request. The proxy invents
+        an unguessable `kv_request_id` (`secrets.token_urlsafe(24)`, 192 bits), sends the
+        prefill leg (`legs.prefill_body`) to a prefiller and the decode leg
+        (`legs.decode_body`) to a decoder, and answers with the decoder's response passed
+        through: its status, content type and body bytes, streamed (SSE) chunks written to the
+        client as each arrives, never buffered.
+    GET /v1/models: a healthy decoder's answer, passed through.
+    GET /health: 200 with every backend's state while a decoder is healthy, else 503.
+
+Orders (`Order`): "prefill-first" sends the decode leg after the prefill leg answered
+(vLLM's reference proxy); "concurrent" sends both at once (llm-d's router); "decode-first"
+sends the decode leg and, once its request is written to the decoder's socket, the prefill
+leg. In the last two the decoder waits for chunks the prefiller has not parked yet.
+
+Failures, answered as JSON `{"error": {"message", "type": "kvhal_proxy_error", "backend",
+"code"}}`, never a traceback:
+    400: the client's body is not a JSON object, or its `kv_transfer_params` is not one.
+    413: the body is over `MAX_BODY_BYTES`.
+    502: the chosen decoder could not be reached (connection refused, reset, timeout);
+        `backend` names it and the decoder is marked unhealthy. Not retried elsewhere.
+    503: no decoder is healthy; `message` names each one and why.
+A decoder's own error answer (4xx/5xx) is passed through unchanged. A decoder failing
+mid-stream ends the client's response without its terminating chunk (an incomplete body, so
+the client sees an error, never a clean truncated answer).
+
+The prefill leg never fails a request. No healthy prefiller, or (prefill-first) a prefill
+leg that failed — unreachable, a 5xx, or over `prefill_timeout_s` — sends the decode leg
+without `remote_prefiller`: the decoder computes the whole prompt (a warning is logged and the
+prefiller's `failures` counted in `/health`). A prefill 4xx in prefill-first is the client's
+request being refused: it is passed through to the client and no decode leg is sent. In the
+other orders the decode leg already carries `remote_prefiller` when the prefill leg fails;
+the decoder's p2p tier then finds nothing under the id and recomputes (the tier's failure
+policy). A failed or abandoned decode leg cancels its prefill leg (closing the connection
+aborts it in vLLM, so its parked KV is not held until the tier's timeout).
+
+A client that disconnects cancels its request: both legs' connections are closed, which
+aborts them in vLLM.
+
+Shutdown (SIGTERM, SIGINT): the listener closes, requests in flight finish (up to
+`shutdown_timeout_s`), the health poller stops, the client session closes; exit code 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import secrets
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .backends import Backend, NoHealthyBackend, Pool
+from .legs import BodyError, RemotePrefill, client_params, decode_body, prefill_body
+
+log = logging.getLogger("kvhal.proxy")
+
+#: Bytes of randomness in a `kv_request_id` (base64url: 32 characters).
+REQUEST_ID_BYTES = 24
+#: Largest client body accepted (aiohttp's default, 1 MiB, is a 150K-token prompt of ids).
+MAX_BODY_BYTES = 256 << 20
+#: Header pinning a request to one data-parallel rank of a vLLM API server.
+DP_RANK_HEADER = "X-data-parallel-rank"
+#: Client headers forwarded to both legs (API keys).
+FORWARDED_HEADERS = ("Authorization",)
+#: Backend answer headers passed to the client (with the status and the body).
+PASSED_HEADERS = ("Content-Type", "Content-Encoding")
+
+
+class Order(enum.Enum):
+    """When the decode leg is sent relative to the prefill leg (see the module docstring)."""
+
+    PREFILL_FIRST = "prefill-first"
+    CONCURRENT = "concurrent"
+    DECODE_FIRST = "decode-first"
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Everything `kvhal proxy` runs with.
+
+    Attributes:
+        prefillers, decoders: The backends (`backends.parse_prefiller` / `parse_decoder`).
+        order: When the decode leg is sent.
+        host, port: Listen address; port 0 picks a free port (the startup line names it).
+        health_interval_s: Seconds between `/health` polls of every backend.
+        connect_timeout_s: Seconds to open a connection to a backend.
+        prefill_timeout_s: Seconds a prefill leg may take before prefill-first gives up on it.
+        shutdown_timeout_s: Seconds requests in flight get to finish after SIGTERM/SIGINT.
+    """
+
+    prefillers: tuple[Backend, ...]
+    decoders: tuple[Backend, ...]
+    order: Order = Order.PREFILL_FIRST
+    host: str = "127.0.0.1"
+    port: int = 8000
+    health_interval_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 300.0
+    shutdown_timeout_s: float = 60.0
+
+
+def _error(status: int, message: str, backend: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "kvhal_proxy_error",
+                                        "backend": backend, "code": status}}, status=status)
+
+
+def _failure(exc: BaseException) -> str:
+    """One line saying why a backend call failed, without a traceback."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether a failed call says the backend is down (refused, reset, connect timeout), not
+    merely slow (`prefill_timeout_s` passed)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return True
+    return isinstance(exc, (aiohttp.ClientError, OSError)) and not isinstance(
+        exc, asyncio.TimeoutError)
+
+
+class Proxy:
+    """The aiohttp application's state: pools, the client session, the health poller."""
+
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.prefillers = Pool("prefiller", list(config.prefillers))
+        self.decoders = Pool("decoder", list(config.decoders))
+        self.session: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        """The aiohttp application serving the routes of the module docstring."""
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        trace = aiohttp.TraceConfig()
+        trace.on_request_chunk_sent.append(self._on_chunk_sent)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
+            trace_configs=[trace], auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding",))
+        await self._poll_all()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self.session is not None:
+            await self.session.close()
+
+    # -- health ----------------------------------------------------------------------------
+
+    def _all(self) -> list[Backend]:
+        return [*self.prefillers.backends, *self.decoders.backends]
+
+    async def _poll(self, backend: Backend) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, min(5.0, self.config.health_interval_s)))
+        try:
+            async with self.session.get(f"{backend.url}/health", timeout=timeout) as resp:
+                ok, why = resp.status == 200, f"/health answered HTTP {resp.status}"
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            ok, why = False, _failure(exc)
+        if backend.mark(ok, why):
+            if ok:
+                log.info("backend %s is healthy", backend.url)
+            else:
+                log.warning("backend %s is unhealthy: %s", backend.url, why)
+
+    async def _poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(b) for b in self._all()))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self._poll_all()
+
+    async def health(self, _request: web.Request) -> web.Response:
+        """`GET /health`: every backend's state; 503 when no decoder is healthy."""
+        serving = any(b.healthy is not False for b in self.decoders.backends)
+        return web.json_response({
+            "status": "ok" if serving else "no healthy decoder",
+            "order": self.config.order.value,
+            "prefillers": [b.describe() for b in self.prefillers.backends],
+            "decoders": [b.describe() for b in self.decoders.backends]},
+            status=200 if serving else 503)
+
+    # -- routes ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/completions` (see the module docstring)."""
+        return await self._disaggregate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/chat/completions` (see the module docstring)."""
+        return await self._disaggregate(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """`GET /v1/models`: a healthy decoder's answer, passed through."""
+        try:
+            decoder = self.decoders.pick()
+        except NoHealthyBackend as exc:
+            return _error(503, str(exc))
+        return await self._relay(request, decoder, "GET", "/v1/models", None, None)
+
+    # -- one request -----------------------------------------------------------------------
+
+    async def _disaggregate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return _error(400, f"request body is not valid JSON: {exc}")
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
+        if not isinstance(body, dict):
+            return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
+        try:
+            client_params(body)
+        except BodyError as exc:
+            return _error(400, str(exc))
+        try:
+            decoder = self.decoders.pick()
+        except NoHealthyBackend as exc:
+            return _error(503, str(exc))
+        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        request_id = secrets.token_urlsafe(REQUEST_ID_BYTES)
+        try:
+            prefiller = self.prefillers.pick()
+        except NoHealthyBackend as exc:
+            log.warning("request %s: %s; the decoder computes the whole prompt",
+                        request_id[:8], exc)
+            return await self._relay(request, decoder, "POST", request.path,
+                                     decode_body(body, None), headers)
+        rank = prefiller.next_rank()
+        remote = RemotePrefill(request_id, prefiller.p2p.host, prefiller.p2p.port + rank)
+        leg = self._prefill_leg(prefiller, rank, request.path,
+                                prefill_body(body, request_id, chat=chat), headers)
+        return await self._run_order(request, decoder, prefiller, body, remote, leg, headers)
+
+    async def _run_order(self, request: web.Request, decoder: Backend, prefiller: Backend,
+                         body: dict, remote: RemotePrefill | None, leg: Coroutine,
+                         headers: dict) -> web.StreamResponse:
+        """Send the prefill leg `leg` (a coroutine not started yet) and the decode leg in the
+        configured order; answer with the decode leg's response."""
+        order = self.config.order
+        task: asyncio.Task | None = None
+
+        def start() -> None:
+            nonlocal task
+            task = asyncio.create_task(leg)
+
+        try:
+            if order is Order.PREFILL_FIRST:
+                start()
+                status, answer = await task
+                if status is not None and 400 <= status < 500:
+                    self.decoders.done(decoder)
+                    return web.Response(status=status, body=answer[0],
+                                        headers={"Content-Type": answer[1]})
+                if status is None or status >= 500:
+                    remote = None
+            elif order is Order.CONCURRENT:
+                start()
+            resp = await self._relay(request, decoder, "POST", request.path,
+                                     decode_body(body, remote), headers,
+                                     on_sent=start if order is Order.DECODE_FIRST else None)
+            if task is not None and resp.prepared:   # unprepared: the proxy's own 502
+                await task
+            return resp
+        finally:
+            if task is None:           # decode-first whose decode leg never went out
+                leg.close()
+                self.prefillers.done(prefiller)
+            elif not task.done():
+                task.cancel()
+
+    async def _prefill_leg(self, prefiller: Backend, rank: int, path: str, body: dict,
+                           headers: dict) -> tuple[int | None, tuple[bytes, str] | None]:
+        """Send one prefill leg and wait for its whole answer; returns (HTTP status, (body,
+        Content-Type header)), or (None, None) when the prefiller was not reached or timed
+        out. Ends the leg in the prefillers' pool in every case, cancellation included."""
+        if prefiller.dp_size > 1:
+            headers = {**headers, DP_RANK_HEADER: str(rank)}
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s,
+                                        sock_connect=self.config.connect_timeout_s)
+        rid = body["kv_transfer_params"]["remote_decoder"]["kv_request_id"][:8]
+        try:
+            async with self.session.post(f"{prefiller.url}{path}", json=body, headers=headers,
+                                         timeout=timeout) as resp:
+                answer = await resp.read()
+        except asyncio.CancelledError:
+            self.prefillers.done(prefiller)
+            raise
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            why = _failure(exc)
+            log.warning("request %s: prefill leg to %s failed: %s; the decoder recomputes",
+                        rid, prefiller.url, why)
+            self.prefillers.done(prefiller, why, unreachable=_unreachable(exc))
+            return None, None
+        if resp.status >= 500:
+            log.warning("request %s: prefill leg to %s answered HTTP %d; the decoder "
+                        "recomputes", rid, prefiller.url, resp.status)
+        self.prefillers.done(prefiller, f"HTTP {resp.status}" if resp.status >= 500 else None)
+        return resp.status, (answer, resp.headers.get("Content-Type", "application/json"))
+
+    async def _relay(self, request: web.Request, backend: Backend, method: str, path: str,
+                     body: dict | None, headers: dict | None,
+                     on_sent: Callable[[], None] | None = None) -> web.StreamResponse:
+        """Send one request to `backend` (picked from the decoders, ended here) and stream
+        its answer to the client as it arrives. `on_sent` runs once the request is written."""
+        ctx = SimpleNamespace(on_sent=on_sent)
+        try:
+            upstream = await self.session.request(method, f"{backend.url}{path}", json=body,
+                                                  headers=headers, trace_request_ctx=ctx)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            why = _failure(exc)
+            log.warning("decoder %s unreachable: %s", backend.url, why)
+            self.decoders.done(backend, why, unreachable=True)
+            return _error(502, f"decoder {backend.url} unreachable: {why}", backend.url)
+        except BaseException:
+            self.decoders.done(backend)
+            raise
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for name in PASSED_HEADERS:
+            if name in upstream.headers:
+                resp.headers[name] = upstream.headers[name]
+        if upstream.content_length is not None:
+            resp.content_length = upstream.content_length
+        error, finished = None, False
+        try:
+            await resp.prepare(request)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, OSError) as exc:
+                    error = _failure(exc)
+                    log.warning("decoder %s failed mid-answer: %s", backend.url, error)
+                    if request.transport is not None:
+                        request.transport.abort()   # the client sees an incomplete body
+                    return resp
+                if not chunk:
+                    break
+                await resp.write(chunk)
+            finished = True
+        except ConnectionResetError:    # the client left (handled here: no traceback logged)
+            log.info("client left; closing the leg to decoder %s", backend.url)
+            return resp
+        finally:
+            if finished:
+                upstream.release()
+            else:
+                upstream.close()    # closing the connection aborts the request in vLLM
+            self.decoders.done(backend, error)    # before the client can see the end
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
+        return resp
+
+    @staticmethod
+    async def _on_chunk_sent(_session, trace_ctx, _params) -> None:
+        ctx = trace_ctx.trace_request_ctx
+        if ctx is not None and ctx.on_sent is not None:
+            on_sent, ctx.on_sent = ctx.on_sent, None
+            on_sent()
+
+
+async def serve(config: ProxyConfig, announce: Callable[[str], Any] = print) -> None:
+    """Run the proxy until SIGTERM or SIGINT, then shut down gracefully (module docstring).
+
+    `announce` receives one startup line naming the listen address and every backend with
+    its first health verdict.
+
+    Raises:
+        OSError: the listen address cannot be bound.
+    """
+    proxy = Proxy(config)
+    # handler_cancellation: a client that leaves cancels its handler at once, which closes
+    # the legs' connections (vLLM aborts those requests), even while no token is due.
+    runner = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=config.shutdown_timeout_s)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+        def state(b: Backend) -> str:
+            return f"{b.url} ({'healthy' if b.healthy else 'unhealthy: ' + str(b.last_error)})"
+
+        announce(f"kvhal proxy: listening on http://{host}:{port} ({config.order.value}); "
+                 f"prefillers: {', '.join(state(b) for b in proxy.prefillers.backends)}; "
+                 f"decoders: {', '.join(state(b) for b in proxy.decoders.backends)}")
+        sys.stdout.flush()
+        await stop.wait()
+        log.info("shutting down: finishing requests in flight")
+    finally:
+        await runner.cleanup()
