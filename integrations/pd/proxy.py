@@ -296,12 +296,14 @@ class Proxy:
                 self.prefillers.done(prefiller)
             elif not task.done():
                 task.cancel()
+                self.prefillers.done(prefiller)
 
     async def _prefill_leg(self, prefiller: Backend, rank: int, path: str, body: dict,
                            headers: dict) -> tuple[int | None, tuple[bytes, str] | None]:
         """Send one prefill leg and wait for its whole answer; returns (HTTP status, (body,
         Content-Type header)), or (None, None) when the prefiller was not reached or timed
-        out. Ends the leg in the prefillers' pool in every case, cancellation included."""
+        out. Ends the leg in the prefillers' pool when it returns; a leg cancelled (maybe
+        before it ever ran) is ended by `_run_order`, which cancelled it."""
         if prefiller.dp_size > 1:
             headers = {**headers, DP_RANK_HEADER: str(rank)}
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s,
@@ -311,9 +313,6 @@ class Proxy:
             async with self.session.post(f"{prefiller.url}{path}", json=body, headers=headers,
                                          timeout=timeout) as resp:
                 answer = await resp.read()
-        except asyncio.CancelledError:
-            self.prefillers.done(prefiller)
-            raise
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             why = _failure(exc)
             log.warning("request %s: prefill leg to %s failed: %s; the decoder recomputes",
