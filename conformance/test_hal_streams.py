@@ -24,22 +24,41 @@ def test_sync_then_query_is_idle(backend):
         backend.free(buf)
 
 
-def test_event_completes_after_preceding_work(backend):
-    stream = backend.create_stream()
-    event = backend.create_event()
-    src = backend.alloc_pinned(4 << 20)
-    dst = backend.alloc_device(4 << 20)
+def test_event_completes_after_preceding_work(chaos_backend):
+    """Once `event_synchronize` returns, the copies recorded before the event are done: the
+    host reads the destination's final bytes (host → device → host on one stream, each round
+    with new source bytes, under chaos delays).
+
+    Fails when `event_synchronize` (or `record_event`) does not wait for the stream's earlier
+    work: e.g. with `mark.done.wait()` removed from the cpu backend's `event_synchronize`, the
+    destination still holds the previous round's bytes.
+    """
+    be = chaos_backend
+    nbytes, rounds = 256 << 10, 50
+    stream = be.create_stream()
+    event = be.create_event()
+    src, dst = be.alloc_pinned(nbytes * rounds), be.alloc_pinned(nbytes)
+    mid = be.alloc_device(nbytes)
     try:
-        assert backend.event_query(event) is True  # never recorded
-        backend.copy_async(dst.ptr, src.ptr, src.nbytes, stream)
-        backend.record_event(event, stream)
-        backend.event_synchronize(event)
-        assert backend.event_query(event) is True
+        assert be.event_query(event) is True  # never recorded
+        data = reference_bytes(src.nbytes, seed=5)
+        host_array(src)[:] = data
+        out = host_array(dst)
+        wrong = not_done = 0
+        for i in range(rounds):
+            be.copy_async(mid.ptr, src.ptr + i * nbytes, nbytes, stream)
+            be.copy_async(dst.ptr, mid.ptr, nbytes, stream)
+            be.record_event(event, stream)
+            be.event_synchronize(event)
+            wrong += not np.array_equal(out, data[i * nbytes:(i + 1) * nbytes])
+            not_done += be.event_query(event) is not True
+        assert (wrong, not_done) == (0, 0)
     finally:
-        backend.destroy_event(event)
-        backend.destroy_stream(stream)
-        backend.free(src)
-        backend.free(dst)
+        be.stream_synchronize(stream)
+        be.destroy_event(event)
+        be.destroy_stream(stream)
+        for m in (src, dst, mid):
+            be.free(m)
 
 
 def test_elapsed_time_is_non_negative(backend):

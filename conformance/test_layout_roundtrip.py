@@ -7,7 +7,8 @@ through the backend into a pinned host slot and assert the slot equals the one c
 different TP size and layout and assert every device byte is what the oracle says (chunk blocks
 replaced, every other block untouched), with short strided runs issued as 2D copies or, for
 half the cases, expanded into the batch (`expand_up_to`). Unmappable combinations must be
-refused.
+refused, and exactly those of `MAPPED_BY` (the built-in layouts): a layout refused by mistake
+fails its case instead of passing as a refusal.
 """
 from __future__ import annotations
 
@@ -45,6 +46,25 @@ KINDS = {
         LayerGroup(Kind.SLIDING_WINDOW, 2, 4, 8, "bf16", 4, sliding_window=4))),
     "mamba": KVCacheSpec((LayerGroup(Kind.MAMBA, 2, 1, 0, "bf16", 4, state_bytes=96),)),
 }
+
+
+ATTENTION_LAYOUTS = ("packed-hnd", "packed-nhd", "split-nhd", "split-hnd", "separate-kv",
+                     "vllm-cpu")
+#: The built-in layouts that map each kind (at every TP size, except a Mamba state at TP 1
+#: only: its one state is not split over ranks); every other built-in layout refuses it.
+#: Per-token scale bytes (fp8) fit only the packed pages.
+MAPPED_BY = {"mha32": ATTENTION_LAYOUTS, "gqa8": ATTENTION_LAYOUTS, "mqa1": ATTENTION_LAYOUTS,
+             "mla": ("mla",), "fp8-scales16": ("packed-hnd", "packed-nhd"),
+             "sliding": ATTENTION_LAYOUTS, "hybrid": ATTENTION_LAYOUTS, "mamba": ("mamba",)}
+BUILT_IN_LAYOUTS = ATTENTION_LAYOUTS + ("mla", "mamba")
+
+
+def _refused(kind: str, tp: int, layout: str) -> bool | None:
+    """Whether a built-in `layout` must refuse `kind` at `tp` (`MAPPED_BY`); None for a
+    layout from another plugin (its refusals are its own)."""
+    if layout not in BUILT_IN_LAYOUTS:
+        return None
+    return layout not in MAPPED_BY[kind] or (kind == "mamba" and tp > 1)
 
 
 def _layout_names() -> list[str]:
@@ -113,9 +133,16 @@ def _roundtrip(backend, spec, n, store, load, seed, expand):
 @pytest.mark.parametrize("kind,n,tp,layout", CASES,
                          ids=[f"{k}-n{n}-tp{tp}-{lay}" for k, n, tp, lay in CASES])
 def test_store_is_canonical_and_loads_into_other_tp_and_layout(backend, kind, n, tp, layout):
+    """Fails when a built-in layout refuses what `MAPPED_BY` says it maps: e.g. with
+    `map_group` raising LayoutError for split-hnd attention groups, the 40 split-hnd attention
+    cases fail here (before the table they passed as refusals; only the mixed-groups test
+    noticed)."""
     spec = KINDS[kind]
-    status = mapping_status(spec, layout, tp)
-    if any(s.startswith("refused") for s in status):
+    refused = any(s.startswith("refused") for s in mapping_status(spec, layout, tp))
+    assert _refused(kind, tp, layout) in (None, refused), (
+        f"{layout} at tp {tp} {'refuses' if refused else 'maps'} {kind}; mapped by: "
+        f"{MAPPED_BY[kind]}")
+    if refused:
         with pytest.raises(LayoutError, match=r"groups\[\d+\] \(layers \d+-\d+"):
             chunk_mapper(spec, layout, tp, 0, n)
         return
@@ -127,6 +154,15 @@ def test_store_is_canonical_and_loads_into_other_tp_and_layout(backend, kind, n,
     expand = 4 if tp in (2, 8) else 1  # both ways to issue short strided runs
     _roundtrip(backend, spec, n, (tp, layout), _load_config(kind, tp, layout),
                zlib.crc32(f"{kind}-{n}-{tp}-{layout}".encode()), expand)
+
+
+def test_the_refusal_table_covers_every_built_in_layout():
+    """`MAPPED_BY` pins 246 of the 512 built-in cases as refusals (31 kind × layout pairs at
+    every TP size, and Mamba states at TP 2, 4 and 8); a built-in layout missing from the
+    registry would leave its cases unchecked."""
+    built_in = [c for c in CASES if c[3] in BUILT_IN_LAYOUTS]
+    assert set(BUILT_IN_LAYOUTS) <= set(_layout_names())
+    assert (len(built_in), sum(_refused(k, tp, lay) for k, _, tp, lay in built_in)) == (512, 246)
 
 
 def test_groups_with_their_own_layouts_round_trip(backend):

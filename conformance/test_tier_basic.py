@@ -7,7 +7,7 @@ import pytest
 
 from kvhal.tiers.base import JobKind, Lookup, TierJob
 
-from .tier_fixtures import chunk_key, load, payload, run_jobs, store
+from .tier_fixtures import chunk_key, load, lookup, payload, run_jobs, store
 
 #: Chunk sizes of the round trip: tiny, around the 4 KiB page, and a few MiB-scale odd sizes.
 SIZES = (1, 4095, 4096, 4097, 65536 + 7, (1 << 20) - 1, 2 << 20, (3 << 20) + 513)
@@ -27,7 +27,7 @@ def test_round_trip_of_random_chunks(open_tier, namespace, host, host_kind):
     stored = run_jobs(tier, [TierJob(i, JobKind.STORE, k, off, n)
                              for i, (k, off, n) in enumerate(zip(keys, offsets, SIZES))])
     assert [stored[i].ok for i in range(len(SIZES))] == [True] * len(SIZES)
-    assert [tier.lookup(k) for k in keys] == [Lookup.HIT] * len(SIZES)
+    assert [lookup(tier, k) for k in keys] == [Lookup.HIT] * len(SIZES)
     array[half:] = 0
     loaded = run_jobs(tier, [TierJob(100 + i, JobKind.LOAD, k, half + off, n)
                              for i, (k, off, n) in enumerate(zip(keys, offsets, SIZES))])
@@ -57,14 +57,16 @@ def test_absent_key_is_a_miss_and_its_load_fails_once(open_tier, namespace, host
     tier = open_tier(host)
     key = chunk_key(namespace, 7)
 
-    assert tier.lookup(key) is Lookup.MISS
+    assert lookup(tier, key) is Lookup.MISS
     result = load(tier, key, 0, 4096, job_id=9)
 
     assert (result.ok, result.kind, result.key) == (False, JobKind.LOAD, key)
     assert result.error
 
 
-def test_capacity_keeps_the_most_recent_chunks(open_tier, namespace, host):
+def test_capacity_keeps_the_most_recent_chunks(harness, open_tier, namespace, host):
+    if not harness.own_capacity:
+        pytest.skip(f"{harness.name} does not evict by max_bytes: {harness.why_not}")
     n = 64 << 10
     tier = open_tier(host, max_bytes=4 * n + n // 2)
     keys = [chunk_key(namespace, i) for i in range(10)]
@@ -72,14 +74,16 @@ def test_capacity_keeps_the_most_recent_chunks(open_tier, namespace, host):
         np.frombuffer(host, dtype=np.uint8)[:n] = payload(i, n)
         assert store(tier, key, 0, n, job_id=i).ok
 
-    assert [tier.lookup(k) for k in keys] == [Lookup.MISS] * 6 + [Lookup.HIT] * 4
+    assert [lookup(tier, k) for k in keys] == [Lookup.MISS] * 6 + [Lookup.HIT] * 4
     for i in range(6, 10):
         assert load(tier, keys[i], n, n, job_id=100 + i).ok
         np.testing.assert_array_equal(np.frombuffer(host, dtype=np.uint8)[n:2 * n],
                                       payload(i, n))
 
 
-def test_a_load_makes_a_chunk_most_recently_used(open_tier, namespace, host):
+def test_a_load_makes_a_chunk_most_recently_used(harness, open_tier, namespace, host):
+    if not harness.own_capacity:
+        pytest.skip(f"{harness.name} does not evict by max_bytes: {harness.why_not}")
     n = 64 << 10
     tier = open_tier(host, max_bytes=4 * n + n // 2)
     keys = [chunk_key(namespace, i) for i in range(5)]
@@ -89,18 +93,20 @@ def test_a_load_makes_a_chunk_most_recently_used(open_tier, namespace, host):
     assert load(tier, keys[0], n, n, job_id=10).ok
     assert store(tier, keys[4], 0, n, job_id=4).ok
 
-    assert [tier.lookup(k) for k in keys] == [Lookup.HIT, Lookup.MISS, Lookup.HIT, Lookup.HIT,
+    assert [lookup(tier, k) for k in keys] == [Lookup.HIT, Lookup.MISS, Lookup.HIT, Lookup.HIT,
                                               Lookup.HIT]
 
 
-def test_chunk_larger_than_capacity_fails_once_and_is_absent(open_tier, namespace, host):
+def test_chunk_larger_than_capacity_fails_once_and_is_absent(harness, open_tier, namespace, host):
+    if not harness.own_capacity:
+        pytest.skip(f"{harness.name} does not evict by max_bytes: {harness.why_not}")
     tier = open_tier(host, max_bytes=64 << 10)
     key = chunk_key(namespace, 3)
 
     result = store(tier, key, 0, 1 << 20, job_id=5)
 
     assert (result.ok, result.kind) == (False, JobKind.STORE)
-    assert tier.lookup(key) is Lookup.MISS
+    assert lookup(tier, key) is Lookup.MISS
 
 
 def test_many_concurrent_jobs_are_each_reported_exactly_once(open_tier, namespace, host):
@@ -132,7 +138,7 @@ def test_restart_finds_every_stored_chunk(harness, shared_store, open_tier, name
 
     second = open_tier(host)
 
-    assert [second.lookup(k) for k in keys] == [Lookup.HIT] * 6
+    assert [lookup(second, k) for k in keys] == [Lookup.HIT] * 6
     for i, key in enumerate(keys):
         assert load(second, key, n, n, job_id=10 + i).ok
         np.testing.assert_array_equal(array[n:2 * n], payload(i, n))

@@ -13,7 +13,7 @@ import pytest
 
 from kvhal.tiers.base import JobKind, Lookup, TierJob
 
-from .tier_fixtures import chunk_key, load, payload, run_jobs, store
+from .tier_fixtures import chunk_key, load, lookup, payload, run_jobs, store
 from .tier_harness import DAMAGE_KINDS, FAULT_ERRNOS
 
 #: Damaged chunks per kind (each with its own seeded damage position).
@@ -38,7 +38,7 @@ def test_damaged_chunk_is_a_miss_every_time(harness, open_tier, namespace, host,
                                for i, k in enumerate(keys) for r in range(2)])
 
     assert [r.ok for r in attempts.values()] == [False] * (2 * DAMAGED_CHUNKS)
-    assert [tier.lookup(k) for k in keys] == [Lookup.MISS] * DAMAGED_CHUNKS
+    assert [lookup(tier, k) for k in keys] == [Lookup.MISS] * DAMAGED_CHUNKS
 
 
 def test_undamaged_chunks_survive_damage_to_others(harness, open_tier, namespace, host):
@@ -79,4 +79,4 @@ def test_injected_io_error_fails_each_job_exactly_once(harness, tmp_path, namesp
 
         assert [results[10 + i].ok for i in range(5)] == [False] * 5
         assert all(errno.errorcode[err] in results[10 + i].error for i in range(5))
-        assert [tier.lookup(k) for k in keys] == [Lookup.MISS] * 5
+        assert [lookup(tier, k) for k in keys] == [Lookup.MISS] * 5

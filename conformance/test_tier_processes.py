@@ -17,7 +17,7 @@ import pytest
 from kvhal.tiers.base import Lookup
 
 from . import tier_workers
-from .tier_fixtures import DRAIN_TIMEOUT_S, chunk_key, load, payload
+from .tier_fixtures import DRAIN_TIMEOUT_S, chunk_key, load, lookup, payload
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,27 @@ def _kill_at(ctx, harness, config, namespace, first, nbytes,
     return stored, elapsed
 
 
+def _stored_counts(harness, config) -> tuple[int, int]:
+    """(complete objects, temp objects) in the store now; (0, 0) where the harness cannot
+    list them."""
+    if harness.stored_objects is None:
+        return 0, 0
+    complete, temps = harness.stored_objects(config)
+    return len(complete), len(temps)
+
+
 def test_sigkilled_writers_never_leave_a_torn_chunk(harness, shared_store, namespace, host):
+    """Writers SIGKILLed at seeded points leave every chunk they reported stored loadable and
+    no chunk with wrong bytes; at least one kill must land mid-store (the writer reported some
+    but not all of its chunks, or left a temp object, or a complete object it had not
+    reported: an unsettled chunk), so the test cannot pass with every kill before the first
+    write or after the last.
+
+    Fails when a kill tears a chunk (wrong bytes load ok) or loses a reported one; and when the
+    kills miss the stores: e.g. with every kill point moved before the writer starts storing
+    (the parent killing it before "ready") or after it is done (`delay = 2 * span_s`): "no
+    kill of 20 landed mid-store" (obj).
+    """
     if not harness.persistent:
         pytest.skip(f"{harness.name} is not persistent: {harness.why_not}")
     ctx = _context()
@@ -134,11 +154,20 @@ def test_sigkilled_writers_never_leave_a_torn_chunk(harness, shared_store, names
     first = harness.kill_points * CHUNKS_PER_WRITER  # the calibration run's chunks come after
     stored_all, span_s = _kill_at(ctx, harness, config, namespace, first, nbytes, None)
     assert sorted(stored_all) == list(range(first, first + CHUNKS_PER_WRITER))
+    complete, _ = _stored_counts(harness, config)
+    partial = temps_left = unsettled = 0
     for point in range(harness.kill_points):  # kill points spread over 1.5x an unkilled writer's time
         delay = random.Random(point).uniform(0, 1.5 * span_s)
         stored, _ = _kill_at(ctx, harness, config, namespace, point * CHUNKS_PER_WRITER,
                              nbytes, delay)
         stored_all += stored
+        now_complete, now_temps = _stored_counts(harness, config)  # before the next writer
+        partial += 0 < len(stored) < CHUNKS_PER_WRITER
+        temps_left += now_temps > 0
+        unsettled += now_complete - complete > len(stored)
+        complete = now_complete
+    assert partial + temps_left + unsettled > 0, (
+        f"no kill of {harness.kill_points} landed mid-store (span {span_s:.3f} s)")
 
     tier = harness.make(config, host, namespace)
     try:
@@ -146,8 +175,8 @@ def test_sigkilled_writers_never_leave_a_torn_chunk(harness, shared_store, names
         for i in range(first + CHUNKS_PER_WRITER):
             key = chunk_key(namespace, i)
             if i in stored_all:
-                assert tier.lookup(key) is Lookup.HIT, f"stored chunk {i} lost"
-            if tier.lookup(key) is Lookup.HIT:
+                assert lookup(tier, key) is Lookup.HIT, f"stored chunk {i} lost"
+            if lookup(tier, key) is Lookup.HIT:
                 result = load(tier, key, 0, nbytes, job_id=i)
                 assert result.ok, f"chunk {i}: {result.error}"
                 np.testing.assert_array_equal(array[:nbytes], payload(i, nbytes))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from typing import Callable, Iterable
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from kvhal import plugins
 from kvhal.hal import host_array
 from kvhal.keys import ChunkKey
-from kvhal.tiers.base import JobKind, JobResult, SecondaryTier, TierJob
+from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 
 from .tier_harness import TierHarness, harnesses
 
@@ -47,8 +48,12 @@ def selected_tiers(config: pytest.Config) -> list[str]:
 
 @pytest.fixture
 def harness(tier_name: str) -> TierHarness:
-    """The harness of the tier under test."""
-    return harnesses()[tier_name]
+    """The harness of the tier under test, or a skip naming the extra its tier needs."""
+    harness = harnesses()[tier_name]
+    missing = harness.missing_extra()
+    if missing:
+        pytest.skip(missing)
+    return harness
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +100,17 @@ def open_tier(harness, tmp_path, namespace) -> Iterable[Callable[..., SecondaryT
     yield make
     for tier in opened:
         tier.close()
+
+
+def lookup(tier: SecondaryTier, key: ChunkKey, timeout_s: float = 10.0) -> Lookup:
+    """`tier.lookup(key)` once it is no longer RETRY (a tier checking its store in the
+    background answers RETRY first, e.g. mooncake), or RETRY after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    answer = tier.lookup(key)
+    while answer is Lookup.RETRY and time.monotonic() < deadline:
+        time.sleep(0.005)
+        answer = tier.lookup(key)
+    return answer
 
 
 def chunk_key(namespace: bytes, i: int, group: int = 0) -> ChunkKey:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import os
 import subprocess
 import tempfile
@@ -24,7 +25,7 @@ from kvhal import plugins
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import SecondaryTier
 
-from . import p2p
+from . import mooncake, p2p
 
 #: Damage kinds of `TierHarness.damage`: flip one payload bit, flip one header bit (fs-like
 #: tiers with a header), cut the stored object short, delete it.
@@ -68,6 +69,10 @@ class TierHarness:
         stored_objects: `stored_objects(config)` → (complete objects, temp objects) currently
             in the store (e.g. chunk files and temp files), or None.
         kill_points: SIGKILL points of the torn-chunk test (each starts a writer process).
+        extra: (kvhal extra, module) where the tier needs an extra: tests of the tier skip,
+            naming the extra, when the module does not import; None: no extra needed.
+        own_capacity: The tier enforces `max_bytes` itself, least recently used first; False
+            where the store it fronts evicts by its own policy (Mooncake's master).
         why_not: Reason printed when a test is skipped for a missing capability.
     """
 
@@ -80,10 +85,24 @@ class TierHarness:
     faulty: Faulty | None = None
     stored_objects: Callable[[Config], tuple[list[str], list[str]]] | None = None
     kill_points: int = 100
+    own_capacity: bool = True
     services: Services | None = None
     settle: Settle | None = None
     ready: Callable[[SecondaryTier], None] | None = None
+    extra: tuple[str, str] | None = None
     why_not: str = ""
+
+    def missing_extra(self) -> str | None:
+        """Why this tier cannot run here (its `extra` does not import), or None."""
+        if self.extra is None:
+            return None
+        extra, module = self.extra
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return (f"the {self.name} tier needs the {extra} extra ({exc.name} missing): "
+                    f"pip install 'kvhal[{extra}]'")
+        return None
 
     def make(self, config: Config, host: memoryview, namespace: bytes) -> SecondaryTier:
         """Construct the tier through its registered factory (and wait until it is `ready`)."""
@@ -122,7 +141,9 @@ class FaultyOs:
 
     Used where a real component cannot produce the error on demand: EIO (no faulty disk in
     CI), EACCES (CI runs as root, and root ignores permission bits), ENOSPC on loads and
-    where no tiny tmpfs can be mounted. `raised` counts the injected errors.
+    where no tiny tmpfs can be mounted. `raised` counts the injected errors. It switches the
+    fs tier's C I/O path off (that path runs only with the real `os`): the same errors are
+    injected into the C path by `tests/tiers/test_fs_c_path.py`, under strace.
     """
 
     def __init__(self, err: int, calls: tuple[str, ...]):
@@ -302,7 +323,7 @@ def _obj_stored_objects(config: Config) -> tuple[list[str], list[str]]:
 register_harness(TierHarness(
     "obj", config=_obj_config, persistent=True, shared_by_processes=True,
     damage=_obj_damage, damage_kinds=DAMAGE_KINDS, faulty=_obj_faulty,
-    stored_objects=_obj_stored_objects,
+    stored_objects=_obj_stored_objects, extra=("s3", "kvhal.tiers.obj"),
     # a PUT is atomic on the server, so a kill can only lose a chunk, never tear one; 20 points
     # cover kills before, during and after requests (100 took ~5 min on 2 loaded cores)
     kill_points=20))
@@ -312,8 +333,17 @@ register_harness(TierHarness(
 register_harness(TierHarness(
     "p2p", config=p2p.config, persistent=True, shared_by_processes=True,
     services=p2p.keeper, settle=p2p.settle, ready=p2p.ready, damage=p2p.damage,
-    damage_kinds=("bitflip-payload", "truncate", "delete"),
+    damage_kinds=("bitflip-payload", "truncate", "delete"), extra=("p2p", "kvhal.tiers.p2p"),
     # each kill point starts a writer process and the keeper pulls each chunk it reports
     kill_points=12,
     why_not="p2p chunks live in the memory of the instances serving them (no files, no "
             "errno-level I/O to inject)"))
+
+
+# -- mooncake -------------------------------------------------------------------------------
+register_harness(TierHarness(
+    "mooncake", config=mooncake.config, persistent=True, shared_by_processes=True,
+    damage=mooncake.damage, damage_kinds=DAMAGE_KINDS, own_capacity=False, kill_points=12,
+    why_not="a Mooncake pool's capacity and eviction are its master's (watermark, leases), "
+            "not max_bytes LRU, and its client has no errno-level I/O to inject (real master "
+            "kills, a full pool and eviction: tests/tiers/test_mooncake_tier.py)"))

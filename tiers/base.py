@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 from kvhal.keys import ChunkKey
 
@@ -47,6 +47,8 @@ class TierJob:
         key: The chunk's key.
         offset: Byte offset of the chunk's slot in the host region.
         nbytes: Payload bytes (the canonical chunk size; ≤ slot size).
+        request: The request the job serves, for a tier that took part in it
+            (`SecondaryTier.open_request` answered True); None otherwise.
     """
 
     job_id: int
@@ -54,6 +56,7 @@ class TierJob:
     key: ChunkKey
     offset: int
     nbytes: int
+    request: Hashable | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +181,25 @@ class SecondaryTier(abc.ABC):
         into `BlockRemoved` events. Never blocks on I/O. Default: none (a tier that never
         drops chunks on its own)."""
         return []
+
+    def open_request(self, request: Hashable, params: Mapping[str, Any]) -> bool:
+        """Called by the engine when a request arrives with per-request parameters (vLLM:
+        its `kv_transfer_params`, e.g. an orchestrator's P/D instructions), before any of its
+        lookups. Returns True if the tier takes part: then the engine asks it
+        `lookup_for(key, request)` for the request's chunks, passes `TierJob.request` on the
+        request's promotions and stores (every chunk of the request's prefix, also those
+        already in host memory), and calls `close_request` once after the request's last
+        store was handed over. Must not block on I/O; a malformed parameter is logged (naming
+        the key and the request) and ignored, never raised. Default: False."""
+        return False
+
+    def lookup_for(self, key: ChunkKey, request: Hashable) -> Lookup:
+        """`lookup` for a request the tier took part in (`open_request`). Default: `lookup`."""
+        return self.lookup(key)
+
+    def close_request(self, request: Hashable) -> None:
+        """A request the tier took part in is finished and its last store was submitted
+        (`open_request`); each such request once. Must not block on I/O. Default: nothing."""
 
     def attach_host(self, access: HostAccess) -> None:
         """Called once by the engine, before any job, with thread-safe access to the host

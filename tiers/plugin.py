@@ -9,7 +9,7 @@ def kvhal_register_tiers():
     from .fs import FsTier
     from .memory import MemoryTier
     return [TierSpec("memory", MemoryTier), TierSpec("fs", FsTier), TierSpec("p2p", p2p_tier),
-            TierSpec("obj", obj_tier)]
+            TierSpec("obj", obj_tier), TierSpec("mooncake", mooncake_tier)]
 
 
 def _lazy(module: str, cls: str, extra: str):
@@ -34,3 +34,4 @@ def _lazy(module: str, cls: str, extra: str):
 
 p2p_tier = _lazy(".p2p", "P2PTier", "p2p")
 obj_tier = _lazy(".obj", "ObjTier", "s3")
+mooncake_tier = _lazy(".mooncake", "MooncakeTier", "mooncake")

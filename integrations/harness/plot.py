@@ -90,3 +90,31 @@ def plot_sweep(path: str | os.PathLike, what: str, capacities: Sequence[int],
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_lines(path: str | os.PathLike, x_label: str,
+               panels: Sequence[tuple[str, dict[str, tuple[Sequence[float], Sequence[float]]]]],
+               title: str) -> None:
+    """Draw panels side by side, each with one line per name (x on a log2 axis: sweeps usually
+    double).
+
+    Args:
+        path: Output image (format from the suffix, e.g. .png).
+        x_label: The x axis of every panel.
+        panels: (y label, {line name: (xs, ys)}) per panel; a y of None leaves a gap.
+        title: Figure title.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (y_label, lines) in zip(axes[0], panels):
+        for name, (xs, ys) in lines.items():
+            ax.plot(xs, [np.nan if y is None else y for y in ys], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(y_label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

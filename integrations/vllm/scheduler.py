@@ -260,6 +260,8 @@ class SchedulerSide:
                                MAX_OFFLOAD_TOKENS, cap)
                 cap = 0
             state = self._requests[request.request_id] = _Request(request, cap)
+            if params:   # orchestration for the tiers (p2p: P/D legs), once per request
+                self.manager.open_request(request.request_id, params)
         return state
 
     # -- vLLM scheduler hooks ----------------------------------------------------------------
@@ -302,7 +304,7 @@ class SchedulerSide:
         limit, pending = end, False
         for g in self._prefix_groups:   # whole prefix: the chunks before the first MISS
             keys = self._keys(request, g.group_id)[start:end]
-            answers = self.manager.lookup(keys, request_id=(rid, g.group_id))
+            answers = self.manager.lookup(keys, request_id=(rid, g.group_id), context=rid)
             self._describe(request, start, keys, answers)
             hits = _usable(answers)
             pending = pending or Lookup.RETRY in answers[:hits]
@@ -314,7 +316,8 @@ class SchedulerSide:
 
         def answer(group: int, chunk: int) -> Lookup:
             if (group, chunk) not in probed:  # each chunk once per call (promotions start once)
-                probed[group, chunk] = self.manager.lookup([keys[group][chunk]])[0]
+                probed[group, chunk] = self.manager.lookup([keys[group][chunk]],
+                                                           context=rid)[0]
                 if probed[group, chunk] is Lookup.RETRY:
                     self._describe(request, chunk, [keys[group][chunk]], [Lookup.RETRY])
             return probed[group, chunk]
@@ -331,7 +334,8 @@ class SchedulerSide:
         for g in self._partial_groups:
             rng = needed_chunks(g.kind, start, hit_end, dep.tokens_per_chunk, dep.block_size,
                                 g.sliding_window)
-            self.manager.lookup([keys[g.group_id][c] for c in rng], request_id=(rid, g.group_id))
+            self.manager.lookup([keys[g.group_id][c] for c in rng],
+                                request_id=(rid, g.group_id), context=rid)
         return hit_end, pending
 
     def _describe(self, request: Any, start: int, keys: list, answers: list) -> None:
@@ -393,7 +397,8 @@ class SchedulerSide:
             if shared is not None:
                 load.fail(shared)
             biggest = max(parts, key=lambda p: len(p.keys))
-            self._credit(state.hit_sources, self.manager.sources(biggest.keys), source=True)
+            self._credit(state.hit_sources, self.manager.sources(biggest.keys, rid),
+                         source=True)
             return
         (part,) = parts     # synchronous: one group, every chunk in host memory
         safe = len(part.keys) if shared is None else int(np.searchsorted(part.chunks, shared))
@@ -405,6 +410,7 @@ class SchedulerSide:
         if plan is not None:
             slots[:placed] = plan.slots
             job_id = plan.job_id
+            self.manager.offer(plan.keys, rid)     # a prefill leg parks what it loaded too
             self._jobs[job_id] = _Job(rid, False, part.group, part.chunks[:placed])
         self._loads.append(TransferJob(job_id, rid, part.group, slots, part.block_ids))
         if placed < len(part.keys):
@@ -452,7 +458,7 @@ class SchedulerSide:
             if load.stopped or load.failed_at is not None or part.issued == len(part.keys):
                 continue
             keys = part.keys[part.issued:]
-            answers = self.manager.lookup(keys, request_id=(rid, part.group))
+            answers = self.manager.lookup(keys, request_id=(rid, part.group), context=rid)
             ready = next((i for i, a in enumerate(answers) if a is not Lookup.HIT), len(keys))
             plan = (self.manager.prepare_load(keys[:ready], request_id=(rid, part.group))
                     if ready else None)
@@ -464,6 +470,7 @@ class SchedulerSide:
                                                part.chunks[part.issued:part.issued + n])
                 part.issued += n
                 part.sources.extend(plan.sources)
+                self.manager.offer(plan.keys, rid)
             if part.issued < len(part.keys) and (n < ready or answers[n] is Lookup.MISS):
                 load.fail(int(part.chunks[part.issued]))
         state = self._requests.get(rid)
@@ -587,7 +594,8 @@ class SchedulerSide:
             blocks = ids[(chunks[:, None] * bpc + np.arange(bpc)).ravel()].reshape(-1, bpc)
             held = (blocks != self.null_block_id).all(axis=1)  # a window may have dropped some
             chunks, blocks = chunks[held], blocks[held]
-            plan = self.manager.prepare_store([keys[c] for c in chunks])
+            plan = self.manager.prepare_store([keys[c] for c in chunks],
+                                              context=request.request_id)
             if plan is None:
                 continue
             if self.chunk_events is not None:
@@ -620,7 +628,7 @@ class SchedulerSide:
                 continue
             chunk = boundary // tpc - 1
             key = self._keys(request, group)[chunk]
-            plan = self.manager.prepare_store([key])
+            plan = self.manager.prepare_store([key], context=request.request_id)
             if plan is None:
                 continue
             if self.chunk_events is not None:
@@ -704,6 +712,7 @@ class SchedulerSide:
         """
         self._release(request.request_id)
         self._asked.discard(request.request_id)
+        self.manager.close_request(request.request_id)
         load = self._recving.get(request.request_id)
         if load is not None:
             # vLLM frees the blocks only after finished_recving: ship nothing more; the next

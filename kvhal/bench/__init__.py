@@ -18,6 +18,7 @@ BENCH_MODULES = (
     "kvhal.bench.p2p",
     "kvhal.integrations.harness.bench",
     "kvhal.integrations.vllm.bench",
+    "kvhal.integrations.vllm.bench_serve",
 )
 
 

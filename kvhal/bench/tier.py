@@ -1,7 +1,9 @@
 """`kvhal bench tier`: write and cold-read throughput of a secondary tier, side by side with a
 raw loop of the same durability and, for `--tier fs` where vLLM is importable, vLLM's own
 fs tier (`vllm_fs.py`), all on the same host bytes in the same run. For `--tier obj` the raw
-loops are S3 clients against the same bucket (`tier_obj.py`).
+loops are S3 clients against the same bucket (`tier_obj.py`); for `--tier mooncake` they are
+Mooncake clients on the same pool, registered and plain, plus one chunk's latency
+(`tier_mooncake.py`).
 
 `--count` chunks of `--chunk-bytes` from one page-aligned host region are stored by each
 contender (one job per chunk, all submitted, then drained), then loaded back into the zeroed
@@ -122,6 +124,9 @@ class TierBenchResult:
     full: bool = False
     #: The kvhal tier's `stats()` after the last pass (evictions, files_recycled, ...).
     kvhal_stats: dict | None = None
+    #: mooncake: median µs of one chunk stored / loaded alone, per contender
+    #: (`tier_mooncake.latency_us`).
+    latency_us: dict | None = None
 
     def ratio(self, baseline: int, direction: str) -> float | None:
         """Median of the kvhal tier / median of `contenders[baseline]` in `direction`
@@ -341,6 +346,10 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
     if tier_name == "obj":
         from .tier_obj import raw_contenders
         contenders += raw_contenders(config | {"type": "obj"}, host, chunk, count)
+    elif tier_name == "mooncake":
+        from .tier_mooncake import raw_contenders as mooncake_contenders
+        contenders += mooncake_contenders(config | {"type": "mooncake"}, host, chunk, count,
+                                          kv.io_threads)
     else:
         contenders.append(_RawLoop(root, host, chunk, count, kv.io_threads, kv.durability,
                                    kv.o_direct, kv.o_direct_writes, full))
@@ -371,6 +380,10 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
             if bar:
                 bar.advance(task)
         kvhal_stats = dict(tier.stats())
+        latency = None
+        if tier_name == "mooncake":
+            from .tier_mooncake import latency_us
+            latency = latency_us(tier, namespace, contenders[1:3], chunk)
     finally:
         for c in contenders:
             c.close()
@@ -384,7 +397,8 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
                         tuple(cpu / count * 1e6 for _, cpu in times[c.name][1]),
                         bool(getattr(c, "adaptive", False)))
         for c in contenders)
-    return TierBenchResult(tier_name, chunk, count, repeats, results, note, full, kvhal_stats)
+    return TierBenchResult(tier_name, chunk, count, repeats, results, note, full, kvhal_stats,
+                           latency)
 
 
 def _vllm_note(tier_name: str, with_vllm: bool) -> str | None:
@@ -402,7 +416,8 @@ def to_json(result: TierBenchResult) -> dict:
     """The `--json` payload: every pass of every contender, medians and kvhal's ratios."""
     out = {"tier": result.tier, "chunk_bytes": result.chunk_bytes, "count": result.count,
            "repeats": result.repeats, "full": result.full, "vllm": result.vllm_note,
-           "kvhal_stats": result.kvhal_stats, "contenders": []}
+           "kvhal_stats": result.kvhal_stats, "latency_us": result.latency_us,
+           "contenders": []}
     for c in result.contenders:
         out["contenders"].append(asdict(c) | {"write_median_gbps": c.write_median,
                                               "read_median_gbps": c.read_median,
@@ -410,7 +425,12 @@ def to_json(result: TierBenchResult) -> dict:
                                               "read_median_cpu_us": c.cpu_median("read")})
     for direction in ("write", "read"):
         out[f"{direction}_vs_raw"] = result.ratio(1, direction)
-        if result.tier != "obj":
+        if result.tier == "mooncake":
+            raw, plain = result.contenders[1], result.contenders[2]
+            out[f"{direction}_vs_plain"] = result.ratio(2, direction)
+            out[f"registered_vs_plain_{direction}"] = (getattr(raw, f"{direction}_median")
+                                                       / getattr(plain, f"{direction}_median"))
+        elif result.tier != "obj":
             out[f"{direction}_vs_vllm"] = result.ratio(result.index(VllmFsTier.name), direction)
             out[f"{direction}_vs_disk"] = result.ratio(result.index(DiskLoop.name), direction)
         else:
@@ -433,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tier == "fs":
         config.setdefault("root_dir", os.path.join(root, "tier"))
     try:
-        with progress(disable=args.json) as bar, _store(args.tier, config) as config:
+        with progress(disable=args.json) as bar, _store(args, config) as config:
             result = measure(args.tier, config, root, args.chunk_bytes, args.count,
                              args.repeats, bar, with_vllm=not args.no_vllm, full=args.full)
     finally:
@@ -459,6 +479,9 @@ def run(args: argparse.Namespace) -> int:
                 ["contender", "threads r+w", "durability", "O_DIRECT", "write", "kvhal ×",
                  "CPU µs", "cold read", "kvhal ×", "CPU µs"], rows)
     print(result.vllm_note)
+    for name, us in (result.latency_us or {}).items():
+        print(f"latency of one chunk alone, {name}: store {us['store']:.0f} µs, load "
+              f"{us['load']:.0f} µs (median of {us['samples']:.0f})")
     adaptive = _adaptive_note(result.tier, result.kvhal_stats or {})
     if adaptive:
         print(adaptive)
@@ -475,11 +498,15 @@ def _adaptive_note(tier: str, stats: dict) -> str | None:
             if written else None)
 
 
-def _store(tier_name: str, config: dict):
-    """obj: the bucket to measure against (`tier_obj.bucket_config`); other tiers: as is."""
-    if tier_name == "obj":
+def _store(args: argparse.Namespace, config: dict):
+    """obj: the bucket to measure against (`tier_obj.bucket_config`); mooncake: the pool
+    (`tier_mooncake.pool_config`); other tiers: as is."""
+    if args.tier == "obj":
         from .tier_obj import bucket_config
         return bucket_config(config)
+    if args.tier == "mooncake":
+        from .tier_mooncake import pool_config
+        return pool_config(config, args.chunk_bytes, args.count, args.repeats)
     return contextlib.nullcontext(config)
 
 
@@ -498,7 +525,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None,
                    help="JSON object merged into the tier's config, e.g. "
                         "'{\"n_write_threads\": 8}'; obj: a \"store_config\" names the bucket "
-                        "(default: a local moto_server started for the run)")
+                        "(default: a local moto_server started for the run); mooncake: a "
+                        "\"master_server_address\" names the pool (default: a local master "
+                        "and keeper started for the run)")
     p.add_argument("--no-vllm", action="store_true", help="leave out vLLM's fs tier")
     p.add_argument("--full", action="store_true",
                    help="fs: measure a full tier (max_bytes of exactly --count chunks, filled "

@@ -18,7 +18,7 @@ import itertools
 import threading
 import time
 from collections import defaultdict
-from typing import Hashable, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -97,7 +97,11 @@ class Manager:
         self.tiers = tuple(tiers)
         self._emit = emit_events
         self._ids = itertools.count(1)
-        self._stores: dict[int, tuple[tuple[ChunkKey, ...], list[int]]] = {}
+        # store job id -> (keys, slots, request context or None)
+        self._stores: dict[int, tuple[tuple[ChunkKey, ...], list[int], Hashable | None]] = {}
+        # request context -> indices of the tiers that took part (`open_request`)
+        self._contexts: dict[Hashable, tuple[int, ...]] = {}
+        self._closing: set[Hashable] = set()    # closed, waiting for their open stores
         self._loads: dict[int, list[int]] = {}
         self._pins: dict[Hashable, list[int]] = {}
         # (tier index, tier job id) -> (kind, slot, key); LOAD = promotion, STORE = cascade.
@@ -124,8 +128,8 @@ class Manager:
 
     # -- lookup ------------------------------------------------------------------------------
     @_locked
-    def lookup(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
-               ) -> list[Lookup]:
+    def lookup(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None, *,
+               context: Hashable | None = None) -> list[Lookup]:
         """Where each chunk of a prefix stands: HIT (in host memory now), RETRY (being written
         into host memory: a store in flight or a promotion from a secondary tier; ask again
         later) or MISS.
@@ -144,6 +148,8 @@ class Manager:
                 for the same request replaces its pins. A promotion this lookup starts is
                 pinned for the request when it lands (until its next lookup, `prepare_load`
                 or `release`).
+            context: The request's context (`open_request`): tiers that took part answer
+                for it (`SecondaryTier.lookup_for`) and see it on its promotions.
 
         Returns:
             One answer per key.
@@ -167,7 +173,7 @@ class Manager:
                 continue
             if protect is None and self.tiers:
                 protect = frozenset(keys)
-            answer = self._promote(key, protect, request_id)
+            answer = self._promote(key, protect, request_id, context)
             out.append(answer)
             if answer is _MISS:
                 break
@@ -184,16 +190,17 @@ class Manager:
         count("chunk_lookups", _HOST, len(out) - len(pins) - retries, "miss")
         return out
 
-    def _promote(self, key: ChunkKey, protect: frozenset | None, owner: Hashable | None
-                 ) -> Lookup:
+    def _promote(self, key: ChunkKey, protect: frozenset | None, owner: Hashable | None,
+                 context: Hashable | None = None) -> Lookup:
         if not self.tiers:
             return _MISS
         if key in self._failed_promotions:
             self._failed_promotions.discard(key)
             return _MISS
         answer = _MISS
+        taking = self._contexts.get(context, ()) if context is not None else ()
         for t, tier in enumerate(self.tiers):
-            found = tier.lookup(key)
+            found = tier.lookup_for(key, context) if t in taking else tier.lookup(key)
             self.metrics.count("chunk_lookups", self.tier_labels[t], 1, found.value)
             if found is _RETRY:
                 answer = _RETRY
@@ -208,7 +215,8 @@ class Manager:
                 job_id = next(self._ids)
                 self._promo[placed[0]] = owner
                 self._tier_jobs[(t, job_id)] = (JobKind.LOAD, placed[0], key)
-                tier.submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(placed[0])))
+                tier.submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(placed[0]),
+                                         request=context if t in taking else None))
                 return _RETRY
         return answer
 
@@ -241,7 +249,8 @@ class Manager:
 
     # -- stores ------------------------------------------------------------------------------
     @_locked
-    def prepare_store(self, keys: Sequence[ChunkKey]) -> StorePlan | None:
+    def prepare_store(self, keys: Sequence[ChunkKey], context: Hashable | None = None
+                      ) -> StorePlan | None:
         """Reserve host slots (state -1) for the chunks of `keys` not yet in host memory.
 
         Eviction takes idle chunks by the cache policy, never a chunk of `keys` (the batch being
@@ -251,6 +260,10 @@ class Manager:
         Args:
             keys: Chunk keys of one prefix, in order. A key given more than once is stored
                 once, at its first position (`StorePlan.indices`).
+            context: The storing request's context (`open_request`): its stores cascade to
+                the tiers that took part with `TierJob.request` set, and its keys already
+                readable in host memory are handed to those tiers now (they are the
+                request's chunks too).
 
         Returns:
             The plan, or None if nothing needs storing or nothing fits (no job is created).
@@ -261,6 +274,7 @@ class Manager:
             if key not in index and key not in seen:  # a repeated key is stored once
                 seen.add(key)
                 todo.append(i)
+        self._offer(keys, context)
         if not todo:
             return None
         pools = {self.slots.pool_of(keys[i]) for i in todo}
@@ -273,7 +287,7 @@ class Manager:
             return None
         job_id = next(self._ids)
         placed = tuple(keys[i] for i in todo[:len(slots)])
-        self._stores[job_id] = (placed, slots)
+        self._stores[job_id] = (placed, slots, context)
         self._started[job_id] = time.monotonic()
         return StorePlan(job_id, placed, np.array(todo[:len(slots)], dtype=np.int64),
                          np.array(slots, dtype=np.int64))
@@ -287,7 +301,7 @@ class Manager:
             EngineError: `job_id` is not an open store job (unknown or already completed).
         """
         try:
-            keys, slots = self._stores.pop(job_id)
+            keys, slots, context = self._stores.pop(job_id)
         except KeyError:
             raise EngineError(f"store job {job_id} is not open (unknown or completed)") from None
         n_ok = len(slots) if num_ok is None else max(0, min(num_ok, len(slots)))
@@ -300,15 +314,74 @@ class Manager:
         self._job_ended("store", job_id, slots, n_ok)
         if stored:
             self._stored([k for k, _ in stored])
-            self._cascade(stored)
+            self._cascade(stored, context)
+        if context in self._closing and not any(c == context for *_, c in self._stores.values()):
+            self._end_context(context)
 
-    def _cascade(self, stored: list[tuple[ChunkKey, int]]) -> None:
+    def _cascade(self, stored: list[tuple[ChunkKey, int]], context: Hashable | None = None,
+                 only_taking: bool = False) -> None:
+        """Submit a store of each (key, slot) to every secondary tier (`only_taking`: to the
+        tiers that took part in `context` only), with `context` for those that took part."""
+        taking = self._contexts.get(context, ()) if context is not None else ()
         for t, tier in enumerate(self.tiers):
+            if only_taking and t not in taking:
+                continue
+            request = context if t in taking else None
             for key, slot in stored:
                 self.slots.acquire(slot)
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key)
-                tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot)))
+                tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot),
+                                          request=request))
+
+    # -- request contexts --------------------------------------------------------------------
+    @_locked
+    def offer(self, keys: Sequence[ChunkKey], context: Hashable) -> None:
+        """Hand the chunks of `keys` readable in host memory to the tiers that took part in
+        `context`, as stores of the request (`TierJob.request`): chunks it loaded rather than
+        computed are its chunks too. Nothing for a context no tier took part in."""
+        self._offer(keys, context)
+
+    def _offer(self, keys: Sequence[ChunkKey], context: Hashable | None) -> None:
+        if context is None or context not in self._contexts:
+            return
+        index, state, resident = self.slots.index, self.slots.state, []
+        for key in dict.fromkeys(keys):
+            slot = index.get(key)
+            if slot is not None and state[slot] >= IDLE:
+                resident.append((key, slot))
+        self._cascade(resident, context, only_taking=True)
+
+    @_locked
+    def open_request(self, context: Hashable, params: Mapping[str, Any]) -> bool:
+        """Hand a request's parameters (vLLM: its `kv_transfer_params`) to every secondary
+        tier (`SecondaryTier.open_request`); returns True if one took part. Then pass
+        `context` to `lookup`, `prepare_store` and `sources` for this request, and call
+        `close_request` when it ends. Opening an open context again does nothing."""
+        if context in self._contexts:
+            return True
+        taking = tuple(t for t, tier in enumerate(self.tiers)
+                       if tier.open_request(context, params))
+        if taking:
+            self._contexts[context] = taking
+        return bool(taking)
+
+    @_locked
+    def close_request(self, context: Hashable) -> None:
+        """The request of `context` is finished: the tiers that took part hear
+        `close_request` once its last open store job completed (now if none is open).
+        Unknown contexts are ignored; idempotent."""
+        if context not in self._contexts:
+            return
+        if any(c == context for *_, c in self._stores.values()):
+            self._closing.add(context)
+        else:
+            self._end_context(context)
+
+    def _end_context(self, context: Hashable) -> None:
+        self._closing.discard(context)
+        for t in self._contexts.pop(context):
+            self.tiers[t].close_request(context)
 
     # -- loads -------------------------------------------------------------------------------
     @_locked
@@ -345,19 +418,23 @@ class Manager:
         return LoadPlan(job_id, placed, np.array(slots, dtype=np.int64), sources)
 
     @_locked
-    def sources(self, keys: Sequence[ChunkKey]) -> tuple[str, ...]:
+    def sources(self, keys: Sequence[ChunkKey], context: Hashable | None = None
+                ) -> tuple[str, ...]:
         """The tier label each chunk of `keys` will be loaded from, as a `LoadPlan.sources`
         would say: the secondary tier promoting it (landed, in flight, or the first tier
-        holding it while `max_promotions` defers it), else the host tier. Starts nothing."""
+        holding it while `max_promotions` defers it; asked for `context` as in `lookup`),
+        else the host tier. Starts nothing."""
         flying = {key: t for (t, _), (kind, _, key) in self._tier_jobs.items()
                   if kind is JobKind.LOAD}
         index, state, labels = self.slots.index, self.slots.state, self.tier_labels
+        taking = self._contexts.get(context, ()) if context is not None else ()
         out = []
         for key in keys:
             t = self._promoted.get(key, flying.get(key))
             if t is None and (key not in index or state[index[key]] < IDLE):
                 t = next((i for i, tier in enumerate(self.tiers)
-                          if tier.lookup(key) is _HIT), None)
+                          if (tier.lookup_for(key, context) if i in taking
+                              else tier.lookup(key)) is _HIT), None)
             out.append(_HOST if t is None else labels[t])
         return tuple(out)
 

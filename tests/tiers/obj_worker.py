@@ -1,7 +1,9 @@
-"""A separate process using an obj tier: `python -m tests.tiers.obj_worker CONFIG_JSON OP FIRST
-COUNT NBYTES` stores (OP=store) or loads and verifies (OP=load) chunks FIRST..FIRST+COUNT-1 of
-`conformance.tier_fixtures.payload(i, NBYTES)` under `tests.tiers.helpers.NAMESPACE`, and prints
-one JSON line: {"ok": [indexes that succeeded (and, for loads, matched)], "errors": [...]}."""
+"""A separate process using a tier (obj or mooncake: the type its config names):
+`python -m tests.tiers.obj_worker CONFIG_JSON OP FIRST COUNT NBYTES` stores (OP=store) or
+loads and verifies (OP=load) chunks FIRST..FIRST+COUNT-1 of
+`conformance.tier_fixtures.payload(i, NBYTES)` under `tests.tiers.helpers.NAMESPACE`, and
+prints one JSON line: {"ok": [indexes that succeeded (and, for loads, matched)],
+"errors": [...]}."""
 from __future__ import annotations
 
 import json
@@ -18,7 +20,7 @@ from .helpers import NAMESPACE, chunk_key, host_region, payload
 def main(argv: list[str]) -> None:
     config, op, first, count, nbytes = json.loads(argv[0]), argv[1], *map(int, argv[2:5])
     host, array = host_region(count * nbytes)
-    tier = plugins.tiers()["obj"].factory(config, host, NAMESPACE)
+    tier = plugins.tiers()[config["type"]].factory(config, host, NAMESPACE)
     kind = JobKind.STORE if op == "store" else JobKind.LOAD
     for i in range(count):
         if kind is JobKind.STORE:

@@ -24,34 +24,43 @@ from kvhal.tiers.p2p.transport import TcpListener, TcpTransport
 from .helpers import NAMESPACE, chunk_key, payload
 
 
-class FaultySlowTransport(TcpTransport):
+class FaultyServingTransport(TcpTransport):
+    """TCP, except that every chunk its listeners' connections serve goes through
+    `serve(send, parts, deadline)`: `parts` are the `chunk` frame, the payload view and the
+    `end` frame, `send` the connection's own `send_parts`. The base of the serving faults."""
+
+    def serve(self, send, parts, deadline) -> None:
+        send(parts, deadline)
+
+    def listen(self, host, port):
+        listener = TcpListener(host, port)
+        accept = listener.accept
+
+        def faulty_accept():
+            conn = accept()
+            if conn is not None:
+                send = conn.send_parts
+                conn.send_parts = lambda parts, deadline: self.serve(send, parts, deadline)
+            return conn
+        listener.accept = faulty_accept
+        return listener
+
+
+class FaultySlowTransport(FaultyServingTransport):
     """TCP, except that served payloads pause `delay_s` before every MiB (a slow peer)."""
 
     def __init__(self, delay_s: float):
         self.delay_s = delay_s
         self.pieces_sent = 0
 
-    def listen(self, host, port):
-        listener, delay, transport = TcpListener(host, port), self.delay_s, self
-        accept = listener.accept
-
-        def slow_accept():
-            conn = accept()
-            if conn is not None:
-                send = conn.send_parts
-
-                def slow_send(parts, deadline):  # (chunk frame, payload, end frame)
-                    header, payload, end = parts
-                    send((header,), deadline)
-                    for start in range(0, len(payload), 1 << 20):
-                        time.sleep(delay)
-                        send((payload[start:start + (1 << 20)],), deadline)
-                        transport.pieces_sent += 1
-                    send((end,), deadline)
-                conn.send_parts = slow_send
-            return conn
-        listener.accept = slow_accept
-        return listener
+    def serve(self, send, parts, deadline) -> None:
+        header, payload, end = parts
+        send((header,), deadline)
+        for start in range(0, len(payload), 1 << 20):
+            time.sleep(self.delay_s)
+            send((payload[start:start + (1 << 20)],), deadline)
+            self.pieces_sent += 1
+        send((end,), deadline)
 
 
 def _store(tier, host, first: int, count: int, nbytes: int) -> None:

@@ -225,6 +225,10 @@ def test_missing_keys_fall_back_to_the_aws_credential_chain(s3_server, open_obj,
 
 
 def test_secrets_reach_no_log_error_repr_or_stats(s3_server, open_obj, region, caplog):
+    """No key, secret or token in the repr, stats, job errors or logs of a tier through every
+    fault, the refresh thread's failures (logged) included: it waits on `refresh_errors`, not
+    on a sleep. Fails when a secret reaches any of them; the wait fails when refresh failures
+    are not counted (e.g. with `count("refresh_errors")` removed from `_refresh_loop`)."""
     caplog.set_level(logging.DEBUG)
     host, array = region
     with FaultyS3Proxy(s3_server.port) as proxy:
@@ -241,8 +245,12 @@ def test_secrets_reach_no_log_error_repr_or_stats(s3_server, open_obj, region, c
             results += [load(tier, chunk_key(NAMESPACE, 1), 8192, 4096),
                         store(tier, chunk_key(NAMESPACE, 10 + i), 0, 4096)]
             proxy.set_fault(None)
+        failed = tier.stats().get("refresh_errors", 0)
         proxy.refuse()
-        time.sleep(0.05)  # let the refresh thread fail against a refused port (logged)
+        # two more failed refreshes (logged): the second surely against the refused port (the
+        # first may be a LIST the stall held, dropped by the refusal)
+        wait_for(lambda: tier.stats().get("refresh_errors", 0) >= failed + 2, 30.0,
+                 "the refresh thread to fail against the refused port")
         results.append(load(tier, chunk_key(NAMESPACE, 1), 8192, 4096))
 
     text = "\n".join([repr(tier), str(tier.stats()), caplog.text]
@@ -252,5 +260,6 @@ def test_secrets_reach_no_log_error_repr_or_stats(s3_server, open_obj, region, c
         "(EACCES)", "GET HTTP 500 InternalError (EIO)", "PUT HTTP 500 InternalError (EIO)",
         "GET failed (ECONNRESET)", "PUT failed (ECONNRESET)", "GET failed (ETIMEDOUT)",
         "PUT failed (ETIMEDOUT)", "GET failed (ECONNREFUSED)")]
+    assert "refresh failed: LIST failed (ECONNREFUSED)" in caplog.text
     for secret in (SECRET_KEY, ACCESS_KEY):
         assert secret not in text

@@ -35,8 +35,9 @@ BAD = [
     (OK | {"timeout_s": 0}, "timeout_s: must be a number of seconds in (0, 600.0], got 0"),
     (OK | {"timeout_s": float("nan")}, "timeout_s: must be a number of seconds in (0, 600.0]"),
     (OK | {"timeout": 1}, "timeout: unknown key for the p2p tier; accepted: advertise_host, "
-                          "auth_key, auth_key_file, host, max_bytes, max_inflight, num_threads, "
-                          "peers, port, timeout_s"),
+                          "arrival_timeout_s, auth_key, auth_key_file, fetch_wait_s, host, "
+                          "max_bytes, max_inflight, num_threads, peers, port, timeout_s, "
+                          "unbound_store_timeout_s"),
 ]
 
 

@@ -30,6 +30,8 @@ VALID = {
     "end": dict(sum=os.urandom(16)),
     "miss": dict(why="not held"),
     "busy": {},
+    "fetch": dict(id="pd-6f1c", key=KEY, n=2 << 20, wait_ms=30_000),
+    "done": dict(id="pd-6f1c"),
 }
 
 

@@ -8,6 +8,9 @@ Extra steps (TP=1 in-process engines):
         → null.
     {"op": "preempted", "prompts": {name: [token ids]}}: names of the prompts preempted since
         `track_preemptions` → sorted list.
+    {"op": "resumes", "prompts": {name: [token ids]}}: for each prompt preempted since
+        `track_preemptions`, the tokens vLLM's own prefix cache held each time it was admitted
+        again (its local hit, before the connector's) → {name: [tokens, ...]}.
     {"op": "poison_report"}: `poison.KVHalConnector`'s counters → {handed_out, reused,
         checked_chunks, poisoned_chunks}.
     {"op": "fault_loads", "tokens": [ids], "group": int, "chunk": int}: from now on every H2D
@@ -71,24 +74,44 @@ def _scheduler(llm):
 
 
 _PREEMPTED: list[tuple[int, ...]] = []
+_RESUMED: dict[tuple[int, ...], list[int]] = {}
 
 
 def track_preemptions(llm, step: dict) -> None:
-    """Wrap the scheduler's `_preempt_request` to record the prompts it preempts."""
+    """Wrap the scheduler's `_preempt_request` to record the prompts it preempts, and its
+    KV cache manager's `allocate_slots` to record each preempted request's local prefix hit
+    (`num_new_computed_tokens`) when it is admitted again."""
     scheduler = _scheduler(llm)
     original = scheduler._preempt_request
+    manager = scheduler.kv_cache_manager
+    allocate = manager.allocate_slots
 
     def preempt(request, *args, **kwargs):
         _PREEMPTED.append(tuple(request.prompt_token_ids))
         return original(request, *args, **kwargs)
 
+    def allocate_slots(request, *args, **kwargs):
+        blocks = allocate(request, *args, **kwargs)
+        if (blocks is not None and request.num_preemptions and request.num_computed_tokens == 0
+                and "new_computed_blocks" in kwargs):     # a waiting request's admission
+            _RESUMED.setdefault(tuple(request.prompt_token_ids), []).append(
+                kwargs.get("num_new_computed_tokens", 0))
+        return blocks
+
     scheduler._preempt_request = preempt
+    manager.allocate_slots = allocate_slots
 
 
 def preempted(llm, step: dict) -> list[str]:
     """Names of the prompts preempted since `track_preemptions`."""
     seen = set(_PREEMPTED)
     return sorted(name for name, ids in step["prompts"].items() if tuple(ids) in seen)
+
+
+def resumes(llm, step: dict) -> dict[str, list[int]]:
+    """See the module docstring."""
+    return {name: _RESUMED[tuple(ids)] for name, ids in step["prompts"].items()
+            if tuple(ids) in _RESUMED}
 
 
 def poison_report(llm, step: dict) -> dict:
@@ -217,8 +240,8 @@ def unlink_files(llm, step: dict) -> int:
 
 if __name__ == "__main__":
     runner.OPS.update(noise=noise_host_region, track_preemptions=track_preemptions,
-                      preempted=preempted, poison_report=poison_report, fault_loads=fault_loads,
-                      drop_chunk=drop_chunk, share_blocks=share_blocks, unlink=unlink_files, drain=drain,
-                      await_tier=await_tier)
+                      preempted=preempted, resumes=resumes, poison_report=poison_report,
+                      fault_loads=fault_loads, drop_chunk=drop_chunk, share_blocks=share_blocks,
+                      unlink=unlink_files, drain=drain, await_tier=await_tier)
     worker.plugins.select_backend = _select_backend
     runner.main(sys.argv[1:])

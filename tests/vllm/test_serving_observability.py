@@ -6,7 +6,8 @@ binds. Prompts a, b, a, c (1,000 tokens, 7 chunks each) through `/v1/completions
 KV cache (9 usable blocks) forgets a while b runs, kvhal's host tier (8 chunks) keeps only part of it,
 the fs tier (16 chunk files) keeps the rest and drops b's oldest chunks when c arrives. Then:
 - `/metrics` shows `vllm:kv_offload_*` per tier equal to what the events and the fs folder
-  say, and `vllm:prompt_tokens_cached_by_source` equal to the hits kvhal reported per request;
+  say, and `vllm:prompt_tokens_cached_by_source` equal to what vLLM reports per reply
+  (`usage.prompt_tokens_details.cached_tokens`) and kvhal per tier;
 - the events describe exactly the chunks stored (per-block hashes, parent, token ids, block
   size, medium, locality) and removed: replaying them gives the fs folder's content.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -38,7 +38,8 @@ from kvhal.keys import block_hashes, hash_function, none_hash  # noqa: E402
 from kvhal.metrics import METRICS  # noqa: E402
 from kvhal.tiers.chunk_format import record_nbytes  # noqa: E402
 
-from .conftest import prompt  # noqa: E402
+from .conftest import FULL_HIT, prompt  # noqa: E402
+from .server import free_port, metric, scrape  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -50,34 +51,11 @@ ORDER = ("a", "b", "a", "c")
 START_TIMEOUT_S = 240
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(base: str, body: dict) -> dict:
     req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
-
-
-def _scrape(base: str) -> str:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
-        return r.read().decode()
-
-
-def _value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (0 if none)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 class Subscriber(threading.Thread):
@@ -132,11 +110,12 @@ def served(tmp_path_factory):
              "secondary_tiers": [{"type": "fs", "root_dir": fs_root,
                                   "max_bytes": FS_CHUNKS * record_nbytes(CHUNK_NBYTES)}]}
     sub = Subscriber()
-    port = _port()
+    port = free_port()
     model = build_model(TINY)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--skip-tokenizer-init", "--enforce-eager", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "1152", "--num-gpu-blocks-override", "10",
+           "--enable-prompt-tokens-details",
            "--kv-transfer-config", json.dumps({"kv_connector": CONNECTOR, "kv_role": "kv_both",
                                                "kv_connector_extra_config": kvhal}),
            "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
@@ -166,15 +145,15 @@ def served(tmp_path_factory):
         deadline = time.monotonic() + 60
         while True:
             _post(base, {"model": str(model), "prompt": [5], "max_tokens": 1})
-            text = _scrape(base)
-            done = _value(text, "vllm:kv_offload_stored_chunks_total", tier="fs") + _value(
+            text = scrape(base)
+            done = metric(text, "vllm:kv_offload_stored_chunks_total", tier="fs") + metric(
                 text, "vllm:kv_offload_failed_chunks_total", tier="fs", kind="store")
             if done == 21:
                 break
             assert time.monotonic() < deadline, f"fs cascades counted: {done} of 21"
             time.sleep(0.2)
         # ... and publishes their events on the same step; wait until the subscriber has them
-        evicted = _value(text, "vllm:kv_offload_evicted_chunks_total", tier="fs")
+        evicted = metric(text, "vllm:kv_offload_evicted_chunks_total", tier="fs")
         while _count(sub.events, "BlockStored", "STORAGE") < 21 or _count(
                 sub.events, "BlockRemoved", "STORAGE") < evicted:
             assert time.monotonic() < deadline, "fs events did not arrive"
@@ -257,34 +236,45 @@ def test_metrics_on_vllms_endpoint_match_the_events(served):
         return _count(events, kind, medium)
 
     m = "vllm:kv_offload_"
-    assert _value(text, m + "stored_chunks_total", tier="host") == count("BlockStored", "CPU")
-    assert _value(text, m + "evicted_chunks_total", tier="host") == count("BlockRemoved", "CPU")
-    assert _value(text, m + "stored_chunks_total", tier="fs") == 21
-    assert _value(text, m + "evicted_chunks_total", tier="fs") == 21 - FS_CHUNKS
-    assert _value(text, m + "store_bytes_total", tier="fs") == 21 * CHUNK_NBYTES
-    assert _value(text, m + "store_latency_seconds_count", tier="fs") == 21
-    assert _value(text, m + "used_bytes", tier="fs") == FS_CHUNKS * record_nbytes(CHUNK_NBYTES)
-    assert _value(text, m + "capacity_bytes", tier="host") == HOST_CHUNKS * served["slot_bytes"]
-    loaded = {t: _value(text, m + "loaded_chunks_total", tier=t) for t in ("host", "fs")}
+    assert metric(text, m + "stored_chunks_total", tier="host") == count("BlockStored", "CPU")
+    assert metric(text, m + "evicted_chunks_total", tier="host") == count("BlockRemoved", "CPU")
+    assert metric(text, m + "stored_chunks_total", tier="fs") == 21
+    assert metric(text, m + "evicted_chunks_total", tier="fs") == 21 - FS_CHUNKS
+    assert metric(text, m + "store_bytes_total", tier="fs") == 21 * CHUNK_NBYTES
+    assert metric(text, m + "store_latency_seconds_count", tier="fs") == 21
+    assert metric(text, m + "used_bytes", tier="fs") == FS_CHUNKS * record_nbytes(CHUNK_NBYTES)
+    assert metric(text, m + "capacity_bytes", tier="host") == HOST_CHUNKS * served["slot_bytes"]
+    loaded = {t: metric(text, m + "loaded_chunks_total", tier=t) for t in ("host", "fs")}
     assert loaded["fs"] > 0 and loaded["host"] >= loaded["fs"]  # promoted, then loaded
-    assert _value(text, m + "load_latency_seconds_count", tier="host") > 0
+    assert metric(text, m + "load_latency_seconds_count", tier="host") > 0
     for line in text.splitlines():                              # nothing negative
         if line.startswith(m):
             assert float(line.rsplit(" ", 1)[1]) >= 0, line
 
 
-def test_cached_tokens_by_source_match_kvhals_hits(served):
-    hits = Counter()
-    for reply in served["replies"]:
-        for tier, n in (reply.get("kv_transfer_params") or {}).get("kvhal", {}).get(
-                "hit_tokens", {}).items():
-            hits[tier] += n
-    assert hits["fs"] > 0 and hits["host"] > 0                  # the second a used both
-    text = served["metrics"]
-    name = "vllm:prompt_tokens_cached_by_source_total"
-    assert _value(text, name, source="disk") == hits["fs"]
-    assert _value(text, name, source="host") == hits["host"]
-    assert _value(text, name, source="external_unspecified") == 0
+def test_cached_tokens_by_source_match_what_vllm_served(served):
+    """vLLM's own account of each reply, `usage.prompt_tokens_details.cached_tokens`, is the
+    scenario's: a, b and c are new (0), a again reuses its 7 full chunks (FULL_HIT, 896 of its
+    1,000 tokens). Of those, vLLM's own cache kept a's first block (9 usable blocks: b took the
+    other 8, a's tail first) and kvhal served the other 6 chunks from host and fs. `/metrics`'
+    `prompt_tokens_cached_by_source` adds up to the replies' cached tokens, its host and disk
+    series to kvhal's hits by tier.
+
+    Fails when kvhal's count and vLLM's disagree, or kvhal serves less than it holds: e.g.
+    with `_hit_end` (integrations/vllm/scheduler.py) ending the hit one chunk early (cached
+    768, not 896), where kvhal's own counters and the series still agree with each other."""
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in served["replies"]]
+    hits = [(r.get("kv_transfer_params") or {}).get("kvhal", {}).get("hit_tokens")
+            for r in served["replies"]]
+    assert cached == [0, 0, FULL_HIT, 0]
+    assert hits[:2] == [{}, {}] and hits[3] == {}
+    text, name = served["metrics"], "vllm:prompt_tokens_cached_by_source_total"
+    by_source = {s: metric(text, name, source=s)
+                 for s in ("device", "host", "disk", "p2p", "external_unspecified")}
+    assert by_source == {"device": BLOCK, "host": hits[2]["host"], "disk": hits[2]["fs"],
+                         "p2p": 0, "external_unspecified": 0}
+    assert hits[2]["host"] > 0 and hits[2]["fs"] > 0             # a's second run used both
+    assert sum(by_source.values()) == sum(cached) == FULL_HIT
 
 
 def test_every_kvhal_series_is_registered_once(served):

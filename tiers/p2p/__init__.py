@@ -50,6 +50,23 @@ or lengths, truncated payloads: the connection is dropped, a counter bumped, not
 changes (fuzzed with hypothesis in tests). The key never appears in a repr, log or error.
 Authentication only: bytes are not encrypted; run peers on a trusted network.
 
+Prefill/decode disaggregation (issue 27). An orchestrator drives pulls through each request's
+`kv_transfer_params` in vLLM 0.32's key names (`orchestration.py`), which reach the tier
+through the engine's generic per-request hook (`SecondaryTier.open_request`, `lookup_for`,
+`close_request`, `TierJob.request`; the engine does not tell tiers apart). A prefill leg
+(`remote_decoder`) parks every chunk of its prompt under the orchestrator's id
+(`parking.py`: pinned in the host tier through `HostAccess.pin`, also chunks it found
+resident or loaded) and seals the record when the request ended and its last store was
+handed over. A decode leg (`remote_prefiller`) answers HIT for its chunks (as vLLM's tier
+does) and pulls each from the named peer with `fetch(id, key)`, no directory: the prefiller
+answers as soon as the chunk is parked (chunks stream while the prefill computes the next),
+refuses at once a chunk its sealed record lacks or that failed, and reaped or finished ids;
+an id never seen waits `arrival_timeout_s` for its leg. The decoder's `close_request` sends
+`done(id)`, releasing the pins; a record nobody fetches is reaped after
+`unbound_store_timeout_s`, its id refused for 60 s more (vLLM's rules). A server thread
+waiting on a fetch checks every 0.2 s that its peer is still connected, so a killed decoder
+holds nothing. `remote_kv_source` pulls by key from the named peer (nothing parked).
+
 Faults. Every job carries a deadline of `timeout_s` from its submission, applied to every
 socket call, so a killed, stopped or slow peer fails the job in time (a failed load is a
 miss; the request recomputes). Threads: one accept thread and one per served connection;

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from typing import Callable
 
 from .transport import Connection
 from .wire import NONCE_BYTES, PROTOCOL_VERSION, WireError, encode
@@ -60,8 +61,12 @@ def client_handshake(conn: Connection, key: bytes, role: str, identity: str,
         raise AuthError("server refused our proof (wrong auth key?)") from None
 
 
-def server_handshake(conn: Connection, key: bytes, deadline: float) -> dict:
+def server_handshake(conn: Connection, key: bytes, deadline: float,
+                     heard: Callable[[], None] | None = None) -> dict:
     """Check a connecting client's proof of `key` (see module docstring).
+
+    Args:
+        heard: Called once the client's hello has passed its checks, before the challenge.
 
     Returns:
         The client's hello (`role`, `id`).
@@ -75,6 +80,8 @@ def server_handshake(conn: Connection, key: bytes, deadline: float) -> dict:
         raise AuthError(f"protocol version {hello['v']} != {PROTOCOL_VERSION}")
     if hello["role"] not in ROLES:
         raise AuthError(f"unknown role {hello['role']!r}")
+    if heard is not None:
+        heard()
     nonce_s = os.urandom(NONCE_BYTES)
     conn.send(encode("challenge", nonce=nonce_s, mac=_mac(key, _SERVER, hello["nonce"],
                                                            nonce_s)), deadline)

@@ -132,7 +132,12 @@ class FeedLink:
 
 
 class PullError(Exception):
-    """A pull failed; args[0] is the job's error text."""
+    """A pull failed; args[0] is the job's error text, `why` the peer's reason of a miss
+    (None if it did not answer one)."""
+
+    def __init__(self, text: str, why: str | None = None):
+        super().__init__(text)
+        self.why = why
 
 
 class Puller:
@@ -189,8 +194,13 @@ class Puller:
             self._busy.discard(conn)
         conn.close()
 
-    def pull(self, peer: Peer, key: ChunkKey, out: memoryview, deadline: float) -> None:
+    def pull(self, peer: Peer, key: ChunkKey, out: memoryview, deadline: float,
+             parked: tuple[str, float] | None = None) -> None:
         """Fill `out` with chunk `key` from `peer`, checked (see module docstring).
+
+        Args:
+            parked: (kv_request_id, wait_s) of a decode leg: ask for the chunk the prefill
+                leg parks under that id, waiting up to wait_s for it (`fetch`).
 
         Raises:
             PullError: the peer does not hold it, is busy, sent another length or digest, or
@@ -208,12 +218,16 @@ class Puller:
         except (ConnectionError, OSError, WireError) as exc:
             raise PullError(f"peer {where}: cannot connect ({type(exc).__name__})") from None
         try:
-            conn.send(encode("get", key=key, n=len(out)), deadline)
+            conn.send(encode("get", key=key, n=len(out)) if parked is None else
+                      encode("fetch", id=parked[0], key=key, n=len(out),
+                             wait_ms=int(min(parked[1], remaining(deadline)) * 1e3)),
+                      deadline)
             reply = conn.recv(deadline, "chunk", "miss", "busy")
             if reply["t"] != "chunk":
                 self._give_back(peer, conn)
-                raise PullError(f"peer {where}: "
-                                + ("busy" if reply["t"] == "busy" else f"miss ({reply['why']})"))
+                if reply["t"] == "busy":
+                    raise PullError(f"peer {where}: busy")
+                raise PullError(f"peer {where}: miss ({reply['why']})", reply["why"])
             if reply["n"] != len(out) or reply["key"] != key:
                 raise WireError(f"another chunk announced ({reply['n']} bytes, "
                                 f"{len(out)} asked)")
@@ -236,6 +250,25 @@ class Puller:
         if hasher.digest() != digest:
             self._count("checksum_mismatch")
             raise PullError(f"peer {where}: checksum mismatch")
+
+    def finish(self, peer: Peer, kv_id: str, deadline: float) -> None:
+        """Tell `peer` this instance is done with the chunks parked under `kv_id` (`done`).
+
+        Raises:
+            PullError: the peer could not be told by `deadline`.
+        """
+        where = format_peer(peer)
+        try:
+            conn = self._take(peer, deadline)
+        except (AuthError, WireError, ConnectionError, TimeoutError, OSError) as exc:
+            raise PullError(f"peer {where}: cannot connect ({type(exc).__name__})") from None
+        try:
+            conn.send(encode("done", id=kv_id), deadline)
+            conn.recv(deadline, "ok")
+        except (WireError, ConnectionError, TimeoutError, OSError) as exc:
+            self._drop(conn)
+            raise PullError(f"peer {where}: done not delivered ({type(exc).__name__})") from None
+        self._give_back(peer, conn)
 
     def forget_peer(self, peer: Peer) -> None:
         """Close the idle data connections to `peer` (its feed link was lost: they are most

@@ -19,6 +19,24 @@ Keys:
         requests over it are answered "busy" at once; default 16.
     max_bytes (int > 0): only for a tier not attached to a host tier (see `P2PTier`): bytes of
         chunks it keeps to serve, LRU; default 1 GiB.
+    Prefill/decode disaggregation and orchestrator-driven pulls (`orchestration.py`: the
+    `kv_transfer_params` keys a router or P/D proxy sends, vLLM 0.32's protocol):
+    unbound_store_timeout_s (number in (0, 3600]): seconds a prefill leg's chunks stay parked
+        (pinned in the host tier) without a fetch touching them; then they are released and
+        the id is refused for 60 s more; default 60 (vLLM's default).
+    fetch_wait_s (number in (0, 600]): decode side: the longest a decode leg's pull waits for
+        a chunk its prefiller has not stored yet (the prefill's queueing and compute); a
+        chunk the prefiller will never store is refused as soon as its prefill ended;
+        default 30.
+    arrival_timeout_s (number in (0, 600]): prefill side: how long a fetch for an id this
+        instance has never seen waits for its prefill leg to arrive (decoder-first or
+        concurrent legs) before it is refused; default 5.
+    The orchestrator's view: a prefiller is named in a decode leg's `remote_prefiller` (and a
+    peer in `remote_kv_source`) by `remote_host` = its `advertise_host` (or `host`) and
+    `remote_port` = its `port`, i.e. exactly its `P2PTier.identity`. Give prefillers a fixed
+    `port`. (vLLM's own tier binds `port` + the engine's data-parallel index; kvhal binds
+    `port` as given, so one DP engine per config.) Every instance needs the same
+    `auth_key`; `peers` may stay empty (a decode leg needs no directory).
 Errors name the key (`peers[1]: ...`); the config loader prefixes the list position.
 """
 from __future__ import annotations
@@ -38,7 +56,12 @@ MIN_AUTH_KEY_CHARS = 16
 _WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 _PASSTHROUGH = frozenset({"type", "module_path"})
 _KEYS = frozenset({"host", "advertise_host", "port", "peers", "num_threads", "timeout_s",
-                   "auth_key", "auth_key_file", "max_inflight", "max_bytes"})
+                   "auth_key", "auth_key_file", "max_inflight", "max_bytes",
+                   "unbound_store_timeout_s", "fetch_wait_s", "arrival_timeout_s"})
+DEFAULT_UNBOUND_S = 60.0
+MAX_UNBOUND_S = 3600.0
+DEFAULT_FETCH_WAIT_S = 30.0
+DEFAULT_ARRIVAL_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +77,9 @@ class P2PConfig:
     max_inflight: int
     max_bytes: int
     auth_key: bytes = field(repr=False)
+    unbound_store_timeout_s: float = DEFAULT_UNBOUND_S
+    fetch_wait_s: float = DEFAULT_FETCH_WAIT_S
+    arrival_timeout_s: float = DEFAULT_ARRIVAL_S
 
 
 def _positive_int(config: Mapping[str, Any], name: str, default: int) -> int:
@@ -61,6 +87,14 @@ def _positive_int(config: Mapping[str, Any], name: str, default: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise TierError(f"{name}: must be a positive integer, got {value!r}")
     return value
+
+
+def _seconds(config: Mapping[str, Any], name: str, default: float, most: float) -> float:
+    value = config.get(name, default)
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not 0 < value <= most):
+        raise TierError(f"{name}: must be a number of seconds in (0, {most}], got {value!r}")
+    return float(value)
 
 
 def _host(value: Any, name: str) -> str:
@@ -144,12 +178,12 @@ def parse_config(config: Mapping[str, Any]) -> P2PConfig:
         raise TierError(f"peers: must be a list of \"host:port\" strings, got "
                         f"{type(peers).__name__}")
     parsed = tuple(parse_address(p, f"peers[{i}]") for i, p in enumerate(peers))
-    timeout = config.get("timeout_s", DEFAULT_TIMEOUT_S)
-    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-            or not 0 < timeout <= MAX_TIMEOUT_S):
-        raise TierError(f"timeout_s: must be a number of seconds in (0, {MAX_TIMEOUT_S}], "
-                        f"got {timeout!r}")
+    timeout = _seconds(config, "timeout_s", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S)
     return P2PConfig(host, advertise, port, tuple(dict.fromkeys(parsed)),
-                     _positive_int(config, "num_threads", DEFAULT_THREADS), float(timeout),
+                     _positive_int(config, "num_threads", DEFAULT_THREADS), timeout,
                      _positive_int(config, "max_inflight", DEFAULT_MAX_INFLIGHT),
-                     _positive_int(config, "max_bytes", DEFAULT_MAX_BYTES), _auth_key(config))
+                     _positive_int(config, "max_bytes", DEFAULT_MAX_BYTES), _auth_key(config),
+                     _seconds(config, "unbound_store_timeout_s", DEFAULT_UNBOUND_S,
+                              MAX_UNBOUND_S),
+                     _seconds(config, "fetch_wait_s", DEFAULT_FETCH_WAIT_S, MAX_TIMEOUT_S),
+                     _seconds(config, "arrival_timeout_s", DEFAULT_ARRIVAL_S, MAX_TIMEOUT_S))

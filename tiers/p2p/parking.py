@@ -1,0 +1,258 @@
+"""Chunks a prefill leg parks for its decoder (`orchestration.py`), on the prefiller.
+
+A prefill leg (`remote_decoder: {kv_request_id: ID}`) opens a record under ID when the tier
+hears of the request (`open`), before any chunk. Each chunk of the request's prefix that
+reaches the host tier is held under ID (`park`: the host slot is pinned through `hold`, so the
+manager neither evicts nor rewrites it) and every waiting fetch of it is woken; a chunk that
+could not be held is marked failed. When the request ended and its last store was handed
+over, the record is sealed (`seal`): from then on a fetch of a chunk the record does not hold
+is refused at once (the prefiller will never store it), so a decoder never waits out its
+timeout for it.
+
+A fetch (`wait`) of (ID, key) answers as soon as it can: "held" (the server then pins the
+slot once more for the transfer and calls `fetched`), or a refusal: the id was reaped or
+already finished (remembered for `RETENTION_S`), the chunk failed, or the record is sealed
+without it. While the record is open and the chunk not there, it waits until the fetch's
+deadline; an id never seen waits at most `arrival_s` for its prefill leg to arrive (legs may
+come in either order or at once), then is refused.
+
+A record ends, releasing every pin, when its decoder fetched every chunk of a sealed record,
+when the decoder says it is done (`finish`), when ID is opened again (the orchestrator reused
+it: the old chunks are released, the new leg starts afresh), or when no fetch touched it for
+`unbound_s` (reaped; ID refused for `RETENTION_S` more: fetches at once, new legs park
+nothing). One thread reaps; `close` releases everything and joins it.
+
+Locking: the manager calls `open`, `park` and `seal` holding its own lock; `hold` and the
+releases take the manager's lock, so they are never called while this module's lock is held.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvhal.keys import ChunkKey
+
+#: Seconds a reaped or finished id stays refused (vLLM: `_REAPED_ID_RETENTION_S`).
+RETENTION_S = 60.0
+HELD = "held"
+#: Refusals of a whole id (`wait`): no chunk of it will come.
+REAPED, FINISHED, UNKNOWN, CLOSED = ("kv_request_id reaped", "kv_request_id finished",
+                                     "unknown kv_request_id", "tier closed")
+ID_REFUSALS = frozenset({REAPED, FINISHED, UNKNOWN, CLOSED})
+#: Seconds between checks that a waiting fetch's peer is still connected.
+ALIVE_CHECK_S = 0.2
+
+Release = Callable[[], None]
+
+
+@dataclass(slots=True)
+class _Record:
+    touched: float
+    held: dict[ChunkKey, Release] = field(default_factory=dict)
+    failed: set[ChunkKey] = field(default_factory=set)
+    fetched: set[ChunkKey] = field(default_factory=set)
+    sealed: bool = False
+    waiters: int = 0        # fetches waiting on it now: never reaped meanwhile
+
+
+class Parking:
+    """Parked chunks by `kv_request_id` (see module docstring). Thread-safe.
+
+    Args:
+        hold: `hold(key)` pins the chunk where it is served from and returns the release
+            callable, or None if the chunk cannot be held (not resident, being written).
+        unbound_s: Seconds a record lives without a fetch touching it.
+        arrival_s: Longest wait of a fetch for an id never seen.
+        count: `count(name)` bumps a tier counter ("parked_chunks", "park_reaped", ...).
+        retention_s: Seconds a reaped or finished id stays refused.
+    """
+
+    def __init__(self, hold: Callable[[ChunkKey], Release | None], *, unbound_s: float,
+                 arrival_s: float, count: Callable[[str], None],
+                 retention_s: float = RETENTION_S):
+        self._hold = hold
+        self._unbound_s = unbound_s
+        self._arrival_s = arrival_s
+        self._retention_s = retention_s
+        self._count = count
+        self._cond = threading.Condition()
+        self._records: dict[str, _Record] = {}
+        self._gone: dict[str, tuple[float, str]] = {}  # id -> (refused until, why)
+        self._closed = False
+        self._reaper = threading.Thread(target=self._reap_loop, name="kvhal-p2p-reap",
+                                        daemon=True)
+        self._reaper.start()
+
+    # -- prefill leg (manager's thread) -------------------------------------------------------
+    def open(self, kv_id: str) -> str | None:
+        """Start parking under `kv_id` (a live record of it is released first). Returns None,
+        or why nothing will be parked ("reaped": refused for now; "closed")."""
+        with self._cond:
+            refused = self._refused(kv_id, time.monotonic())
+            if self._closed or refused == REAPED:
+                return refused or CLOSED
+            self._gone.pop(kv_id, None)
+            old = self._records.pop(kv_id, None)
+            self._records[kv_id] = _Record(time.monotonic())
+            self._cond.notify_all()
+        if old is not None:
+            self._count("park_reused")
+            _release_all(old)
+        return None
+
+    def park(self, kv_id: str, key: ChunkKey) -> str | None:
+        """Hold `key` under `kv_id`; returns None, or why not (the chunk is then failed)."""
+        release = self._hold(key)
+        with self._cond:
+            record = self._records.get(kv_id)
+            if record is not None and not record.sealed:
+                if release is None:
+                    record.failed.add(key)
+                elif key not in record.held:
+                    record.held[key], release = release, None
+                    self._count("parked_chunks")
+                self._cond.notify_all()
+                why = None if key in record.held else "chunk not resident in the host tier"
+            else:
+                why = self._refused(kv_id, time.monotonic()) or "kv_request_id not open"
+        if release is not None:
+            release()
+        return why
+
+    def seal(self, kv_id: str) -> None:
+        """The prefill leg of `kv_id` ended: nothing more will be parked under it."""
+        with self._cond:
+            record = self._records.get(kv_id)
+            if record is None:
+                return
+            record.sealed = True
+            done = self._complete(kv_id, record)
+            self._cond.notify_all()
+        if done is not None:
+            _release_all(done)
+
+    # -- decode leg (server threads) ----------------------------------------------------------
+    def wait(self, kv_id: str, key: ChunkKey, deadline: float,
+             alive: Callable[[], bool] = lambda: True) -> str:
+        """`HELD` once `key` is held under `kv_id`, or why the fetch is refused (at once
+        for a reaped or finished id, a failed chunk or a sealed record without it; at the
+        deadline, or `arrival_s` for an id never seen; within `ALIVE_CHECK_S` once
+        `alive()` is False: the fetching peer went away). A record is not reaped while a
+        fetch waits on it."""
+        arrival = time.monotonic() + self._arrival_s
+        with self._cond:
+            while True:
+                if self._closed:
+                    return CLOSED
+                now = time.monotonic()
+                record = self._records.get(kv_id)
+                if record is None:
+                    why = self._refused(kv_id, now)
+                    if why is not None:
+                        return why
+                    until = min(deadline, arrival)
+                    if now >= until:
+                        return UNKNOWN
+                else:
+                    record.touched = now
+                    if key in record.held:
+                        return HELD
+                    if key in record.failed:
+                        return "chunk failed on the prefiller"
+                    if record.sealed:
+                        return "chunk not stored by the prefill"
+                    until = deadline
+                    if now >= until:
+                        return "timed out waiting for the chunk"
+                if not alive():
+                    return "fetching peer gone"
+                if record is not None:
+                    record.waiters += 1
+                self._cond.wait(min(until - now, ALIVE_CHECK_S))
+                if record is not None:
+                    record.waiters -= 1
+
+    def fetched(self, kv_id: str, key: ChunkKey) -> None:
+        """`key` of `kv_id` was sent; a sealed record whose every chunk was sent ends."""
+        with self._cond:
+            record = self._records.get(kv_id)
+            if record is None or key not in record.held:
+                return
+            record.fetched.add(key)
+            done = self._complete(kv_id, record)
+        if done is not None:
+            _release_all(done)
+
+    def finish(self, kv_id: str) -> None:
+        """The decoder of `kv_id` is done with it (fetched what it needs, or gave up)."""
+        with self._cond:
+            record = self._records.pop(kv_id, None)
+            if record is None:
+                return
+            self._gone[kv_id] = (time.monotonic() + self._retention_s, FINISHED)
+            self._cond.notify_all()
+        _release_all(record)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _complete(self, kv_id: str, record: _Record) -> _Record | None:
+        if not record.sealed or record.fetched != record.held.keys():
+            return None
+        if not record.held and not record.failed:
+            return None            # nothing parked yet: a fetch may still find out at once
+        del self._records[kv_id]
+        self._gone[kv_id] = (time.monotonic() + self._retention_s, FINISHED)
+        return record
+
+    def _refused(self, kv_id: str, now: float) -> str | None:
+        gone = self._gone.get(kv_id)
+        if gone is None:
+            return None
+        if gone[0] <= now:
+            del self._gone[kv_id]
+            return None
+        return gone[1]
+
+    def stats(self) -> dict[str, int]:
+        """parked_ids (records), parked_held (chunks pinned now)."""
+        with self._cond:
+            return {"parked_ids": len(self._records),
+                    "parked_held": sum(len(r.held) for r in self._records.values())}
+
+    def _reap_loop(self) -> None:
+        period = max(0.01, min(1.0, self._unbound_s / 4))
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                self._cond.wait(period)
+                now = time.monotonic()
+                expired = [k for k, r in self._records.items()
+                           if not r.waiters and now - r.touched >= self._unbound_s]
+                reaped = [self._records.pop(k) for k in expired]
+                for kv_id in expired:
+                    self._gone[kv_id] = (now + self._retention_s, REAPED)
+                for kv_id in [k for k, (until, _) in self._gone.items() if until <= now]:
+                    del self._gone[kv_id]
+                if reaped:
+                    self._cond.notify_all()
+            for record in reaped:
+                self._count("park_reaped")
+                _release_all(record)
+
+    def close(self) -> None:
+        """Release every parked chunk, wake every fetch, join the reaper. Idempotent."""
+        with self._cond:
+            self._closed = True
+            records, self._records = list(self._records.values()), {}
+            self._cond.notify_all()
+        for record in records:
+            _release_all(record)
+        self._reaper.join()
+
+
+def _release_all(record: _Record) -> None:
+    for release in record.held.values():
+        release()
+    record.held.clear()
