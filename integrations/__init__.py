@@ -1,1 +1,1 @@
-"""Integrations: the vLLM connector and the trace-replay harness."""
+"""Integrations: the vLLM connector, the trace-replay harness and the P/D proxy."""

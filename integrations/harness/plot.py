@@ -96,7 +96,7 @@ def plot_lines(path: str | os.PathLike, x_label: str,
                panels: Sequence[tuple[str, dict[str, tuple[Sequence[float], Sequence[float]]]]],
                title: str) -> None:
     """Draw panels side by side, each with one line per name (x on a log2 axis: sweeps usually
-    double).
+    double; ticks at the x values).
 
     Args:
         path: Output image (format from the suffix, e.g. .png).
@@ -110,6 +110,8 @@ def plot_lines(path: str | os.PathLike, x_label: str,
         for name, (xs, ys) in lines.items():
             ax.plot(xs, [np.nan if y is None else y for y in ys], marker="o", label=name)
         ax.set_xscale("log", base=2)
+        ticks = sorted({x for xs, _ in lines.values() for x in xs})
+        ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
         ax.set_xlabel(x_label)
         ax.set_ylabel(y_label)
         ax.grid(True, alpha=0.3)

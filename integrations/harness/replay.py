@@ -625,8 +625,8 @@ def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
 
     Returns:
         (leading hits, level of each key at the first lookup that did not answer it MISS):
-        "host" for a HIT, the first secondary tier holding it for a RETRY (a promotion), ""
-        for a key answered MISS throughout. A key behind a MISS is answered MISS unseen, so it
+        "host" for a HIT, the first secondary tier holding it for a RETRY (a promotion; asked
+        again while a tier answers RETRY itself), "" for a key answered MISS throughout. A key behind a MISS is answered MISS unseen, so it
         gets its level once that MISS resolves (a landed promotion freed a slot).
     """
     manager = rep.manager
@@ -644,10 +644,15 @@ def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
 
 
 def _tier_of(rep: _Replayer, key: ChunkKey) -> str:
-    """The first secondary tier holding `key` ("host" if none: a store still in flight)."""
+    """The first secondary tier holding `key`; "" while a tier does not know yet (RETRY: its
+    check of its store is pending, e.g. mooncake); "host" if none holds it (a store still in
+    flight)."""
     for tier, name in zip(rep.manager.tiers, rep.tier_names):
-        if tier.lookup(key) is Lookup.HIT:
+        answer = tier.lookup(key)
+        if answer is Lookup.HIT:
             return name
+        if answer is Lookup.RETRY:
+            return ""
     return "host"
 
 

@@ -32,8 +32,8 @@ without `remote_prefiller`: the decoder computes the whole prompt (a warning is 
 prefiller's `failures` counted in `/health`). A prefill 4xx in prefill-first is the client's
 request being refused: it is passed through to the client and no decode leg is sent. In the
 other orders the decode leg already carries `remote_prefiller` when the prefill leg fails;
-the decoder's p2p tier then finds nothing under the id and recomputes (the tier's failure
-policy). A failed or abandoned decode leg cancels its prefill leg (closing the connection
+the decoder's p2p tier then waits for the id (kvhal: up to its `arrival_timeout_s`) and
+computes the prompt itself. A failed or abandoned decode leg cancels its prefill leg (closing the connection
 aborts it in vLLM, so its parked KV is not held until the tier's timeout).
 
 A client that disconnects cancels its request: both legs' connections are closed, which
@@ -296,12 +296,14 @@ class Proxy:
                 self.prefillers.done(prefiller)
             elif not task.done():
                 task.cancel()
+                self.prefillers.done(prefiller)
 
     async def _prefill_leg(self, prefiller: Backend, rank: int, path: str, body: dict,
                            headers: dict) -> tuple[int | None, tuple[bytes, str] | None]:
         """Send one prefill leg and wait for its whole answer; returns (HTTP status, (body,
         Content-Type header)), or (None, None) when the prefiller was not reached or timed
-        out. Ends the leg in the prefillers' pool in every case, cancellation included."""
+        out. Ends the leg in the prefillers' pool when it returns; a leg cancelled (maybe
+        before it ever ran) is ended by `_run_order`, which cancelled it."""
         if prefiller.dp_size > 1:
             headers = {**headers, DP_RANK_HEADER: str(rank)}
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s,
@@ -311,9 +313,6 @@ class Proxy:
             async with self.session.post(f"{prefiller.url}{path}", json=body, headers=headers,
                                          timeout=timeout) as resp:
                 answer = await resp.read()
-        except asyncio.CancelledError:
-            self.prefillers.done(prefiller)
-            raise
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             why = _failure(exc)
             log.warning("request %s: prefill leg to %s failed: %s; the decoder recomputes",

@@ -146,11 +146,10 @@ def lmcache_reason() -> str:
 
 
 def error_line(log_text: str) -> str:
-    """The root cause a server log names: the first raised exception ("Exception: CPU
-    Offloading is ...", vLLM's own prefix stripped; warnings are skipped), else its last line."""
+    """The root cause a server log names: the first line where an exception's name starts a
+    word and is followed by ": " ("Exception: CPU Offloading is ...", vLLM's own prefix
+    stripped; a quoted "`OSError: ...`" in a warning is not one), else its last line."""
     for line in log_text.splitlines():
-        if " WARNING " in line:
-            continue
         m = re.search(r"(?:^|\] |\s)(\w*(?:Error|Exception): .*)$", line)
         if m:
             return m.group(1).strip()[:400]
@@ -304,8 +303,10 @@ async def _warmup(base_url: str, body: dict) -> None:
 
 
 def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: Path,
-                  workdir: Path, max_model_len: int, timeout_s: float, bar) -> list[dict]:
+                  workdir: Path, max_model_len: int, timeout_s: float, bar,
+                  max_num_seqs: int | None = None) -> list[dict]:
     """Start `contender`'s server, run every sweep point on it, stop it; return the points.
+    `max_num_seqs`: vLLM's limit on requests running at once (None: vLLM's default).
 
     Raises:
         RuntimeError: the server did not come up (the message ends with its log's tail).
@@ -320,7 +321,9 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
     argv = server_argv(model_dir, port, num_blocks=contender.num_blocks,
                        max_model_len=max_model_len,
-                       kv_transfer_config=contender.kv_transfer_config)
+                       kv_transfer_config=contender.kv_transfer_config,
+                       extra=() if max_num_seqs is None else ("--max-num-seqs",
+                                                              str(max_num_seqs)))
     task = bar.add_task(f"{contender.name}: starting vLLM's OpenAI server", total=None)
     points = []
     with ServerProcess(argv, port, workdir / f"server-{contender.name}.log", env) as server:
@@ -377,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
         "workload": {"conversations": args.conversations, "turns": args.turns,
                      "initial_tokens": args.initial_tokens, "turn_tokens": args.turn_tokens,
                      "answer_tokens": args.answer_tokens, "concurrency": args.concurrency,
-                     "model": DEMO.name, "kv_bytes_per_token": DEMO.kv_bytes_per_token},
+                     "max_num_seqs": args.max_num_seqs, "model": DEMO.name,
+                     "kv_bytes_per_token": DEMO.kv_bytes_per_token},
         "contenders": {c.name: {"label": LABELS[c.name], "num_blocks": c.num_blocks,
                                 "kv_transfer_config": c.kv_transfer_config}
                        for c in contenders},
@@ -392,7 +396,8 @@ def run(args: argparse.Namespace) -> int:
             try:
                 report["points"][contender.name] = run_contender(
                     contender, shapes, model_dir=model_dir, workdir=workdir,
-                    max_model_len=max_model_len, timeout_s=args.request_timeout_s, bar=bar)
+                    max_model_len=max_model_len, timeout_s=args.request_timeout_s, bar=bar,
+                    max_num_seqs=args.max_num_seqs)
             except RuntimeError as exc:
                 if contender.name not in OPTIONAL:
                     raise
@@ -501,6 +506,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="kvhal fs tier cap, MiB (default 4096)")
     p.add_argument("--contenders", type=parse_contenders, default=list(CONTENDERS),
                    help=f"comma-separated subset of {','.join(CONTENDERS)} (default all)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="vLLM's limit on requests running at once, on every server (default "
+                        "vLLM's); isolates batch size from KV cache size")
     p.add_argument("--request-timeout-s", type=positive_int, default=600,
                    help="limit on one request (default 600)")
     p.add_argument("--seed", type=int, default=0, help="seeds the user tokens (default 0)")

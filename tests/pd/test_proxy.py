@@ -337,19 +337,26 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0(backend, proxy):
     assert px.proc.wait(30) == 0
 
 
-def test_a_client_leaving_mid_stream_closes_the_decode_leg(backend, proxy):
-    """The client drops its stream after the first event, while the decoder has nothing
-    more to send: the proxy closes its connection to the decoder at once (vLLM aborts a
-    request whose connection closes). Fails without aiohttp's `handler_cancellation` (the
-    relay waits for the decoder's next event before noticing)."""
+def test_a_client_leaving_mid_stream_closes_both_legs(backend, proxy):
+    """concurrent order, the prefiller holding its answer: the client drops its stream after
+    the first event while the decoder has nothing more to send. The proxy closes its
+    connections to the decoder and the prefiller at once (vLLM aborts a request whose
+    connection closes) and counts no leg as outstanding. Fails without aiohttp's
+    `handler_cancellation` (the relay waits for the decoder's next event before noticing),
+    or when a cancelled prefill leg stays counted."""
     p, d = backend("p"), backend("d")
-    px = proxy([p], [d])
+    p.answer_after = (backend("never"), 30.0)
+    px = proxy([p], [d], "--order", "concurrent")
     stream = SSEStream(f"{px.url}/v1/completions", CLIENT | {"stream": True}, timeout_s=20)
     stream.next_event()
+    _wait(lambda: p.legs)
     stream.close()
-    # the decoder waits 30 s for a release that never comes
-    _wait(lambda: d.connection_closed(d.legs[0]), timeout_s=20)
-    assert d.legs[0].answered_seq is None     # closed by the proxy, not by the decoder
+    # both backends hold their legs 30 s: only the proxy can close them before that
+    _wait(lambda: d.connection_closed(d.legs[0]) and p.connection_closed(p.legs[0]),
+          timeout_s=20)
+    assert d.legs[0].answered_seq is None and p.legs[0].answered_seq is None
+    state = px.wait_health(lambda s: s["prefillers"][0]["outstanding"] == 0)
+    assert state["decoders"][0]["outstanding"] == 0
     assert "Traceback" not in px.log.read_text()
 
 

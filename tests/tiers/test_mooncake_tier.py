@@ -372,17 +372,18 @@ def _state(pid: int) -> str:
         return f.read().rpartition(")")[2].split()[0]
 
 
-def test_a_hung_segment_owner_fails_jobs_within_the_timeout_and_the_tier_recovers(
-        mooncake_master):
+def test_a_hung_segment_owner_fails_jobs_within_the_timeout_and_the_tier_recovers():
     """The keeper holding the chunk is SIGSTOPped: the load fails (a miss with a counter)
     within the TCP progress bound the tier sets from timeout_s, and loads again once the owner
     resumes, with the same tier. Fails when the bound is not set (Mooncake's default: 30 s)."""
     import signal
     from kvhal.tiers.mooncake.local_master import SegmentKeeper
-    keeper = SegmentKeeper(mooncake_master, 64 << 20).start()
+    require()
+    master = LocalMaster({"client_ttl": "60"}).start()   # the stopped keeper stays mounted
+    keeper = SegmentKeeper(master, 64 << 20).start()
     host, array = host_region()
-    tier = MooncakeTier(mooncake_master.tier_config(global_segment_size=0, timeout_s=2.0),
-                        host, NAMESPACE)
+    tier = MooncakeTier(master.tier_config(global_segment_size=0, timeout_s=2.0), host,
+                        NAMESPACE)
     try:
         key = chunk_key(NAMESPACE, 300)
         array[:N] = payload(300, N)
@@ -398,6 +399,7 @@ def test_a_hung_segment_owner_fails_jobs_within_the_timeout_and_the_tier_recover
     finally:
         tier.close()
         keeper.kill()
+        master.kill()
 
     assert not hung.ok and hung.error == "get: TRANSFER_FAIL (-800)"
     assert elapsed < bound + 3.0, (elapsed, bound)

@@ -24,6 +24,8 @@ from .p2p_helpers import KEY, config
 #: Seconds a test waits for the server to answer or close (it closes in milliseconds).
 REPLY_S = 5.0
 GET = encode("get", key=chunk_key(NAMESPACE, 0), n=4096)
+#: A P/D decoder's "finished with this kv_request_id" (releases the prefiller's parked chunks).
+DONE = encode("done", id="request-1")
 #: Frames that only an authenticated client gets: a chunk, a feed page or event.
 SERVICE = ("chunk", "snap", "ev")
 
@@ -122,19 +124,20 @@ def test_the_faulty_client_with_the_right_proof_is_served(server, clients, role,
     assert server.stats().get("auth_failed", 0) == 0
 
 
-@pytest.mark.parametrize("role", ["data", "feed"])
+@pytest.mark.parametrize("role,request_", [("data", GET), ("data", DONE), ("feed", b"")],
+                         ids=["data-get", "data-done", "feed"])
 @pytest.mark.parametrize("wrong", ["another key", "zeros", "server's proof reflected"])
-def test_a_wrong_proof_gets_nothing_and_is_counted(server, clients, role, wrong):
+def test_a_wrong_proof_gets_nothing_and_is_counted(server, clients, role, request_, wrong):
     """Fails when the server's check of the client's proof goes (e.g. with the
-    `hmac.compare_digest` of `auth.server_handshake` removed: `ok` and the chunk or the
-    snapshot come back). The data client asks for a chunk right after its proof, the feed
-    client waits for the snapshot."""
+    `hmac.compare_digest` of `auth.server_handshake` removed: `ok` and the chunk, the `ok` of
+    a `done` that releases a decoder's parked chunks, or the snapshot come back). The data
+    client sends its request right after its proof, the feed client waits for the snapshot."""
     client = clients()
     client.hello(role)
     challenge = client.challenge()
     mac = {"another key": client.proof(b"another-key-another-key", challenge),
            "zeros": bytes(32), "server's proof reflected": challenge["mac"]}[wrong]
-    client.send(encode("auth", mac=mac) + (GET if role == "data" else b""))
+    client.send(encode("auth", mac=mac) + request_)
 
     _refused(server, client.replies())
 

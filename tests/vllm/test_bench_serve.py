@@ -45,6 +45,8 @@ def _point(report, name) -> dict:
 
 
 def test_every_request_of_every_contender_is_answered_in_full(report):
+    """Fails when a turn's prompt leaves out the previous answer (`chat.run_chats` without
+    `prompt + result.token_ids`: 1,784 prompt tokens, not 1,792)."""
     assert sorted(report["points"]) == ["kvhal-host", "reference", "vllm"]
     for name in report["points"]:
         p = _point(report, name)
@@ -65,8 +67,8 @@ def test_every_request_of_every_contender_is_answered_in_full(report):
 
 
 def test_cached_tokens_are_what_vllm_reported_on_both_channels(report):
-    """Fails when the metrics delta is taken from the wrong scrape (e.g. `before` and `after`
-    swapped, or the wait for vLLM's counters removed from `run_point`)."""
+    """Fails when the `/metrics` delta is taken the wrong way round in `run_point` (seen:
+    negative per-source hits)."""
     for name in report["points"]:
         p = _point(report, name)
         per_request = sum(r["cached_tokens"] for r in p["requests_detail"])
@@ -76,6 +78,7 @@ def test_cached_tokens_are_what_vllm_reported_on_both_channels(report):
 
 
 def test_reference_hits_are_device_hits_and_kvhal_restores_the_rest(report):
+    """Fails with the same break (the reference's device hits read -768)."""
     ref, kv, alone = (_point(report, n) for n in ("reference", "kvhal-host", "vllm"))
     assert ref["hits_by_source"] == {"device": REUSABLE, "host": 0, "disk": 0, "p2p": 0,
                                      "external_unspecified": 0}
@@ -97,6 +100,8 @@ def test_kvhal_answers_equal_the_references_one_request_at_a_time(report):
 
 
 def test_contenders_that_cannot_run_say_why(report):
+    """Fails when the log's last line is reported instead of vLLM's root cause (seen: a
+    resource_tracker warning)."""
     assert "only supported on CUDA-alike" in report["not_run"]["offloading"]
     assert report["not_run"]["lmcache"].startswith("not run: LMCache is not installed")
     assert report["plot"].stat().st_size > 10_000

@@ -11,6 +11,7 @@ reach `take_removed`.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -71,12 +72,13 @@ class Prober:
             self._count("exist_timeouts")
             return Lookup.MISS
 
-    def mark_absent(self, key: ChunkKey) -> None:
+    def mark_absent(self, key: ChunkKey, hold: bool = False) -> None:
         """`key` was found missing or corrupt: a MISS for `refresh_interval_s` (then checked
-        again), and a check already in flight does not index it."""
+        again; with `hold`, until the next `mark_absent` of it without: its removal is under
+        way), and a check already in flight does not index it."""
         now = time.monotonic()
         with self._cond:
-            self._absent[key] = now + self._interval
+            self._absent[key] = math.inf if hold else now + self._interval
             self._marked[key] = now
 
     def forget_absent(self, key: ChunkKey) -> None:

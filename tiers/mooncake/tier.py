@@ -283,14 +283,14 @@ class MooncakeTier(IndexedTier):
         return None
 
     def _remove_later(self, key: ChunkKey) -> None:
-        """Forget `key` now (a miss until re-checked after the removal) and remove its object
+        """Forget `key` now (a miss until re-checked after its removal) and remove its object
         from the pool on the remove thread."""
         self._index.discard(key)
-        self._prober.mark_absent(key)
+        self._prober.mark_absent(key, hold=True)
         try:
             self._remover.submit(self._remove, key)
         except RuntimeError:  # closing: the object stays; a later load finds it corrupt
-            pass
+            self._prober.mark_absent(key)
 
     def _remove(self, key: ChunkKey) -> None:
         code = self._client.remove(self.object_name(key), True)
