@@ -207,9 +207,9 @@ def _block(pd: dict) -> int:
 def test_decoder_computes_only_the_last_partial_block_and_pulls_the_rest(pd, direction):
     """Every turn: `cached_tokens` is the boundary; of it, the decoder's own cache gave the
     previous turn's full blocks (`device`) and kvhal pulled the rest from the prefiller
-    (`p2p`); nothing from another source. Fails when the decode leg does not pull (e.g. with
-    `remote_prefiller` dropped from `legs.decode_body`: p2p 0, cached only the previous
-    turn's blocks)."""
+    (`p2p`); nothing from another source. Fails when the decode leg does not pull: seen with
+    `remote_prefiller` dropped from `legs.decode_body` (turn 0 cached 0, not 896, in all
+    three directions)."""
     block = _block(pd)
     previous = 0
     for turn in pd[direction]:
@@ -238,8 +238,10 @@ def _max_diff(x: dict, y: dict, n: int) -> float:
 
 def test_same_tp_answers_equal_vllms_own_hit_token_for_token_logprob_for_logprob(pd):
     """TP=1 to TP=1: every turn's answer is vLLM's own prefix-cache hit at the same boundary,
-    exactly. Fails when the decoder reads other bytes than the prefiller computed, or the
-    reference does not hit at the same boundary."""
+    exactly. Meant to fail when the decoder reads other bytes than the prefiller computed, or
+    the reference does not hit at the same boundary; not seen failing yet: with
+    `remote_prefiller` dropped from `legs.decode_body` (the decoder computes the prompt
+    itself) it still passed, vLLM-CPU TP=1 giving the same logprobs pulled or computed."""
     block = _block(pd)
     for turn in pd[SAME_TP]:
         ref = turn["ref_tp1"]
@@ -255,8 +257,9 @@ def test_cross_tp_answers_are_within_vllms_own_tp_spread(pd):
     1,021 tokens), so vLLM's own TP=1 and TP=2 answers part at a near tie now and then; up
     to where they part, the P/D answer has the same tokens and logprobs no further off than
     their spread plus a tenth of a bf16 logit step, and where they part it takes one of the
-    two. Fails when the decoder reads wrong bytes (tokens or logprobs off from the first
-    token) or the reference does not hit at the same boundary."""
+    two. Meant to fail when the decoder reads wrong bytes (tokens or logprobs off from the
+    first token) or the reference does not hit at the same boundary; not seen failing yet
+    (the decoder computing the prompt itself also stays within the spread)."""
     block = _block(pd)
     spread, off, compared = 0.0, {}, 0
     for p, d in CROSS_TP:
