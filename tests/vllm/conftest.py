@@ -55,9 +55,14 @@ def conversation(turns: list[list[int]]) -> list[dict]:
 
 def assert_turn_reused(steps: dict, turn: int, hit_tokens: int) -> None:
     """Turn `turn` of `conversation` reused `hit_tokens` tokens from kvhal's host tier and
-    equals vLLM's own reuse at that boundary (which hit the same number of tokens)."""
+    equals vLLM's own reuse at that boundary: the reference hit exactly as many tokens, all
+    from vLLM's prefix cache (kvhal served none of them: it holds the salted turns too, and
+    a reference it served would compare kvhal with itself). Fails when kvhal serves the
+    reference: e.g. with `conversation` resetting vLLM's prefix cache before every reference
+    turn after the first as well."""
     got, ref = steps[f"t{turn}"], steps[f"ref{turn}"]
     assert ref["num_cached_tokens"] == got["num_cached_tokens"] == hit_tokens
+    assert ref["hit_tokens"] == {}
     assert got["hit_tokens"] == ({"host": hit_tokens} if hit_tokens else {})
     assert_same(got, ref)
 

@@ -109,9 +109,13 @@ def runs(module_tmp):
 
 
 def test_b_loads_the_prefix_from_a_identical_to_vllms_own_hit(runs):
+    """The reference, A's second run of P1, is vLLM's own prefix-cache hit of every full
+    chunk (kvhal serves none of it). Fails when kvhal serves the reference: e.g. with a
+    `{"op": "reset"}` step between A's two runs of P1."""
     cold, hit = runs["a"][0]["p1"], runs["a"][1]["p1"]
     loaded = runs["b"][0]["p1"]
     assert (cold["num_cached_tokens"], hit["num_cached_tokens"]) == (0, FULL_HIT)
+    assert (cold["hit_tokens"], hit["hit_tokens"]) == ({}, {})   # the reference: vLLM's own hit
     assert loaded["num_cached_tokens"] == FULL_HIT
     assert loaded["hit_tokens"] == {"p2p": FULL_HIT}
     assert loaded["token_ids"] == hit["token_ids"]
@@ -132,6 +136,7 @@ def test_b_at_tp2_loads_from_a_at_tp1(runs):
 
 def test_a_killed_while_b_loads_b_recomputes_like_a_cold_run(runs):
     cold, recomputed = runs["a"][2]["p2"], runs["b"][1]["p2"]
+    assert (cold["num_cached_tokens"], cold["hit_tokens"]) == (0, {})
     assert recomputed["num_cached_tokens"] == 0
     assert recomputed["hit_tokens"] == {}
     assert recomputed["token_ids"] == cold["token_ids"]
@@ -142,7 +147,7 @@ def test_a_killed_while_b_loads_b_recomputes_like_a_cold_run(runs):
 def test_a_killed_while_b_at_tp2_loads_every_rank_recomputes(runs):
     recomputed, cold = runs["b2"][1]["p2"], runs["b2"][2]["p2"]
     assert (recomputed["num_cached_tokens"], cold["num_cached_tokens"]) == (0, 0)
-    assert recomputed["hit_tokens"] == {}
+    assert recomputed["hit_tokens"] == cold["hit_tokens"] == {}
     assert recomputed["token_ids"] == cold["token_ids"]
     assert recomputed["logprobs"] == cold["logprobs"]
     assert recomputed["counters"]["tiers"]["p2p"]["load_failed"] >= 1
