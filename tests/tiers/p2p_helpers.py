@@ -10,16 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvhal.procs import free_port  # noqa: F401  (re-exported for the p2p tests)
+
 #: The shared secret of the tests' peers (a test value).
 KEY = "kvhal-test-p2p-shared-key"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fixed_port() -> int:

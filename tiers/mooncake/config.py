@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 from ..base import TierError
 from ..fs.config import MAX_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S
-from ..obj.config import normalize_prefix
+from ..prefix import normalize_prefix
 
 DEFAULT_SEGMENT_BYTES = 512 << 20
 DEFAULT_BUFFER_BYTES = 64 << 20

@@ -16,9 +16,7 @@ import tempfile
 import time
 from typing import Any
 
-from kvhal.procs import die_with_parent
-
-from ..obj.local_server import free_port
+from kvhal.procs import die_with_parent, free_port
 
 #: Seconds to wait for a fresh master to accept connections.
 START_TIMEOUT_S = 30.0

@@ -12,8 +12,9 @@ from __future__ import annotations
 from ..chunk_format import (HEADER_BYTES, CorruptChunk, check_record_size, checked_header,
                             verify_payload)
 from ..fs.check import CheckReport
+from ..prefix import normalize_prefix
 from .client import S3Client, StoreFailure
-from .config import DEFAULT_TIMEOUT_S, StoreConfig, normalize_prefix
+from .config import DEFAULT_TIMEOUT_S, StoreConfig
 from .names import key_from_object, namespace_of
 
 

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 
 from ..base import TierError
 from ..fs.config import MAX_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S
+from ..prefix import normalize_prefix
 
 DEFAULT_IO_THREADS = 4
 DEFAULT_MAX_BYTES = 100 << 30
@@ -53,7 +54,6 @@ _KEYS = frozenset({"store_config", "prefix", "io_threads", "max_bytes", "refresh
 _PASSTHROUGH = frozenset({"type", "module_path"})
 #: S3 bucket naming rules (AWS "Bucket naming rules"; MinIO and Ceph follow them).
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9!_.*'()=+,;@~-]+$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9.-]+(:\d{1,5})?$|^\[[0-9A-Fa-f:.]+\](:\d{1,5})?$")
 #: Region names: AWS's ("eu-west-1"), MinIO's and Ceph's ("default", "us_east") alike.
 _REGION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -167,22 +167,6 @@ def _store_config(store: Any) -> StoreConfig:
     return StoreConfig(bucket, _endpoint(store), region, access_key,
                        secret_key, _optional_str(store, "session_token"),
                        _optional_str(store, "ca_bundle"))
-
-
-def normalize_prefix(value: Any) -> str:
-    """`value` without surrounding "/", checked segment by segment.
-
-    Raises:
-        TierError: not a string, or a bad segment.
-    """
-    if not isinstance(value, str):
-        raise TierError(f"prefix: must be a string, got {value!r}")
-    prefix = value.strip("/")
-    if prefix and not all(_SEGMENT_RE.match(s) and s not in (".", "..")
-                          for s in prefix.split("/")):
-        raise TierError(f"prefix: segments between \"/\" must be non-empty, not \".\" or "
-                        f"\"..\", of letters, digits and !_.*'()=+,;@~-; got {value!r}")
-    return prefix
 
 
 def _number(cfg: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *,

@@ -8,7 +8,6 @@ buckets. The child gets SIGKILL when the process that started it dies (Linux
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,17 +15,10 @@ import time
 import urllib.error
 import urllib.request
 
-from kvhal.procs import die_with_parent
+from kvhal.procs import die_with_parent, free_port
 
 #: Seconds to wait for a fresh server to answer.
 START_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalS3Server:
