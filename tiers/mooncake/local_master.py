@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Any
 
-from kvhal.procs import die_with_parent, free_port
+from kvhal.procs import LocalService, die_with_parent, free_port
 
 #: Seconds to wait for a fresh master to accept connections.
 START_TIMEOUT_S = 30.0
@@ -28,7 +28,7 @@ def master_binary() -> str | None:
     return beside if os.access(beside, os.X_OK) else shutil.which("mooncake_master")
 
 
-class LocalMaster:
+class LocalMaster(LocalService):
     """One `mooncake_master` process; `start` again after `kill` reuses the same ports.
 
     Args:
@@ -84,20 +84,6 @@ class LocalMaster:
         self.kill()
         raise RuntimeError(f"mooncake_master did not listen on {self.rpc_port} within "
                            f"{START_TIMEOUT_S} s")
-
-    @property
-    def running(self) -> bool:
-        """Whether the master process is alive."""
-        return self._proc is not None and self._proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the master (its objects are lost) and reap it. Idempotent."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-        if self._proc is not None:
-            self._proc.wait()
-            self._log.close()
-            self._proc = None
 
     def __enter__(self) -> "LocalMaster":
         return self.start()

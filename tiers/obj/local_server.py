@@ -15,13 +15,13 @@ import time
 import urllib.error
 import urllib.request
 
-from kvhal.procs import die_with_parent, free_port
+from kvhal.procs import LocalService, die_with_parent, free_port
 
 #: Seconds to wait for a fresh server to answer.
 START_TIMEOUT_S = 60.0
 
 
-class LocalS3Server:
+class LocalS3Server(LocalService):
     """One `moto_server` process.
 
     Args:
@@ -88,20 +88,7 @@ class LocalS3Server:
         request = urllib.request.Request(f"{self.endpoint}/{bucket}", data=b"", method="PUT")
         urllib.request.urlopen(request, timeout=30).close()
 
-    @property
-    def running(self) -> bool:
-        """Whether the server process is alive."""
-        return self._proc is not None and self._proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the server (its buckets are lost) and reap it. Idempotent."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-        if self._proc is not None:
-            self._proc.wait()
-            self._log.close()
-
-    stop = kill
+    stop = LocalService.kill
 
     def __enter__(self) -> "LocalS3Server":
         return self.start()
