@@ -33,7 +33,7 @@ from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             payload_checksum, record_nbytes, verify_payload)
 from ..index import ChunkIndex
 from ..jobs import IndexedTier, JobBoard, JobPool, LanePool
-from .client import (GONE, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, address, connect,
+from .client import (GONE, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, connect,
                      error_name, register, replicate_config)
 from .config import parse_config
 from .probe import Prober
@@ -174,12 +174,15 @@ class MooncakeTier(IndexedTier):
             sizes.append(pad)
         return ptrs, sizes
 
-    def _healthy(self, jobs: list[TierJob]) -> list[str | None] | None:
-        """None if the master answers; else the failure of every job."""
+    def _master_down(self, todo: list[int], errors: list[str | None]) -> bool:
+        """False if the master answers; else True, with every job of `todo` failed in
+        `errors` (and counted)."""
         if self._client.health_check() == 0:
-            return None
-        self._jobs.count("master_unreachable", len(jobs))
-        return ["Mooncake master unreachable"] * len(jobs)
+            return False
+        self._jobs.count("master_unreachable", len(todo))
+        for i in todo:
+            errors[i] = "Mooncake master unreachable"
+        return True
 
     def _store_batch(self, jobs: list[TierJob]) -> list[str | None]:
         errors: list[str | None] = [None] * len(jobs)
@@ -192,10 +195,7 @@ class MooncakeTier(IndexedTier):
                 todo.append(i)
         if not todo:
             return errors
-        down = self._healthy([jobs[i] for i in todo])
-        if down:
-            for i, error in zip(todo, down):
-                errors[i] = error
+        if self._master_down(todo, errors):
             return errors
         base = self._scratch_base()
         zeros = self._scratch[base + MAX_BATCH * HEADER_BYTES:][:ALIGN]
@@ -229,10 +229,7 @@ class MooncakeTier(IndexedTier):
         todo = [i for i, e in enumerate(errors) if e is None]
         if not todo:
             return errors
-        down = self._healthy([jobs[i] for i in todo])
-        if down:
-            for i, error in zip(todo, down):
-                errors[i] = error
+        if self._master_down(todo, errors):
             return errors
         base = self._scratch_base()
         names, ptrs, sizes = [], [], []
