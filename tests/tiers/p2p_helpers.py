@@ -41,18 +41,25 @@ def config(**extra) -> dict:
 class PeerProcess:
     """A p2p peer in a separate process serving chunks 0..count-1 (see `p2p_peer.py`)."""
 
+    #: The module run in the peer process.
+    MODULE = "tests.tiers.p2p_peer"
+
     def __init__(self, cfg: dict, count: int = 0, nbytes: int = 4096,
                  send_delay_s: float = 0.0):
-        spec = dict(cfg, count=count, nbytes=nbytes, send_delay_s=send_delay_s)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.tiers.p2p_peer",
-                                      json.dumps(spec)], cwd=REPO, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self._spawn(dict(cfg, count=count, nbytes=nbytes, send_delay_s=send_delay_s))
+
+    def _spawn(self, spec: dict) -> None:
+        """Start `MODULE` with `spec` and read the identity it announces first."""
+        self.proc = subprocess.Popen([sys.executable, "-m", self.MODULE, json.dumps(spec)],
+                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait(30)
-            raise RuntimeError(f"peer process exited with {self.proc.returncode}")
+            raise RuntimeError(f"{self.MODULE} exited with {self.proc.returncode}")
         self.identity: str = json.loads(line)["identity"]
-        self.address = (self.identity.rsplit(":", 1)[0], int(self.identity.rsplit(":", 1)[1]))
+        host, port = self.identity.rsplit(":", 1)
+        self.address = (host, int(port))
 
     def command(self, text: str) -> str:
         """Send one command line; return its one-line answer."""

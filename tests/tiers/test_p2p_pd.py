@@ -10,8 +10,6 @@ connections and threads; the decoder's slots and threads.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
@@ -25,7 +23,7 @@ from kvhal.tiers.base import JobKind
 from kvhal.tiers.p2p import P2PTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload, wait_for
-from .p2p_helpers import REPO, PeerProcess, config
+from .p2p_helpers import PeerProcess, config
 from .p2p_pd_peer import SLOT
 
 DECODER_SLOTS = 16
@@ -37,17 +35,10 @@ FETCH_WAIT_S = 30.0
 class Prefiller(PeerProcess):
     """`p2p_pd_peer.py` in a separate process (commands: see its docstring)."""
 
+    MODULE = "tests.tiers.p2p_pd_peer"
+
     def __init__(self, cfg: dict):  # noqa: super().__init__ would start the other peer
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.tiers.p2p_pd_peer",
-                                      json.dumps(cfg)], cwd=REPO, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(30)
-            raise RuntimeError(f"prefiller exited with {self.proc.returncode}")
-        self.identity: str = json.loads(line)["identity"]
-        host, port = self.identity.rsplit(":", 1)
-        self.address = (host, int(port))
+        self._spawn(cfg)
 
     def leg(self, ctx: str, kv_id: str) -> bool:
         """Open a prefill leg `ctx` parking under `kv_id`."""
