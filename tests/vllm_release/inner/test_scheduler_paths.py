@@ -26,11 +26,17 @@ HOST_ONLY = {"cpu_bytes_to_use": 32 << 20}
 def _reload(rig: Rig, tokens: list[int], *, clear_host: bool = False) -> list:
     """Run request "a" of `tokens`, forget it everywhere but kvhal (vLLM's prefix cache reset,
     the device KV zeroed; `clear_host` also drops kvhal's host tier), run "b" of the same
-    tokens; the `SchedulerStats` of b's steps."""
+    tokens; the `SchedulerStats` of b's steps.
+
+    Before the host tier is dropped, the secondary tiers' stores of a's chunks are drained: the
+    cascade to fs runs after the host store, and dropping the host first (seen in a loaded CI
+    run: b got 0 hits) leaves fs nothing to promote — a correct miss, not the path under test.
+    """
     rig.add("a", tokens)
     rig.run()
     assert rig.scheduler.reset_prefix_cache()
     if clear_host:
+        rig.connector.scheduler_side.manager.drain(timeout_s=120)
         rig.connector.reset_cache()
     for tensor in rig.kv_caches.values():
         tensor.zero_()
