@@ -314,7 +314,11 @@ def test_a_missing_package_is_one_error_naming_what_to_install(monkeypatch):
 
 def test_bench_tier_mooncake_prints_tier_and_raw_loops_side_by_side():
     """`kvhal bench tier --tier mooncake` on a pool it starts itself: the tier, the registered
-    and the plain raw loop, their ratios from the same run, and one chunk's latency."""
+    and the plain raw loop, one pass each, and one chunk's latency. The tier's own counters
+    (not the bench's figures) say the timed pass moved each of the 4 chunks once each way,
+    nothing found already stored and nothing failed. Seen failing with the kvhal contender's
+    write storing its chunks twice per pass (`already_stored`: 4, the pass timing existence
+    checks too), which passed the old checks of the ratios the bench computes itself."""
     require()
     out = kvhal("bench", "tier", "--tier", "mooncake", "--chunk-bytes", "256KiB", "--count",
                 "4", "--repeats", "1", "--json")
@@ -326,11 +330,11 @@ def test_bench_tier_mooncake_prints_tier_and_raw_loops_side_by_side():
                                                                          256 << 10, 4)
     assert [c["name"] for c in figures["contenders"]] == ["kvhal mooncake",
                                                           "raw put_from/get_into", "raw put/get"]
-    assert figures["write_vs_raw"] == tier["write_median_gbps"] / raw["write_median_gbps"]
-    assert figures["read_vs_plain"] == tier["read_median_gbps"] / plain["read_median_gbps"]
-    assert figures["registered_vs_plain_read"] == (raw["read_median_gbps"]
-                                                   / plain["read_median_gbps"])
-    assert figures["kvhal_stats"]["bytes_loaded"] == 4 * (256 << 10)     # one pass, verified
+    assert [(len(c["write_gbps"]), len(c["read_gbps"])) for c in (tier, raw, plain)] == [
+        (1, 1)] * 3
+    assert figures["kvhal_stats"] == {"bytes_stored": 4 * (256 << 10),
+                                      "bytes_loaded": 4 * (256 << 10), "chunks": 4,
+                                      "durability": "pool"}
     assert set(figures["latency_us"]) == {"kvhal mooncake", "raw put_from/get_into",
                                           "raw put/get"}
     assert figures["latency_us"]["kvhal mooncake"]["samples"] == 4
