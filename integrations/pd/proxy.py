@@ -32,9 +32,10 @@ without `remote_prefiller`: the decoder computes the whole prompt (a warning is 
 prefiller's `failures` counted in `/health`). A prefill 4xx in prefill-first is the client's
 request being refused: it is passed through to the client and no decode leg is sent. In the
 other orders the decode leg already carries `remote_prefiller` when the prefill leg fails;
-the decoder's p2p tier then waits for the id (kvhal: up to its `arrival_timeout_s`) and
-computes the prompt itself. A failed or abandoned decode leg cancels its prefill leg (closing the connection
-aborts it in vLLM, so its parked KV is not held until the tier's timeout).
+the decoder's p2p tier waits for the id (kvhal: up to the decoder's `fetch_wait_s`, or the
+prefiller's `arrival_timeout_s` if set) and computes the prompt itself. A failed or
+abandoned decode leg cancels its prefill leg (closing the connection aborts it in vLLM, so
+its parked KV is not held until the tier's timeout).
 
 A client that disconnects cancels its request: both legs' connections are closed, which
 aborts them in vLLM.

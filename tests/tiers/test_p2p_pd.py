@@ -30,6 +30,10 @@ DECODER_SLOTS = 16
 INDEX = {chunk_key(NAMESPACE, i): i for i in range(64)}
 #: The decoder's wait for chunks not stored yet: far longer than any fail-fast bound below.
 FETCH_WAIT_S = 30.0
+#: How late a prefill leg is heard of after its decoder's fetches reached the prefiller: more
+#: than the 5 s an unheard-of id once waited (`arrival_timeout_s`'s old default), with 2 s to
+#: spare for a loaded machine's late wake-ups.
+LATE_LEG_S = 7.0
 
 
 class Prefiller(PeerProcess):
@@ -194,6 +198,58 @@ def test_concurrent_legs(prefiller, decoder):
     assert all(ok for ok, _, _ in landed.values()), landed
     d.manager.close_request("d1")
     wait_for(lambda: released(p), 10, "the prefiller's release")
+
+
+def test_prefill_leg_heard_of_late_still_serves_the_waiting_decoder(prefiller, decoder):
+    """Decode-first on a loaded prefiller: its scheduler sees the prefill leg `LATE_LEG_S`
+    after the decoder's fetches arrived. With the default config the fetches wait for the
+    leg (up to the decoder's `fetch_wait_s`, as in vLLM's tier) and every chunk lands. Seen
+    failing with the fix reverted (tiers/p2p/config.py as before it, `arrival_timeout_s`
+    defaulting to 5 s): each fetch was refused "unknown kv_request_id" after 5.05 s, and the
+    decoder's poll after `LATE_LEG_S` held the three failed loads."""
+    p, d = prefiller(), decoder()
+    d.pull("d1", decode_params(p, "pd-12"), 0, 3)
+    wait_for(lambda: p.stats()["fetches_waiting"] == 3, 10, "the decoder's fetches")
+    start = time.monotonic()
+    time.sleep(LATE_LEG_S)
+    assert d.manager.poll() == []                  # still waiting, nothing refused
+    assert p.leg("p1", "pd-12") and p.store("p1", 0, 3) == 3
+    p.close_leg("p1")
+    landed = d.collect(3)
+
+    assert all(ok for ok, _, _ in landed.values()), landed
+    assert min(t for _, _, t in landed.values()) - start >= LATE_LEG_S
+    for i in range(3):
+        np.testing.assert_array_equal(d.chunk_bytes(i), payload(i, SLOT))
+    d.manager.close_request("d1")
+    wait_for(lambda: released(p), 10, "the prefiller's release")
+
+
+def test_decoder_done_before_the_prefill_leg_the_late_leg_parks_nothing(prefiller, decoder):
+    """The decoder waits its `fetch_wait_s` (0.5 s here) for a leg the prefiller has not
+    heard of, gives up (recomputes) and says `done`; the leg comes after that. Its chunks are
+    stored but none is parked or pinned (no 60 s wait for a reap), and a later fetch of the
+    id is refused at once. Seen failing with the tombstone removed (`Parking.finish`
+    returning when it finds no record): (parked_ids, parked_held, reading_slots) was
+    (1, 3, 3) and `park_late` absent."""
+    p = prefiller()
+    d = decoder(fetch_wait_s=0.5)
+    d.pull("d1", decode_params(p, "pd-13"), 0, 3)
+    assert all("unknown kv_request_id" in e for _, e, _ in d.collect(3).values())
+    d.manager.close_request("d1")
+    d.close()                           # joins the pull thread that sends `done`
+
+    assert p.leg("p1", "pd-13") and p.store("p1", 0, 3) == 3
+    stats = p.stats()
+    assert (stats["parked_ids"], stats["parked_held"], stats["reading_slots"],
+            stats.get("park_late")) == (0, 0, 0, 1)
+    again = decoder()
+    start = time.monotonic()
+    again.pull("d2", decode_params(p, "pd-13"), 0, 1)
+    (ok, error, seen), = again.collect(1).values()
+    assert not ok and error.endswith("(kv_request_id given up by its decoder)"), error
+    assert seen - start < 5.0 < FETCH_WAIT_S
+    p.close_leg("p1")
 
 
 def test_decoder_never_fetches_the_id_is_reaped_then_refused_at_once(prefiller, decoder):

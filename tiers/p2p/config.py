@@ -25,12 +25,19 @@ Keys:
         (pinned in the host tier) without a fetch touching them; then they are released and
         the id is refused for 60 s more; default 60 (vLLM's default).
     fetch_wait_s (number in (0, 600]): decode side: the longest a decode leg's pull waits for
-        a chunk its prefiller has not stored yet (the prefill's queueing and compute); a
+        a chunk its prefiller has not stored yet (the prefill leg's arrival, queueing and
+        compute; the prefiller's `arrival_timeout_s` may end it sooner); a
         chunk the prefiller will never store is refused as soon as its prefill ended;
         default 30.
-    arrival_timeout_s (number in (0, 600]): prefill side: how long a fetch for an id this
-        instance has never seen waits for its prefill leg to arrive (decoder-first or
-        concurrent legs) before it is refused; default 5.
+    arrival_timeout_s (number in (0, 600], or null): prefill side (read by the instance a
+        decoder fetches from, not by the decoder): the longest a fetch for an id this
+        instance has not heard of yet waits for its prefill leg (decoder-first or concurrent
+        legs: the id is heard of only when this instance's scheduler first sees the
+        request, many seconds later on a loaded host). Default null: as long as the fetch
+        itself waits (the decoder's `fetch_wait_s`), as vLLM's tier does. Set it to have
+        fetches for ids that will never come (a prefill leg the orchestrator failed to send)
+        refused sooner, at the cost of a recompute whenever a prefill leg comes later. Reaped,
+        finished and given-up ids are refused at once either way.
     The orchestrator's view: a prefiller is named in a decode leg's `remote_prefiller` (and a
     peer in `remote_kv_source`) by `remote_host` = its `advertise_host` (or `host`) and
     `remote_port` = its `port`, i.e. exactly its `P2PTier.identity`. Give prefillers a fixed
@@ -61,7 +68,8 @@ _KEYS = frozenset({"host", "advertise_host", "port", "peers", "num_threads", "ti
 DEFAULT_UNBOUND_S = 60.0
 MAX_UNBOUND_S = 3600.0
 DEFAULT_FETCH_WAIT_S = 30.0
-DEFAULT_ARRIVAL_S = 5.0
+#: No arrival bound of its own: an unheard-of id waits as long as its fetch (vLLM's rule).
+DEFAULT_ARRIVAL_S = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +87,7 @@ class P2PConfig:
     auth_key: bytes = field(repr=False)
     unbound_store_timeout_s: float = DEFAULT_UNBOUND_S
     fetch_wait_s: float = DEFAULT_FETCH_WAIT_S
-    arrival_timeout_s: float = DEFAULT_ARRIVAL_S
+    arrival_timeout_s: float | None = DEFAULT_ARRIVAL_S
 
 
 def _positive_int(config: Mapping[str, Any], name: str, default: int) -> int:
@@ -186,4 +194,5 @@ def parse_config(config: Mapping[str, Any]) -> P2PConfig:
                      _seconds(config, "unbound_store_timeout_s", DEFAULT_UNBOUND_S,
                               MAX_UNBOUND_S),
                      _seconds(config, "fetch_wait_s", DEFAULT_FETCH_WAIT_S, MAX_TIMEOUT_S),
-                     _seconds(config, "arrival_timeout_s", DEFAULT_ARRIVAL_S, MAX_TIMEOUT_S))
+                     None if config.get("arrival_timeout_s") is None else
+                     _seconds(config, "arrival_timeout_s", 0.0, MAX_TIMEOUT_S))

@@ -10,17 +10,22 @@ is refused at once (the prefiller will never store it), so a decoder never waits
 timeout for it.
 
 A fetch (`wait`) of (ID, key) answers as soon as it can: "held" (the server then pins the
-slot once more for the transfer and calls `fetched`), or a refusal: the id was reaped or
-already finished (remembered for `RETENTION_S`), the chunk failed, or the record is sealed
+slot once more for the transfer and calls `fetched`), or a refusal: the id was reaped, already
+finished or given up (remembered for `RETENTION_S`), the chunk failed, or the record is sealed
 without it. While the record is open and the chunk not there, it waits until the fetch's
-deadline; an id never seen waits at most `arrival_s` for its prefill leg to arrive (legs may
-come in either order or at once), then is refused.
+deadline. An id never seen waits too (legs may come in either order or at once, and a prefill
+leg is heard of only when the prefiller's scheduler first sees its request, which on a loaded
+host can be many seconds after the decoder's fetch): until the fetch's own deadline, as in
+vLLM's tier (whose fetch of any id waits for its session), or at most `arrival_s` when set.
 
 A record ends, releasing every pin, when its decoder fetched every chunk of a sealed record,
 when the decoder says it is done (`finish`), when ID is opened again (the orchestrator reused
 it: the old chunks are released, the new leg starts afresh), or when no fetch touched it for
 `unbound_s` (reaped; ID refused for `RETENTION_S` more: fetches at once, new legs park
-nothing). One thread reaps; `close` releases everything and joins it.
+nothing). A decoder done with an id no leg opened yet (it gave up waiting, or needed no
+chunk) leaves a tombstone: for `RETENTION_S` the late prefill leg parks nothing (its chunks
+are not pinned for a reap nobody waits on) and fetches of the id are refused at once. One
+thread reaps; `close` releases everything and joins it.
 
 Locking: the manager calls `open`, `park` and `seal` holding its own lock; `hold` and the
 releases take the manager's lock, so they are never called while this module's lock is held.
@@ -37,10 +42,14 @@ from kvhal.keys import ChunkKey
 #: Seconds a reaped or finished id stays refused (vLLM: `_REAPED_ID_RETENTION_S`).
 RETENTION_S = 60.0
 HELD = "held"
-#: Refusals of a whole id (`wait`): no chunk of it will come.
-REAPED, FINISHED, UNKNOWN, CLOSED = ("kv_request_id reaped", "kv_request_id finished",
-                                     "unknown kv_request_id", "tier closed")
-ID_REFUSALS = frozenset({REAPED, FINISHED, UNKNOWN, CLOSED})
+#: Refusals of a whole id (`wait`): no chunk of it will come. GIVEN_UP: the decoder's `done`
+#: came before any prefill leg opened the id (a tombstone; `open` then parks nothing).
+REAPED, FINISHED, GIVEN_UP, UNKNOWN, CLOSED = (
+    "kv_request_id reaped", "kv_request_id finished", "kv_request_id given up by its decoder",
+    "unknown kv_request_id", "tier closed")
+ID_REFUSALS = frozenset({REAPED, FINISHED, GIVEN_UP, UNKNOWN, CLOSED})
+#: Refusals `open` heeds: the id may not be parked under again until they expire.
+_NOT_REOPENED = frozenset({REAPED, GIVEN_UP})
 #: Seconds between checks that a waiting fetch's peer is still connected.
 ALIVE_CHECK_S = 0.2
 
@@ -64,13 +73,15 @@ class Parking:
         hold: `hold(key)` pins the chunk where it is served from and returns the release
             callable, or None if the chunk cannot be held (not resident, being written).
         unbound_s: Seconds a record lives without a fetch touching it.
-        arrival_s: Longest wait of a fetch for an id never seen.
-        count: `count(name)` bumps a tier counter ("parked_chunks", "park_reaped", ...).
+        arrival_s: Longest wait of a fetch for an id never seen; None: the fetch's own
+            deadline (the decoder's `fetch_wait_s`; vLLM's tier has no separate bound).
+        count: `count(name)` bumps a tier counter ("parked_chunks", "park_reaped",
+            "park_late": a leg opened after its decoder gave up, ...).
         retention_s: Seconds a reaped or finished id stays refused.
     """
 
     def __init__(self, hold: Callable[[ChunkKey], Release | None], *, unbound_s: float,
-                 arrival_s: float, count: Callable[[str], None],
+                 arrival_s: float | None, count: Callable[[str], None],
                  retention_s: float = RETENTION_S):
         self._hold = hold
         self._unbound_s = unbound_s
@@ -80,6 +91,7 @@ class Parking:
         self._cond = threading.Condition()
         self._records: dict[str, _Record] = {}
         self._gone: dict[str, tuple[float, str]] = {}  # id -> (refused until, why)
+        self._waiting = 0           # fetches waiting in `wait` now
         self._closed = False
         self._reaper = threading.Thread(target=self._reap_loop, name="kvhal-p2p-reap",
                                         daemon=True)
@@ -88,10 +100,12 @@ class Parking:
     # -- prefill leg (manager's thread) -------------------------------------------------------
     def open(self, kv_id: str) -> str | None:
         """Start parking under `kv_id` (a live record of it is released first). Returns None,
-        or why nothing will be parked ("reaped": refused for now; "closed")."""
+        or why nothing will be parked (`REAPED` or `GIVEN_UP`: refused for now; `CLOSED`)."""
         with self._cond:
             refused = self._refused(kv_id, time.monotonic())
-            if self._closed or refused == REAPED:
+            if self._closed or refused in _NOT_REOPENED:
+                if refused == GIVEN_UP:
+                    self._count("park_late")
                 return refused or CLOSED
             self._gone.pop(kv_id, None)
             old = self._records.pop(kv_id, None)
@@ -137,11 +151,12 @@ class Parking:
     def wait(self, kv_id: str, key: ChunkKey, deadline: float,
              alive: Callable[[], bool] = lambda: True) -> str:
         """`HELD` once `key` is held under `kv_id`, or why the fetch is refused (at once
-        for a reaped or finished id, a failed chunk or a sealed record without it; at the
-        deadline, or `arrival_s` for an id never seen; within `ALIVE_CHECK_S` once
-        `alive()` is False: the fetching peer went away). A record is not reaped while a
-        fetch waits on it."""
-        arrival = time.monotonic() + self._arrival_s
+        for a reaped, finished or given-up id, a failed chunk or a sealed record without it;
+        at `deadline` (monotonic seconds), for an id never seen too unless `arrival_s` ends
+        its wait sooner (`UNKNOWN`); within `ALIVE_CHECK_S` once `alive()` is False: the
+        fetching peer went away). A record is not reaped while a fetch waits on it."""
+        arrival = deadline if self._arrival_s is None else min(
+            deadline, time.monotonic() + self._arrival_s)
         with self._cond:
             while True:
                 if self._closed:
@@ -152,7 +167,7 @@ class Parking:
                     why = self._refused(kv_id, now)
                     if why is not None:
                         return why
-                    until = min(deadline, arrival)
+                    until = arrival
                     if now >= until:
                         return UNKNOWN
                 else:
@@ -170,7 +185,9 @@ class Parking:
                     return "fetching peer gone"
                 if record is not None:
                     record.waiters += 1
+                self._waiting += 1
                 self._cond.wait(min(until - now, ALIVE_CHECK_S))
+                self._waiting -= 1
                 if record is not None:
                     record.waiters -= 1
 
@@ -186,14 +203,22 @@ class Parking:
             _release_all(done)
 
     def finish(self, kv_id: str) -> None:
-        """The decoder of `kv_id` is done with it (fetched what it needs, or gave up)."""
+        """The decoder of `kv_id` is done with it (fetched what it needs, or gave up). An id
+        with no record and no refusal (its prefill leg not opened yet) is tombstoned
+        `GIVEN_UP` for `retention_s`; an id already finished or reaped keeps its refusal (a
+        `done` after the last fetch does not stop the orchestrator reusing the id)."""
         with self._cond:
+            now = time.monotonic()
             record = self._records.pop(kv_id, None)
-            if record is None:
+            if record is not None:
+                self._gone[kv_id] = (now + self._retention_s, FINISHED)
+            elif self._closed or self._refused(kv_id, now) is not None:
                 return
-            self._gone[kv_id] = (time.monotonic() + self._retention_s, FINISHED)
+            else:
+                self._gone[kv_id] = (now + self._retention_s, GIVEN_UP)
             self._cond.notify_all()
-        _release_all(record)
+        if record is not None:
+            _release_all(record)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _complete(self, kv_id: str, record: _Record) -> _Record | None:
@@ -215,10 +240,12 @@ class Parking:
         return gone[1]
 
     def stats(self) -> dict[str, int]:
-        """parked_ids (records), parked_held (chunks pinned now)."""
+        """parked_ids (records), parked_held (chunks pinned now), fetches_waiting (fetches
+        waiting now for a chunk or for their id's prefill leg)."""
         with self._cond:
             return {"parked_ids": len(self._records),
-                    "parked_held": sum(len(r.held) for r in self._records.values())}
+                    "parked_held": sum(len(r.held) for r in self._records.values()),
+                    "fetches_waiting": self._waiting}
 
     def _reap_loop(self) -> None:
         period = max(0.01, min(1.0, self._unbound_s / 4))

@@ -120,8 +120,9 @@ class P2PTier(BoardedTier):
 
     def open_request(self, request: Hashable, params: Mapping[str, Any]) -> bool:
         """Take part in a request whose `kv_transfer_params` carry p2p orchestration
-        (`orchestration.py`): a prefill leg opens its parking record now (a reaped id parks
-        nothing: logged); a decode leg or a `remote_kv_source` pulls from the named peer."""
+        (`orchestration.py`): a prefill leg opens its parking record now (a reaped id, or one
+        its decoder already gave up, parks nothing: logged); a decode leg or a
+        `remote_kv_source` pulls from the named peer."""
         orch = parse(params, request)
         if orch is None or self._jobs.closed:
             return False
@@ -224,9 +225,11 @@ class P2PTier(BoardedTier):
         load_missing, chunks_served, serve_digests, serve_missing, serve_busy, serve_corrupt,
         checksum_mismatch, malformed, auth_failed, connections_refused, handshakes_dropped,
         handshake_timeouts, peer_lost, feed_resyncs, parked_chunks, park_reused, park_reaped,
+        park_late (prefill legs opened after their decoder gave up: nothing parked),
         fetch_refused; plus served_chunks, directory_chunks, peers, peers_synced, connections
         (served + pooled data connections), attached (bool), parked_ids and parked_held (P/D
-        records and the chunks they pin now)."""
+        records and the chunks they pin now), fetches_waiting (decoders' fetches waiting here
+        now for a chunk or for their prefill leg)."""
         served = self._feed.snapshot()[1]
         return self._jobs.counters() | self._parking.stats() | {
             "served_chunks": len(served), "directory_chunks": self._directory.count(),
