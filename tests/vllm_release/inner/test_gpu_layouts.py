@@ -15,6 +15,11 @@ state (Mamba) round-trips too. Layouts vLLM itself refuses (a kernel-block split
 page, mixed page shapes in a layout that is not block-compact) are skipped with vLLM's reason. Breaking kvhal's mapping (head and token strides swapped in `PageStrides.offsets`, or
 `view_layout` taking every view as LBHNC) fails most cases here.
 
+Every backend `views.ROW_BACKENDS` accepts for vLLM's GPU builds is one of `BACKENDS`
+(`test_every_gpu_backend_kvhal_accepts_is_built_here`); FlashAttention MLA and AITER Triton
+MLA (one latent row per token, `kv_c_and_k_pe_cache[..., :kv_lora_rank]`, an `AiterMLABackend`
+subclass) are built like the other MLA backends.
+
 Runs only under a vLLM >= 0.33 overlay (`tests/vllm_release`). Backends that cannot be
 imported without CUDA, ROCm or flashinfer are described by their declared layouts and kernel
 block sizes (`Declared`), checked against their source with `ast`; the others are the classes
@@ -79,8 +84,12 @@ BACKENDS = (
             None, "[MultipleOf(16)]", 128, mla=True),
     Backend("FLASHINFER_MLA", "vllm.v1.attention.backends.mla.flashinfer_mla",
             "FlashInferMLABackend", None, "[32, 64]", 128, mla=True),
+    Backend("FLASH_ATTN_MLA", "vllm.v1.attention.backends.mla.flashattn_mla",
+            "FlashAttnMLABackend", None, "[MultipleOf(16)]", 128, mla=True),
     Backend("ROCM_AITER_MLA", "vllm.v1.attention.backends.mla.rocm_aiter_mla",
             "AiterMLABackend", None, "[MultipleOf(1)]", 128, mla=True),
+    Backend("AITER_TRITON_MLA", "vllm.v1.attention.backends.mla.aiter_triton_mla",
+            "AiterTritonMLABackend", None, "[MultipleOf(1)]", 128, mla=True),
 )
 #: The source of each chunk every configuration loads: attention, MLA.
 SOURCES = {False: ("FLASHINFER", "LBHNC", 2), True: ("FLASHMLA", "LBNHC", 1)}
@@ -156,6 +165,17 @@ def test_declarations_match_the_source(b):
     declared = cls.supported_kv_cache_layouts()
     assert (None if declared is None else tuple(x.name for x in declared)) == b.layouts
     assert cls.supports_kv_connector()
+
+
+#: `views.ROW_BACKENDS` names that are vLLM-CPU's (`vllm/v1/attention/backends/mla/cpu_mla.py`,
+#: `amx_mla.py`), not a GPU build's: not built here.
+CPU_ONLY = {"CPU_MLA", "AMX_MLA"}
+
+
+def test_every_gpu_backend_kvhal_accepts_is_built_here():
+    from kvhal.integrations.vllm.views import ROW_BACKENDS
+    built = {backend_class(b).get_name() for b in BACKENDS}
+    assert ROW_BACKENDS - CPU_ONLY == built
 
 
 HEADS, HEAD_SIZE, LATENT, LAYERS, BLOCKS_PER_CHUNK = 4, 64, 576, 2, 2
