@@ -120,14 +120,41 @@ class Deployment:
         return tuple(g.chunk_nbytes for g in self.groups)
 
 
-def _refuse(gi: int, group: Any, reason: str) -> UnsupportedModelError:
+def _refuse(gi: int, group: Any, backend: str, reason: str) -> UnsupportedModelError:
+    """A refusal of vLLM KV cache group `gi`, naming its first layer, its spec type, the
+    attention backend of that layer (`views.backend_of`: "unknown" in vLLM's engine-core
+    process, which holds no layers; its workers build the connector first and refuse with
+    the name) and the page shape (`page_shape`)."""
     spec = group.kv_cache_spec
     first = group.layer_names[0] if group.layer_names else "?"
     return UnsupportedModelError(f"kv_cache_groups[{gi}] (layer {first}, "
-                                 f"{type(spec).__name__}): {reason}")
+                                 f"{type(spec).__name__}, backend {backend}, "
+                                 f"{page_shape(spec)}): {reason}")
 
 
-def _fp8_format(gi: int, group: Any, cache_dtype: str, page_dtype: str) -> str:
+def page_shape(spec: Any) -> str:
+    """One layer's page of a vLLM KV cache spec as this rank's `[B, H, N, C]` view holds it
+    (`create_kv_cache_views`), for messages: "page [H, N, C] = [2, 128, 128] bfloat16" (C is
+    K then V, or an MLA latent), "state (3, 512) bfloat16, (4, 64, 64) bfloat16" for a
+    `MambaSpec`, else the spec's per-layer types or "page shape unknown"."""
+    if getattr(spec, "shapes", None) is not None:
+        return "state " + ", ".join(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+                                    for shape, dtype in zip(spec.shapes, spec.dtypes))
+    try:
+        heads, tokens, head_size = spec.num_kv_heads, spec.block_size, spec.head_size
+    except AttributeError:
+        inner = getattr(spec, "kv_cache_specs", None)
+        if isinstance(inner, Mapping):
+            kinds = sorted({type(s).__name__ for s in inner.values()})
+            return f"{len(inner)} per-layer specs ({', '.join(kinds)})"
+        return "page shape unknown"
+    cell = head_size if "MLA" in type(spec).__name__ else (
+        head_size + (getattr(spec, "head_size_v", None) or head_size))
+    dtype = str(getattr(spec, "dtype", "?")).removeprefix("torch.")
+    return f"page [H, N, C] = [{heads}, {tokens}, {cell}] {dtype}"
+
+
+def _fp8_format(gi: int, group: Any, backend: str, cache_dtype: str, page_dtype: str) -> str:
     """The `ELEMENT_BYTES` key of a per-tensor fp8 page of dtype `page_dtype` (vLLM's uint8,
     or a float8 dtype already mapped by `_DTYPES`) under `--kv-cache-dtype cache_dtype`.
 
@@ -139,15 +166,18 @@ def _fp8_format(gi: int, group: Any, cache_dtype: str, page_dtype: str) -> str:
     """
     fmt = _FP8_CACHE_DTYPES.get(cache_dtype)
     if fmt is None:
-        raise _refuse(gi, group, f"a per-tensor fp8 page under --kv-cache-dtype "
-                                 f"{cache_dtype!r}: its fp8 format is unknown or its scales "
-                                 "are not the layer's (kvhal keeps fp8, fp8_e4m3, fp8_e5m2)")
+        raise _refuse(gi, group, backend,
+                      f"a per-tensor fp8 page under --kv-cache-dtype "
+                      f"{cache_dtype!r}: its fp8 format is unknown or its scales "
+                      "are not the layer's (kvhal keeps fp8, fp8_e4m3, fp8_e5m2)")
     if page_dtype not in ("uint8", fmt):
-        raise _refuse(gi, group, f"page dtype {page_dtype} under --kv-cache-dtype "
-                                 f"{cache_dtype!r} ({fmt}): its fp8 format is ambiguous")
+        raise _refuse(gi, group, backend,
+                      f"page dtype {page_dtype} under --kv-cache-dtype "
+                      f"{cache_dtype!r} ({fmt}): its fp8 format is ambiguous")
     if _platform_fp8_fnuz():
-        raise _refuse(gi, group, f"--kv-cache-dtype {cache_dtype!r} on a platform whose fp8 is "
-                                 "e4m3fnuz (ROCm on MI300): kvhal keeps OCP fp8 only")
+        raise _refuse(gi, group, backend,
+                      f"--kv-cache-dtype {cache_dtype!r} on a platform whose fp8 is "
+                      "e4m3fnuz (ROCm on MI300): kvhal keeps OCP fp8 only")
     return fmt
 
 
@@ -160,9 +190,11 @@ def _platform_fp8_fnuz() -> bool:
     return bool(current_platform.is_fp8_fnuz())
 
 
-def group_spec(gi: int, group: Any, model: Any, cache_dtype: str = "auto") -> LayerGroup:
+def group_spec(gi: int, group: Any, model: Any, cache_dtype: str = "auto",
+               backend: str = "unknown") -> LayerGroup:
     """The kvhal `LayerGroup` (at TP=1) of vLLM KV cache group `gi`, of an engine whose
-    `--kv-cache-dtype` is `cache_dtype`.
+    `--kv-cache-dtype` is `cache_dtype`; `backend` is the attention backend of the group's
+    first layer (`views.backend_of`), for refusals.
 
     A per-tensor fp8 page (`kv_quant_mode` FP8_PER_TENSOR, 1 byte per element) is kept as its
     bytes: its scales are one float per layer, outside the page, fixed by the checkpoint (the
@@ -179,46 +211,53 @@ def group_spec(gi: int, group: Any, model: Any, cache_dtype: str = "auto") -> La
             attention, ...), K and V of different head sizes, a quantised page other than
             per-tensor fp8 or a uint8 fp8 page under an unknown `cache_dtype`, a padded
             attention page, a state group outside vLLM's "align" cache mode or with
-            speculative state blocks; the message names the group, its first layer and its
-            spec type.
+            speculative state blocks; the message names the group, its first layer, its
+            spec type, the backend and the page shape (`page_shape`).
     """
     spec = group.kv_cache_spec
     name = type(spec).__name__
     kind = SPEC_KINDS.get(name)
     if kind is None:
-        raise _refuse(gi, group, f"{name} is not supported; kvhal maps {', '.join(SPEC_KINDS)}")
+        raise _refuse(gi, group, backend,
+                      f"{name} is not supported; kvhal maps {', '.join(SPEC_KINDS)}")
     if kind is Kind.MAMBA:
-        return _state_group(gi, group)
+        return _state_group(gi, group, backend)
     if getattr(spec, "page_size_padded", None) is not None:
-        raise _refuse(gi, group, f"padded pages (page_size_padded={spec.page_size_padded}) "
-                                 "are not supported")
+        raise _refuse(gi, group, backend,
+                      f"padded pages (page_size_padded={spec.page_size_padded}) "
+                      "are not supported")
     quant = getattr(spec, "kv_quant_mode", None)
     quant = getattr(quant, "name", "NONE")
     if quant not in ("NONE", "FP8_PER_TENSOR"):
-        raise _refuse(gi, group, f"quantised KV ({quant}, {spec.dtype}) is not supported: "
-                                 "its scales live outside the page, so a chunk could be read "
-                                 "back with another instance's scales; kvhal keeps per-tensor "
-                                 "fp8 (--kv-cache-dtype fp8, fp8_e4m3, fp8_e5m2)")
+        raise _refuse(gi, group, backend,
+                      f"quantised KV ({quant}, {spec.dtype}) is not supported: "
+                      "its scales live outside the page, so a chunk could be read "
+                      "back with another instance's scales; kvhal keeps per-tensor "
+                      "fp8 (--kv-cache-dtype fp8, fp8_e4m3, fp8_e5m2)")
     if kind is not Kind.MLA and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
-        raise _refuse(gi, group, f"K head size {spec.head_size} != V head size "
-                                 f"{spec.head_size_v}")
+        raise _refuse(gi, group, backend,
+                      f"K head size {spec.head_size} != V head size "
+                      f"{spec.head_size_v}")
     if (getattr(spec, "num_head_slots", None) is not None
             or getattr(spec, "state_content_bytes", None) is not None):
-        raise _refuse(gi, group, f"the attention backend packs its page its own way "
-                                 f"(num_head_slots={getattr(spec, 'num_head_slots', None)}, "
-                                 f"state_content_bytes={getattr(spec, 'state_content_bytes', None)}"
-                                 "; e.g. AITER's shuffled K and V tiles): kvhal maps one K ‖ V "
-                                 "row per (head, token)")
+        raise _refuse(gi, group, backend,
+                      f"the attention backend packs its page its own way "
+                      f"(num_head_slots={getattr(spec, 'num_head_slots', None)}, "
+                      f"state_content_bytes={getattr(spec, 'state_content_bytes', None)}"
+                      "; e.g. AITER's shuffled K and V tiles): kvhal maps one K ‖ V "
+                      "row per (head, token)")
     if getattr(spec, "tokens_per_state", 1) != 1:
-        raise _refuse(gi, group, f"tokens_per_state={spec.tokens_per_state}: pages that do not "
-                                 "hold one row per token are not supported")
+        raise _refuse(gi, group, backend,
+                      f"tokens_per_state={spec.tokens_per_state}: pages that do not "
+                      "hold one row per token are not supported")
     if getattr(spec, "extra_retained_tokens", 0):
-        raise _refuse(gi, group, "extra_retained_tokens (multi-module speculative decoding) is "
-                                 "not supported")
+        raise _refuse(gi, group, backend,
+                      "extra_retained_tokens (multi-module speculative decoding) is "
+                      "not supported")
     dtype = str(spec.dtype).removeprefix("torch.")
     dtype = _DTYPES.get(dtype, dtype)
     if quant == "FP8_PER_TENSOR":
-        dtype = _fp8_format(gi, group, cache_dtype, dtype)
+        dtype = _fp8_format(gi, group, backend, cache_dtype, dtype)
     try:
         if kind is Kind.MLA:
             out = LayerGroup(kind, len(group.layer_names), 1, spec.head_size, dtype,
@@ -229,29 +268,31 @@ def group_spec(gi: int, group: Any, model: Any, cache_dtype: str = "auto") -> La
                              sliding_window=getattr(spec, "sliding_window", None))
         out.validate()
     except LayoutError as exc:
-        raise _refuse(gi, group, str(exc)) from None
+        raise _refuse(gi, group, backend, str(exc)) from None
     return out
 
 
-def _state_group(gi: int, group: Any) -> LayerGroup:
+def _state_group(gi: int, group: Any, backend: str) -> LayerGroup:
     """`group_spec` of a `MambaSpec` group (see there)."""
     spec = group.kv_cache_spec
     mode = getattr(spec, "mamba_cache_mode", "none")
     if mode != "align":
-        raise _refuse(gi, group, f"mamba_cache_mode {mode!r}: vLLM keeps no state at block "
-                                 "boundaries (prefix caching is off), so no prefix's state can "
-                                 "be stored or resumed; kvhal needs mamba_cache_mode 'align' "
-                                 "(--enable-prefix-caching)")
+        raise _refuse(gi, group, backend,
+                      f"mamba_cache_mode {mode!r}: vLLM keeps no state at block "
+                      "boundaries (prefix caching is off), so no prefix's state can "
+                      "be stored or resumed; kvhal needs mamba_cache_mode 'align' "
+                      "(--enable-prefix-caching)")
     if getattr(spec, "num_speculative_blocks", 0):
-        raise _refuse(gi, group, f"num_speculative_blocks={spec.num_speculative_blocks} "
-                                 "(speculative decoding relocates state blocks) is not supported")
+        raise _refuse(gi, group, backend,
+                      f"num_speculative_blocks={spec.num_speculative_blocks} "
+                      "(speculative decoding relocates state blocks) is not supported")
     try:
         dtype = str(spec.dtypes[0]).removeprefix("torch.")   # opaque; `state_format` keys it
         out = LayerGroup(Kind.MAMBA, len(group.layer_names), 1, 0, _DTYPES.get(dtype, dtype),
                          spec.block_size, state_bytes=int(spec.real_page_size_bytes))
         out.validate()
     except LayoutError as exc:
-        raise _refuse(gi, group, str(exc)) from None
+        raise _refuse(gi, group, backend, str(exc)) from None
     return out
 
 
@@ -273,37 +314,48 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
             TP > 1, MLA on an engine without prefix caching (vLLM-CPU), or block hashes that
             do not span exactly one block.
     """
+    from .views import backend_of, resolved_layout
+
     model = vllm_config.model_config
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise UnsupportedModelError("kv_cache_groups: the model has no KV cache")
-    specs = [group_spec(gi, g, model, vllm_config.cache_config.cache_dtype)
+    layers = getattr(getattr(vllm_config, "compilation_config", None),
+                     "static_forward_context", None) or {}
+    backends = [backend_of(layers.get(g.layer_names[0])) if g.layer_names else "unknown"
+                for g in groups]
+    specs = [group_spec(gi, g, model, vllm_config.cache_config.cache_dtype, backends[gi])
              for gi, g in enumerate(groups)]
     block_size = specs[0].block_size
-    for gi, (group, spec) in enumerate(zip(groups, specs)):
+    for gi, (group, spec, backend) in enumerate(zip(groups, specs, backends)):
         if spec.block_size != block_size:
-            raise _refuse(gi, group, f"block size {spec.block_size} != group 0's {block_size} "
-                                     "(chunks of all groups must cover the same tokens)")
+            raise _refuse(gi, group, backend,
+                          f"block size {spec.block_size} != group 0's {block_size} "
+                          "(chunks of all groups must cover the same tokens)")
         if spec.kind is Kind.SLIDING_WINDOW and blocks_per_chunk != 1:
-            raise _refuse(gi, group, f"a sliding window needs blocks_per_chunk 1, got "
-                                     f"{blocks_per_chunk} (the window's first block may sit "
-                                     "inside a chunk)")
+            raise _refuse(gi, group, backend,
+                          f"a sliding window needs blocks_per_chunk 1, got "
+                          f"{blocks_per_chunk} (the window's first block may sit "
+                          "inside a chunk)")
         if spec.kind is Kind.MAMBA and blocks_per_chunk != 1:
-            raise _refuse(gi, group, f"a state group needs blocks_per_chunk 1, got "
-                                     f"{blocks_per_chunk}: vLLM keeps a state only at the block "
-                                     "boundaries where a step ended (mamba_cache_mode 'align'), "
-                                     "which are rarely chunk boundaries of several blocks")
+            raise _refuse(gi, group, backend,
+                          f"a state group needs blocks_per_chunk 1, got "
+                          f"{blocks_per_chunk}: vLLM keeps a state only at the block "
+                          "boundaries where a step ended (mamba_cache_mode 'align'), "
+                          "which are rarely chunk boundaries of several blocks")
         tp = vllm_config.parallel_config.tensor_parallel_size
         if spec.kind is Kind.MAMBA and tp != 1:
-            raise _refuse(gi, group, f"tensor_parallel_size {tp}: vLLM shards the state over "
-                                     "TP ranks in a layout kvhal has no TP-independent page for "
-                                     "(kvhal.layout.rank_share); state groups run at TP 1")
+            raise _refuse(gi, group, backend,
+                          f"tensor_parallel_size {tp}: vLLM shards the state over "
+                          "TP ranks in a layout kvhal has no TP-independent page for "
+                          "(kvhal.layout.rank_share); state groups run at TP 1")
     if any(s.kind is Kind.MLA for s in specs) and not vllm_config.cache_config.enable_prefix_caching:
         gi = next(i for i, s in enumerate(specs) if s.kind is Kind.MLA)
-        raise _refuse(gi, groups[gi], "this engine runs MLA without prefix caching, so it cannot "
-                                      "compute on top of a reused prefix (vLLM-CPU 0.32 without "
-                                      "AMX: 'MLA is enabled on a non-GPU platform; forcing "
-                                      "chunked prefill and prefix caching to be disabled')")
+        raise _refuse(gi, groups[gi], backends[gi],
+                      "this engine runs MLA without prefix caching, so it cannot "
+                      "compute on top of a reused prefix (vLLM-CPU 0.32 without "
+                      "AMX: 'MLA is enabled on a non-GPU platform; forcing "
+                      "chunked prefill and prefix caching to be disabled')")
     hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
     if hash_block != block_size:
         raise UnsupportedModelError(f"kv_cache_config.hash_block_size: {hash_block} tokens per "
@@ -325,8 +377,6 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
         cache = KVCacheSpec((spec,))
         infos.append(GroupInfo(gi, cache, tuple(group.layer_names),
                                chunk_layout(cache, blocks_per_chunk).chunk_bytes))
-    from .views import resolved_layout
-
     return Deployment(tuple(infos), block_size, blocks_per_chunk,
                       vllm_config.parallel_config.tensor_parallel_size, namespace, hash_name,
                       seed, resolved_layout(kv_cache_config, vllm_config))

@@ -69,9 +69,15 @@ def resolved_layout(kv_cache_config: Any, vllm_config: Any) -> str | None:
 
 
 def backend_of(layer: Any) -> str:
-    """The attention backend name of one of vLLM's attention layers
-    (`layer.attn_backend.get_name()`), or "unknown"."""
+    """The attention backend name of one of vLLM's layers (`layer.attn_backend.get_name()`;
+    state layers: `layer.get_attn_backend().get_name()`, vLLM's `AttentionLayerBase`), or
+    "unknown" (no layer, or one that names none)."""
     backend = getattr(layer, "attn_backend", None)
+    if backend is None and callable(getattr(layer, "get_attn_backend", None)):
+        try:
+            backend = layer.get_attn_backend()
+        except Exception:  # noqa: BLE001 - a backend that cannot be resolved here is unknown
+            backend = None
     try:
         return str(backend.get_name())
     except AttributeError:

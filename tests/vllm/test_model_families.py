@@ -76,7 +76,9 @@ def test_per_tensor_fp8_of_another_cache_dtype_is_refused(cache_dtype, dtype):
     group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
     with pytest.raises(UnsupportedModelError,
                        match=rf"^kv_cache_groups\[0\] \(layer model.layers.0.self_attn.attn, "
-                             rf"FullAttentionSpec\): a per-tensor fp8 page under "
+                             rf"FullAttentionSpec, backend unknown, page \[H, N, C\] = "
+                             rf"\[2, 128, 128\] {str(dtype).removeprefix('torch.')}\): "
+                             rf"a per-tensor fp8 page under "
                              rf"--kv-cache-dtype '{cache_dtype}': its fp8 format is unknown"):
         group_spec(0, group, model=_Model(), cache_dtype=cache_dtype)
 
@@ -117,7 +119,8 @@ def test_other_quantised_kv_is_refused_naming_group_layer_and_mode(mode):
     group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
     with pytest.raises(UnsupportedModelError,
                        match=r"^kv_cache_groups\[0\] \(layer model.layers.0.self_attn.attn, "
-                             rf"FullAttentionSpec\): quantised KV \({mode}, torch.uint8\) is "
+                             r"FullAttentionSpec, backend unknown, page \[H, N, C\] = "
+                             rf"\[2, 128, 128\] uint8\): quantised KV \({mode}, torch.uint8\) is "
                              "not supported"):
         group_spec(0, group, model=_Model())
 
@@ -155,7 +158,8 @@ def test_state_group_vllm_keeps_no_reusable_state_for_is_refused_naming_layer(kw
     with pytest.raises(UnsupportedModelError) as err:
         group_spec(0, _state_group(**kwargs), model=None)
     assert str(err.value).startswith("kv_cache_groups[0] (layer model.layers.0.linear_attn, "
-                                     f"MambaSpec): {reason}")
+                                     "MambaSpec, backend unknown, state (3, 512) bfloat16, "
+                                     f"(4, 64, 64) bfloat16): {reason}")
 
 
 def test_unknown_spec_is_refused_naming_layer_and_type():
@@ -165,7 +169,8 @@ def test_unknown_spec_is_refused_naming_layer_and_type():
                                      dtype=torch.bfloat16, attention_chunk_size=256)
     with pytest.raises(UnsupportedModelError,
                        match=r"^kv_cache_groups\[0\] \(layer model.layers.0.attn, "
-                             r"ChunkedLocalAttentionSpec\): ChunkedLocalAttentionSpec is not "
+                             r"ChunkedLocalAttentionSpec, backend unknown, page \[H, N, C\] = "
+                             r"\[2, 128, 128\] bfloat16\): ChunkedLocalAttentionSpec is not "
                              r"supported; kvhal maps FullAttentionSpec, SlidingWindowSpec, "
                              r"MLAAttentionSpec, MambaSpec"):
         group_spec(0, KVCacheGroupSpec(["model.layers.0.attn"], spec), model=None)
@@ -186,4 +191,5 @@ def test_state_group_is_refused_where_kvhal_has_no_page_for_it(tp, blocks_per_ch
     with pytest.raises(UnsupportedModelError) as err:
         deployment(config, kv_cache_config, blocks_per_chunk)
     assert str(err.value).startswith("kv_cache_groups[0] (layer model.layers.0.linear_attn, "
-                                     f"MambaSpec): {reason}")
+                                     "MambaSpec, backend unknown, state (3, 512) bfloat16, "
+                                     f"(4, 64, 64) bfloat16): {reason}")

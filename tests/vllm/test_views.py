@@ -114,3 +114,61 @@ def test_a_group_whose_layers_read_their_views_differently_is_refused():
                                                     r"otherwise than layer l0 \(FLASH_ATTN\)"):
         side.register_kv_caches({n: view("BHNC") for n in names}, layers)
     side.close()
+
+
+def _config(layers: dict) -> SimpleNamespace:
+    """The parts of vLLM's `VllmConfig` `geometry.deployment` reads, with the worker's
+    attention layers (`compilation_config.static_forward_context`)."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 4),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=SimpleNamespace(static_forward_context=layers))
+
+
+def test_a_group_refusal_names_the_layer_the_backend_and_the_shape():
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheGroupSpec
+
+    from kvhal.integrations.vllm.geometry import deployment
+    spec = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=4, head_size=64,
+                                     dtype=torch.bfloat16, attention_chunk_size=256)
+    groups = [KVCacheGroupSpec(["model.layers.0.attn"], spec)]
+    layers = {"model.layers.0.attn": SimpleNamespace(
+        attn_backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"))}
+    with pytest.raises(UnsupportedModelError) as err:
+        deployment(_config(layers), SimpleNamespace(kv_cache_groups=groups), 1)
+    assert str(err.value).startswith(
+        "kv_cache_groups[0] (layer model.layers.0.attn, ChunkedLocalAttentionSpec, backend "
+        "FLASH_ATTN, page [H, N, C] = [4, 16, 128] bfloat16): ChunkedLocalAttentionSpec is "
+        "not supported")
+
+
+def test_a_state_group_refusal_names_the_backend_vllms_state_layer_reports():
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
+    from kvhal.integrations.vllm.geometry import deployment
+    spec = MambaSpec(block_size=16, shapes=((3, 512), (4, 64, 64)),
+                     dtypes=(torch.bfloat16, torch.bfloat16), mamba_cache_mode="none")
+    groups = [KVCacheGroupSpec(["model.layers.0.mixer"], spec)]
+    mixer = SimpleNamespace(get_attn_backend=lambda: SimpleNamespace(get_name=lambda: "GDN_ATTN"))
+    with pytest.raises(UnsupportedModelError) as err:
+        deployment(_config({"model.layers.0.mixer": mixer}),
+                   SimpleNamespace(kv_cache_groups=groups), 1)
+    assert str(err.value).startswith(
+        "kv_cache_groups[0] (layer model.layers.0.mixer, MambaSpec, backend GDN_ATTN, state "
+        "(3, 512) bfloat16, (4, 64, 64) bfloat16): mamba_cache_mode 'none'")
+
+
+@pytest.mark.parametrize("make,want", [
+    (lambda s: s.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, head_size_v=32,
+                                   dtype=torch.float16),
+     "page [H, N, C] = [2, 16, 96] float16"),
+    (lambda s: s.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
+                                  dtype=torch.bfloat16),
+     "page [H, N, C] = [1, 64, 576] bfloat16"),
+], ids=["k-and-v-of-two-sizes", "mla-latent"])
+def test_page_shape_is_the_views_h_n_c(make, want):
+    import vllm.v1.kv_cache_interface as specs
+
+    from kvhal.integrations.vllm.geometry import page_shape
+    assert page_shape(make(specs)) == want
