@@ -143,9 +143,14 @@ def test_an_evicted_state_costs_the_hit_never_the_output(engines):
 
 
 def test_fault_references_resume_where_a_state_exists(steps):
+    """The fault references hit RESUME tokens from vLLM's own prefix cache (refc's attention
+    blocks, ref641's state under the same salt), none from kvhal, which holds those salted
+    chunks too: a reference kvhal served would compare kvhal with itself. Seen failing with a
+    reset before refs and reff (`hit_tokens` {'host': 640}, `num_cached_tokens` still 640)."""
     assert steps["ref641s"]["num_cached_tokens"] == steps["ref641f"]["num_cached_tokens"] == 0
     assert steps["refs"]["num_cached_tokens"] == RESUME
     assert steps["reff"]["num_cached_tokens"] == RESUME
+    assert steps["refs"]["hit_tokens"] == steps["reff"]["hit_tokens"] == {}
     assert steps["a641"]["num_cached_tokens"] == 0
     assert_same(steps["a641"], steps["ref641s"])
 
