@@ -94,11 +94,11 @@ def test_decode_leg_equals_vllms_own_prefix_hit(legs):
     assert decoded == reference
 
 
-@pytest.mark.skip(reason="issue 27 open: with both legs at once a real vLLM decoder sometimes "
-                  "recomputes (cached 0 instead of 896 in one of this session's full runs): "
-                  "its fetch is refused before the prefill leg registers the id")
 def test_concurrent_legs_equal_vllms_own_prefix_hit(legs):
     """Both legs sent at once: the decoder waits for the chunks as the prefill stores them.
-    Fails as the test above, or when a fetch arriving before its prefill leg is refused."""
+    Fails as the test above, or when a fetch arriving before its prefill leg is refused: with
+    the prefiller's old 5 s `arrival_timeout_s` default the decoder recomputed (cached 0
+    instead of 896) in one of two loaded full runs, its fetch refused before the prefiller's
+    scheduler had seen the leg."""
     assert completion(legs["concurrent"]) == completion(legs["reference2"])
     assert completion(legs["reference2"])["cached"] == FULL_HIT
