@@ -3,14 +3,18 @@
 For each block size, `count = min(1000, 1 GiB // block)` blocks are copied as one
 `copy_batch_async` per direction (device block i ↔ host block perm[i], a seeded permutation, so
 the blocks are scattered as they are in a KV cache); the baseline copies the same blocks between
-two host buffers with one `np.copyto` per block in the same run. Each figure is the best of
-`--repeats` timed passes, after one warm-up pass that faults every page in.
+two host buffers with one `np.copyto` per block in the same run. On the cuda backend the same
+blocks, buffers and streams are also copied by one plain `cudaMemcpyAsync` per block, called
+through cuda-python (`cuda.bindings.runtime`) and not through kvhal, as a GPU program without
+kvhal would copy them; `d2h_vs_memcpy_async` and `h2d_vs_memcpy_async` are kvhal ÷ that. Each
+figure is the best of `--repeats` timed passes, after one warm-up pass that faults every page in.
 """
 from __future__ import annotations
 
 import argparse
 import time
 from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -33,6 +37,8 @@ class CopyResult:
     h2d_gbps: float
     bidir_gbps: float
     memcpy_gbps: float
+    memcpy_async_d2h_gbps: float | None = None   # one cudaMemcpyAsync per block (cuda only)
+    memcpy_async_h2d_gbps: float | None = None
 
     @property
     def d2h_ratio(self) -> float:
@@ -43,6 +49,45 @@ class CopyResult:
     def h2d_ratio(self) -> float:
         """H2D throughput / numpy memcpy throughput."""
         return self.h2d_gbps / self.memcpy_gbps
+
+    @property
+    def d2h_vs_memcpy_async(self) -> float | None:
+        """D2H throughput / plain cudaMemcpyAsync D2H throughput (None off cuda)."""
+        return None if self.memcpy_async_d2h_gbps is None else \
+            self.d2h_gbps / self.memcpy_async_d2h_gbps
+
+    @property
+    def h2d_vs_memcpy_async(self) -> float | None:
+        """H2D throughput / plain cudaMemcpyAsync H2D throughput (None off cuda)."""
+        return None if self.memcpy_async_h2d_gbps is None else \
+            self.h2d_gbps / self.memcpy_async_h2d_gbps
+
+
+#: A per-block copy loop: (dsts, srcs, sizes as uint64 arrays, stream) → None.
+BatchCopy = Callable[[np.ndarray, np.ndarray, np.ndarray, Stream], None]
+
+
+def memcpy_async_baseline(backend: Any) -> BatchCopy | None:
+    """One plain `cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream)` per block through
+    cuda-python's `cuda.bindings.runtime` (not kvhal's backend code), on the stream handle of
+    a cuda `Stream`; None for any backend other than "cuda".
+
+    The loop raises RuntimeError naming the runtime's error if a call fails."""
+    if getattr(backend, "name", None) != "cuda":
+        return None
+    from cuda.bindings import runtime as rt
+
+    kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+    success = rt.cudaError_t.cudaSuccess
+
+    def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Stream) -> None:
+        for dst, src, nbytes in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            (err,) = rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream.handle)
+            if err != success:
+                raise RuntimeError(f"cudaMemcpyAsync({nbytes} bytes) returned "
+                                   f"{getattr(err, 'name', err)} ({int(err)})")
+
+    return copy
 
 
 def _best_seconds(fn, repeats: int) -> float:
@@ -55,9 +100,11 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure(backend: DeviceBackend, block_bytes: int, repeats: int = 3,
-            seed: int = 0) -> CopyResult:
-    """Measure one block size (see module docstring); buffers are freed before returning."""
+def measure(backend: DeviceBackend, block_bytes: int, repeats: int = 3, seed: int = 0,
+            baseline: BatchCopy | None = None) -> CopyResult:
+    """Measure one block size (see module docstring); buffers are freed before returning.
+    With `baseline` (`memcpy_async_baseline`), D2H and H2D are also timed through it on the
+    same buffers and streams."""
     count = min(MAX_BLOCKS, MAX_BYTES_PER_DIRECTION // block_bytes)
     total = count * block_bytes
     dev = [backend.alloc_device(total) for _ in range(2)]
@@ -73,20 +120,20 @@ def measure(backend: DeviceBackend, block_bytes: int, repeats: int = 3,
             backend.copy_async(dev[i].ptr, h.ptr, total, streams[i])
             backend.stream_synchronize(streams[i])
 
-        def d2h(i: int = 0) -> None:
-            backend.copy_batch_async(np.uint64(host[i].ptr) + host_offs,
-                                     np.uint64(dev[i].ptr) + offs, sizes, streams[i])
+        def d2h(i: int = 0, copy: BatchCopy = backend.copy_batch_async) -> None:
+            copy(np.uint64(host[i].ptr) + host_offs, np.uint64(dev[i].ptr) + offs, sizes,
+                 streams[i])
 
-        def h2d(i: int = 1) -> None:
-            backend.copy_batch_async(np.uint64(dev[i].ptr) + offs,
-                                     np.uint64(host[i].ptr) + host_offs, sizes, streams[i])
+        def h2d(i: int = 1, copy: BatchCopy = backend.copy_batch_async) -> None:
+            copy(np.uint64(dev[i].ptr) + offs, np.uint64(host[i].ptr) + host_offs, sizes,
+                 streams[i])
 
-        def run_d2h() -> None:
-            d2h()
+        def run_d2h(copy: BatchCopy = backend.copy_batch_async) -> None:
+            d2h(copy=copy)
             backend.stream_synchronize(streams[0])
 
-        def run_h2d() -> None:
-            h2d()
+        def run_h2d(copy: BatchCopy = backend.copy_batch_async) -> None:
+            h2d(copy=copy)
             backend.stream_synchronize(streams[1])
 
         def run_bidir() -> None:
@@ -103,16 +150,20 @@ def measure(backend: DeviceBackend, block_bytes: int, repeats: int = 3,
             for i, j in enumerate(order):
                 np.copyto(dst[j], src[i])
 
+        runs = [("memcpy", run_memcpy), ("d2h", run_d2h), ("h2d", run_h2d),
+                ("bidir", run_bidir)]
+        if baseline is not None:
+            runs += [("async_d2h", lambda: run_d2h(baseline)),
+                     ("async_h2d", lambda: run_h2d(baseline))]
         gbps = {name: total * (2 if name == "bidir" else 1) / _best_seconds(fn, repeats) / 1e9
-                for name, fn in (("memcpy", run_memcpy), ("d2h", run_d2h), ("h2d", run_h2d),
-                                 ("bidir", run_bidir))}
+                for name, fn in runs}
     finally:
         for s in streams:
             backend.destroy_stream(s)
         for a in dev + host:
             backend.free(a)
     return CopyResult(block_bytes, count, gbps["d2h"], gbps["h2d"], gbps["bidir"],
-                      gbps["memcpy"])
+                      gbps["memcpy"], gbps.get("async_d2h"), gbps.get("async_h2d"))
 
 
 def _human(nbytes: int) -> str:
@@ -125,22 +176,32 @@ def _human(nbytes: int) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark over every block size and print the table (or JSON)."""
     backend = select_backend(args.backend)
+    baseline = memcpy_async_baseline(backend)
     results = []
     with progress(disable=args.json) as bar:
         task = bar.add_task(f"bench copy [{backend.name}]", total=len(args.sizes))
         for size in args.sizes:
-            results.append(measure(backend, size, repeats=args.repeats))
+            results.append(measure(backend, size, repeats=args.repeats, baseline=baseline))
             bar.advance(task)
     if args.json:
         print_json({"backend": backend.name,
-                    "results": [asdict(r) | {"d2h_ratio": r.d2h_ratio,
-                                             "h2d_ratio": r.h2d_ratio} for r in results]})
-    else:
-        print_table(f"kvhal bench copy — backend {backend.name} (GB/s; ratio vs numpy memcpy)",
-                    ["block", "blocks", "D2H", "H2D", "bidir", "memcpy", "D2H ×", "H2D ×"],
-                    [[_human(r.block_bytes), r.blocks, round(r.d2h_gbps, 2),
-                      round(r.h2d_gbps, 2), round(r.bidir_gbps, 2), round(r.memcpy_gbps, 2),
-                      round(r.d2h_ratio, 2), round(r.h2d_ratio, 2)] for r in results])
+                    "results": [asdict(r) | {"d2h_ratio": r.d2h_ratio, "h2d_ratio": r.h2d_ratio,
+                                             "d2h_vs_memcpy_async": r.d2h_vs_memcpy_async,
+                                             "h2d_vs_memcpy_async": r.h2d_vs_memcpy_async}
+                                for r in results]})
+        return 0
+    columns = ["block", "blocks", "D2H", "H2D", "bidir", "memcpy", "D2H ×", "H2D ×"]
+    rows = [[_human(r.block_bytes), r.blocks, round(r.d2h_gbps, 2), round(r.h2d_gbps, 2),
+             round(r.bidir_gbps, 2), round(r.memcpy_gbps, 2), round(r.d2h_ratio, 2),
+             round(r.h2d_ratio, 2)] for r in results]
+    title = f"kvhal bench copy — backend {backend.name} (GB/s; ratio vs numpy memcpy"
+    if baseline is not None:
+        columns += ["D2H cudaMemcpyAsync", "H2D cudaMemcpyAsync", "D2H ÷ async", "H2D ÷ async"]
+        for row, r in zip(rows, results):
+            row += [round(r.memcpy_async_d2h_gbps, 2), round(r.memcpy_async_h2d_gbps, 2),
+                    round(r.d2h_vs_memcpy_async, 2), round(r.h2d_vs_memcpy_async, 2)]
+        title += "; kvhal ÷ one cudaMemcpyAsync per block"
+    print_table(title + ")", columns, rows)
     return 0
 
 
