@@ -110,7 +110,7 @@ class _Request:
 
     request: Any
     max_offload_tokens: int | None
-    num_stored_chunks: int = 0
+    num_stored_chunks: int = 0      # chunks handed to prepare_store (`_plan_store`)
     store_jobs: set[int] = field(default_factory=set)
     # Chunk range of the hit found by the last get_num_new_matched_tokens.
     load_start: int = 0
@@ -542,7 +542,8 @@ class SchedulerSide:
         for req_id, num_scheduled in scheduled.items():
             state = self._requests.get(req_id)
             if state is not None:
-                stores.extend(self._plan_store(state, computed[req_id] + num_scheduled))
+                stores.extend(self._plan_store(state, computed[req_id],
+                                               computed[req_id] + num_scheduled))
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         for req_id, entries in (getattr(block_state, "boundary_state_offloads", None)
                                 or {}).items():
@@ -572,11 +573,27 @@ class SchedulerSide:
         self._loads, self._report_sending = [], []
         return meta
 
-    def _plan_store(self, state: _Request, num_computed_tokens: int) -> list[TransferJob]:
+    def _plan_store(self, state: _Request, num_computed_tokens: int, num_done_tokens: int
+                    ) -> list[TransferJob]:
+        """Store jobs for the full chunks of `state`'s request this step completes: vLLM
+        held `num_computed_tokens` of its tokens before the step, `num_done_tokens` after it.
+
+        The stored-chunk cursor (`_Request.num_stored_chunks`) never stays ahead of what vLLM
+        holds: where vLLM goes back below it, it computes those chunks again and they are
+        due again. That happens after an asynchronous load was cut back to the chunk that
+        failed (`_settle`; the chunks before it were loaded, so they are in host memory and
+        stay behind the cursor), after vLLM rolled a failed synchronous load back to its first
+        invalid block (the step after the failure, so no store reads a block whose load
+        failed), and when a preempted request is admitted again with a shorter hit than it
+        had stored. `Manager.prepare_store` skips the due chunks kvhal still holds, those
+        being stored included (they are in its index): no chunk is stored twice at once.
+        """
         request, dep = state.request, self.deployment
+        state.num_stored_chunks = min(state.num_stored_chunks,
+                                      num_computed_tokens // dep.tokens_per_chunk)
         if self.config.offload_prompt_only:
-            num_computed_tokens = min(num_computed_tokens, request.num_prompt_tokens)
-        due = chunks_to_store(num_computed_tokens, state.num_stored_chunks,
+            num_done_tokens = min(num_done_tokens, request.num_prompt_tokens)
+        due = chunks_to_store(num_done_tokens, state.num_stored_chunks,
                               dep.tokens_per_chunk, state.max_offload_tokens)
         if not due:
             return []

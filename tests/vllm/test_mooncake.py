@@ -56,3 +56,19 @@ def test_instance_b_loads_from_the_pool_what_instance_a_stored(runs):
     assert loaded["p"]["counters"]["load_failed_chunks"] == 0
     assert loaded["p"]["token_ids"] == prefix_hit["p"]["token_ids"]
     assert loaded["p"]["logprobs"] == prefix_hit["p"]["logprobs"]
+
+
+def test_instance_a_stores_every_full_chunk_of_its_cold_run(runs):
+    """A's cold run asks the pool too; while the existence check of a chunk is pending the
+    tier answers RETRY, so vLLM may be told of a hit that then fails late (cut back to chunk
+    0: vLLM computes the whole prompt). Either way kvhal stores the 7 full chunks vLLM
+    computed. Seen failing with the stored-chunk cursor not following vLLM back (the
+    `min(...)` line of `SchedulerSide._plan_store` removed): load_late_failures 1,
+    store_chunks 0 (B still passed: A's second run, a new request, stores the chunks from
+    vLLM's prefix cache)."""
+    (cold, _), _ = runs
+    counters = cold["p"]["counters"]
+    print(f"A cold: load_late_failures {counters['load_late_failures']}, "
+          f"store_chunks {counters['store_chunks']}")
+    assert counters["store_chunks"] == FULL_HIT // 128
+    assert counters["store_failed_chunks"] == 0
