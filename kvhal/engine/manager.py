@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -31,6 +32,8 @@ from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 
 from .access import ManagerHostAccess
 from .types import EngineError, LoadPlan, StorePlan
+
+logger = logging.getLogger(__name__)
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
 _HOST = metrics.HOST
@@ -472,7 +475,8 @@ class Manager:
         """Collect finished secondary-tier jobs: a promotion that succeeded makes its chunk a
         HIT, one that failed frees its slot; a finished cascade releases its slot. Then collect
         the chunks that left each tier (`take_removed`) as `BlockRemoved` events, after this
-        poll's `BlockStored` events.
+        poll's `BlockStored` events. A failed job is logged with its tier and reason (a load:
+        warning, the request recomputes; a store: info).
 
         Returns:
             The tier results collected by this call.
@@ -491,6 +495,9 @@ class Manager:
                 observe(f"{kind.value}_latency_seconds", label, result.seconds)
                 if not result.ok:
                     count("failed_chunks", label, 1, kind.value)
+                    (logger.warning if kind is JobKind.LOAD else logger.info)(
+                        "%s tier: %s of chunk %s failed after %.3f s: %s", label, kind.value,
+                        key.block_hash.hex()[:16], result.seconds, result.error)
                 if kind is JobKind.LOAD:
                     owner = self._promo.pop(slot, None)
                     if not result.ok:
