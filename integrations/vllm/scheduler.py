@@ -30,7 +30,10 @@ owner, not in vLLM's prefix cache), never a block vLLM shares.
 Two load paths, chosen per request when vLLM asks:
 - one group and every hit chunk in host memory: a synchronous load (`is_async=False`) in the
   same step as the forward pass that needs it, before it. A failed host → device copy (a
-  device fault) is reported through `get_block_ids_with_load_errors`.
+  device fault) is reported through `get_block_ids_with_load_errors`. vLLM learns of it only
+  after the step, whose forward has already computed the request's later tokens on top of
+  the failed blocks (and those of any request that shares them through vLLM's prefix cache):
+  the stores of that step that read a failed chunk are never committed (`_sync_reads`).
 - otherwise (a chunk still to be promoted, or several groups: vLLM 0.32 takes no block-level
   errors for several groups, `Deployment.async_loads`): an asynchronous load (`is_async=True`).
   vLLM parks the request in WAITING_FOR_REMOTE_KVS with its blocks allocated while other
@@ -224,6 +227,11 @@ class SchedulerSide:
         self._state_groups = {g.group_id for g in deployment.groups if g.kind is Kind.MAMBA}
         # in-flight state store job → the vLLM block it reads (freed mid-request by vLLM)
         self._state_store_blocks: dict[int, int] = {}
+        # synchronous load job → [(store job of its step, leading load chunks it reads)]
+        self._sync_readers: dict[int, list[tuple[int, int]]] = {}
+        # store job → the synchronous load jobs of its step whose chunks it reads
+        self._store_reads: dict[int, list[int]] = {}
+        self._tainted_stores: set[int] = set()   # read a chunk whose load failed: num_ok 0
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._loads: list[TransferJob] = []
@@ -541,9 +549,17 @@ class SchedulerSide:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, num_scheduled in scheduled.items():
             state = self._requests.get(req_id)
-            if state is not None:
-                stores.extend(self._plan_store(state, computed[req_id],
-                                               computed[req_id] + num_scheduled))
+            if state is None:
+                continue
+            reads = self._sync_reads(req_id) if self._loads else []
+            if reads is None:   # computed on a block whose load already failed: store nothing
+                continue
+            jobs = self._plan_store(state, computed[req_id], computed[req_id] + num_scheduled)
+            for job in jobs:
+                for load_id, need in reads:
+                    self._sync_readers.setdefault(load_id, []).append((job.job_id, need))
+                    self._store_reads.setdefault(job.job_id, []).append(load_id)
+            stores.extend(jobs)
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         for req_id, entries in (getattr(block_state, "boundary_state_offloads", None)
                                 or {}).items():
@@ -573,6 +589,32 @@ class SchedulerSide:
         self._loads, self._report_sending = [], []
         return meta
 
+    def _sync_reads(self, req_id: str) -> list[tuple[int, int]] | None:
+        """Which of this step's synchronous loads (`self._loads`) the forward of `req_id`
+        reads: its own, or one whose blocks it shares through vLLM's prefix cache. Its KV of
+        this step is right only if every chunk of them it reads loads, and vLLM learns of a
+        failure only after the step (DESIGN §5: a failed chunk fails everything after it).
+
+        Returns:
+            [(load job id, leading chunks of that load the request reads)], checked when
+            the load ends (`_finish_job`); None if it reads a chunk that has already failed
+            (no host slot: gone since lookup, or after a block vLLM shares), so nothing it
+            computes this step may be stored.
+        """
+        group_blocks = self.kv_cache_manager.get_block_ids(req_id)
+        reads = []
+        for load in self._loads:
+            ids = np.asarray(group_blocks[load.group], dtype=np.int64)
+            read = np.flatnonzero(np.isin(load.block_ids, ids).any(axis=1))
+            if not len(read):
+                continue
+            need = int(read[-1]) + 1
+            held = int(np.argmin(load.slots >= 0)) if (load.slots < 0).any() else len(load.slots)
+            if need > held or load.job_id < 0:
+                return None
+            reads.append((load.job_id, need))
+        return reads
+
     def _plan_store(self, state: _Request, num_computed_tokens: int, num_done_tokens: int
                     ) -> list[TransferJob]:
         """Store jobs for the full chunks of `state`'s request this step completes: vLLM
@@ -583,10 +625,11 @@ class SchedulerSide:
         due again. That happens after an asynchronous load was cut back to the chunk that
         failed (`_settle`; the chunks before it were loaded, so they are in host memory and
         stay behind the cursor), after vLLM rolled a failed synchronous load back to its first
-        invalid block (the step after the failure, so no store reads a block whose load
-        failed), and when a preempted request is admitted again with a shorter hit than it
-        had stored. `Manager.prepare_store` skips the due chunks kvhal still holds, those
-        being stored included (they are in its index): no chunk is stored twice at once.
+        invalid block (the step after the failure; the stores of the failing step that read
+        a failed chunk were not committed, `_sync_reads`), and when a preempted request is
+        admitted again with a shorter hit than it had stored. `Manager.prepare_store` skips
+        the due chunks kvhal still holds, those being stored included (they are in its
+        index): no chunk is stored twice at once.
         """
         request, dep = state.request, self.deployment
         state.num_stored_chunks = min(state.num_stored_chunks,
@@ -690,7 +733,9 @@ class SchedulerSide:
         if worker_meta is None:
             return
         tp = self.deployment.tp_size
-        for job_id, ranks in worker_meta.ranks_done.items():
+        # loads first: a store reading a synchronous load of its step is judged after it
+        for job_id, ranks in sorted(worker_meta.ranks_done.items(),
+                                    key=lambda item: self._jobs[item[0]].is_store):
             job = self._jobs[job_id]
             job.ranks_done += ranks
             ok = worker_meta.num_ok[job_id]
@@ -702,6 +747,13 @@ class SchedulerSide:
 
     def _finish_job(self, job_id: int, job: _Job) -> None:
         self._state_store_blocks.pop(job_id, None)
+        for store_id, need in self._sync_readers.pop(job_id, ()):
+            if job.num_ok < need:
+                self._tainted_stores.add(store_id)
+        reads = self._store_reads.pop(job_id, ())
+        if job_id in self._tainted_stores or any(r in self._sync_readers for r in reads):
+            self._tainted_stores.discard(job_id)   # (a load not judged yet counts as failed)
+            job.num_ok = 0
         state = self._requests.get(job.req_id)
         kind = "store" if job.is_store else "load"
         (self.manager.complete_store if job.is_store else self.manager.complete_load)(

@@ -16,6 +16,9 @@ Extra steps (TP=1 in-process engines):
     {"op": "fault_loads", "tokens": [ids], "group": int, "chunk": int}: from now on every H2D
         copy reading the host slot of that chunk (KV cache group `group`, 1 block per chunk,
         sha256 block hashes seeded "0") faults on the device (`FaultyReadBackend`) → the slot.
+        With "torn": true, such a copy also leaves zeros in its destination (a torn copy:
+        wrong bytes in the device blocks vLLM reads before it learns of the failure).
+    {"op": "heal_loads"}: no H2D copy faults any more (undoes every `fault_loads`) → null.
     {"op": "share_blocks", "group": int}: from now on, while kvhal places a load, every
         non-null block of that KV cache group holds one extra reference (as if vLLM shared it
         with another request) → null.
@@ -31,6 +34,7 @@ Extra steps (TP=1 in-process engines):
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -129,26 +133,36 @@ class FaultyReadBackend(CpuBackend):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.bad: list[tuple[int, int]] = []
+        self.torn = False
         self.registered: list[tuple[int, int]] = []
 
     def register_host(self, ptr: int, nbytes: int):
         self.registered.append((ptr, nbytes))
         return super().register_host(ptr, nbytes)
 
-    def _maybe_fault(self, srcs: np.ndarray, stream) -> None:
+    def _maybe_fault(self, srcs: np.ndarray, stream, spans: list[tuple[int, int]]) -> None:
+        """Fault the stream if a copy reads a bad range; if `torn`, zero `spans` ((address,
+        nbytes): the batch's destinations) first."""
         srcs = np.asarray(srcs, dtype=np.uint64)
         if any(((srcs >= lo) & (srcs < hi)).any() for lo, hi in self.bad):
             def fault():
+                if self.torn:
+                    for addr, nbytes in spans:
+                        ctypes.memset(addr, 0, nbytes)
                 raise OSError("injected device fault reading a host slot")
             self._worker(stream).submit(fault)
 
     def copy_2d_batch_async(self, copies, stream):
         super().copy_2d_batch_async(copies, stream)
-        self._maybe_fault(np.asarray(copies)[:, 2], stream)
+        rows = np.asarray(copies, dtype=np.uint64)
+        spans = [(int(dst) + h * int(pitch), int(width)) for dst, pitch, _, _, width, height
+                 in rows.tolist() for h in range(int(height))] if self.torn else []
+        self._maybe_fault(rows[:, 2], stream, spans)
 
     def copy_batch_async(self, dsts, srcs, sizes, stream):
         super().copy_batch_async(dsts, srcs, sizes, stream)
-        self._maybe_fault(srcs, stream)
+        spans = list(zip(np.asarray(dsts).tolist(), np.asarray(sizes).tolist()))
+        self._maybe_fault(srcs, stream, spans if self.torn else [])
 
 
 FAULTY: list[FaultyReadBackend] = []
@@ -228,7 +242,15 @@ def fault_loads(llm, step: dict) -> int:
                if n == side.layout.nbytes]
     for backend in FAULTY:
         backend.bad.append((base + offset, base + offset + nbytes))
+        backend.torn = backend.torn or bool(step.get("torn"))
     return slot
+
+
+def heal_loads(llm, step: dict) -> None:
+    """See the module docstring."""
+    for backend in FAULTY:
+        backend.bad.clear()
+        backend.torn = False
 
 
 def unlink_files(llm, step: dict) -> int:
@@ -241,7 +263,7 @@ def unlink_files(llm, step: dict) -> int:
 if __name__ == "__main__":
     runner.OPS.update(noise=noise_host_region, track_preemptions=track_preemptions,
                       preempted=preempted, resumes=resumes, poison_report=poison_report,
-                      fault_loads=fault_loads, drop_chunk=drop_chunk, share_blocks=share_blocks,
-                      unlink=unlink_files, drain=drain, await_tier=await_tier)
+                      fault_loads=fault_loads, heal_loads=heal_loads, drop_chunk=drop_chunk,
+                      share_blocks=share_blocks, unlink=unlink_files, drain=drain, await_tier=await_tier)
     worker.plugins.select_backend = _select_backend
     runner.main(sys.argv[1:])
