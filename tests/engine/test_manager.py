@@ -189,7 +189,9 @@ class FaultyLoadTier(MemoryTier):
         self._finish(job, 0.0, "injected load failure")
 
 
-def test_failed_promotion_answers_miss_once_then_tries_again(monkeypatch):
+@pytest.fixture
+def only_in_a_faulty_tier():
+    """(rig, key): `key` stored, then dropped from host memory; its one tier's loads fail."""
     rig = make_rig(capacity=4, blocks_per_chunk=1, block_bytes=1024, num_blocks=16)
     tier = FaultyLoadTier({}, rig.region.view, namespace())
     rig.manager.tiers, rig.manager.tier_labels = (tier,), ["faulty"]
@@ -198,32 +200,29 @@ def test_failed_promotion_answers_miss_once_then_tries_again(monkeypatch):
         rig.store([key], chunk_blocks(0, 1, 1))
         rig.manager.poll()
         rig.manager.clear()
-        assert [rig.manager.lookup([key]) for _ in range(3)] == [[RETRY], [MISS], [RETRY]]
+        yield rig, key
     finally:
         rig.close()
 
 
-def test_a_failed_promotion_is_logged_with_its_tier_chunk_and_reason(caplog):
+def test_failed_promotion_answers_miss_once_then_tries_again(only_in_a_faulty_tier):
+    rig, key = only_in_a_faulty_tier
+    assert [rig.manager.lookup([key]) for _ in range(3)] == [[RETRY], [MISS], [RETRY]]
+
+
+def test_a_failed_promotion_is_logged_with_its_tier_chunk_and_reason(only_in_a_faulty_tier,
+                                                                     caplog):
     """An operator sees why a tier hit turned into a recompute. Fails with the log line
     removed from `Manager.poll`."""
-    rig = make_rig(capacity=4, blocks_per_chunk=1, block_bytes=1024, num_blocks=16)
-    tier = FaultyLoadTier({}, rig.region.view, namespace())
-    rig.manager.tiers, rig.manager.tier_labels = (tier,), ["faulty"]
-    try:
-        (key,) = synthetic_keys(1)
-        rig.store([key], chunk_blocks(0, 1, 1))
+    rig, key = only_in_a_faulty_tier
+    with caplog.at_level(logging.WARNING, "kvhal.engine.manager"):
+        assert rig.manager.lookup([key]) == [RETRY]
         rig.manager.poll()
-        rig.manager.clear()
-        with caplog.at_level(logging.WARNING, "kvhal.engine.manager"):
-            assert rig.manager.lookup([key]) == [RETRY]
-            rig.manager.poll()
-        (record,) = caplog.records
-        assert record.levelno == logging.WARNING
-        assert record.getMessage().startswith(
-            f"faulty tier: load of chunk {key.block_hash.hex()[:16]} failed after ")
-        assert record.getMessage().endswith(": injected load failure")
-    finally:
-        rig.close()
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith(
+        f"faulty tier: load of chunk {key.block_hash.hex()[:16]} failed after ")
+    assert record.getMessage().endswith(": injected load failure")
 
 
 def test_every_stored_chunk_cascades_to_every_secondary_tier():
