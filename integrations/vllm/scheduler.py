@@ -87,8 +87,10 @@ REGION_NAME_PREFIX = "kvhal-"
 #: Key of the per-request cap in `SamplingParams.extra_args["kv_transfer_params"]`.
 MAX_OFFLOAD_TOKENS = "max_offload_tokens"
 
-#: Seconds a step with nothing to compute waits for a promotion in flight (`_idle_wait`).
+#: Seconds the first step in a row with nothing to compute waits for a transfer in flight
+#: (`_idle_wait`); each further such step waits twice as long, up to `IDLE_WAIT_MAX_S`.
 IDLE_WAIT_S = 0.0005
+IDLE_WAIT_MAX_S = 0.008
 
 #: Load phases reported by `timeline`, in order.
 PHASES = ("lookup", "alloc", "first_h2d_issue", "landed", "h2d_issue", "recv_done")
@@ -237,6 +239,7 @@ class SchedulerSide:
         self._loads: list[TransferJob] = []
         self._recving: dict[str, _AsyncLoad] = {}
         self._asked: set[str] = set()         # looked up this step, not (yet) allocated
+        self._idle_steps = 0                  # steps in a row `_idle_wait` waited in
         self._report_sending: list[str] = []
         self.counters = {"load_chunks": 0, "load_failed_chunks": 0, "store_chunks": 0,
                          "store_failed_chunks": 0}
@@ -495,12 +498,21 @@ class SchedulerSide:
         return jobs
 
     def _idle_wait(self, scheduler_output: Any) -> None:
-        """A step with nothing to compute whose only work is a promotion in flight: give the
-        tier's threads the GIL for a moment instead of spinning (vLLM's engine loop calls
-        `schedule` again at once)."""
+        """A step with nothing to compute whose only work is a transfer in flight: wait a
+        moment instead of spinning (vLLM's engine loop calls `schedule` again at once, and
+        each empty step also runs the workers): `IDLE_WAIT_S`, doubled for each such step in a
+        row up to `IDLE_WAIT_MAX_S`, and back to `IDLE_WAIT_S` once a step computes or an
+        asynchronous load ships chunks. A short load (a promotion from a local tier) is seen
+        within a fraction of a millisecond; a decode leg waiting seconds for its prefiller no
+        longer takes a core from it (a 0.5 ms wait gave ~2,700 lookups/s on one waiting
+        request, and a prefiller sharing the 2 cores answered a P/D leg ~20 s late). Adds
+        at most `IDLE_WAIT_MAX_S` to noticing a chunk or a new request during a long wait."""
         if scheduler_output.total_num_scheduled_tokens == 0 and any(
                 not load.final for load in self._recving.values()):
-            time.sleep(IDLE_WAIT_S)
+            time.sleep(min(IDLE_WAIT_S * 2 ** self._idle_steps, IDLE_WAIT_MAX_S))
+            self._idle_steps = min(self._idle_steps + 1, 16)
+        else:
+            self._idle_steps = 0
 
     def _settle(self, rid: str) -> None:
         """A finished asynchronous load: credit the chunks that arrived and, if some did not,
@@ -579,6 +591,8 @@ class SchedulerSide:
                 async_loads.extend(self._advance(load))
                 if load.final:
                     final.append(req_id)
+        if async_loads or final:
+            self._idle_steps = 0    # chunks are landing: the next idle step waits briefly
         self.manager.poll()        # finished cascades, and chunks that left a tier
         reused = self._state_blocks_reused(scheduler_output, [*self._loads, *async_loads])
         self.counters["state_block_fences"] += reused

@@ -1,0 +1,51 @@
+"""`SchedulerSide._idle_wait`: a step with nothing to compute while an asynchronous load is in
+flight waits, longer for each such step in a row, and briefly again once work resumes.
+
+Seen failing with the old fixed wait (`time.sleep(IDLE_WAIT_S)` every idle step): the waits were
+[0.0005] * 7, which let one decode leg waiting on its prefiller run ~2,700 engine steps a second
+and starve a prefiller sharing the machine's 2 cores (tests/vllm/test_pd_server.py's concurrent
+legs, cached 0 in a full run).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="the scheduler side imports vLLM (the `vllm` extra)")
+
+from kvhal.integrations.vllm import scheduler  # noqa: E402
+from kvhal.integrations.vllm.scheduler import (  # noqa: E402
+    IDLE_WAIT_MAX_S, IDLE_WAIT_S, SchedulerSide)
+
+
+def _step(side, tokens: int) -> None:
+    SchedulerSide._idle_wait(side, SimpleNamespace(total_num_scheduled_tokens=tokens))
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(scheduler.time, "sleep", slept.append)
+    return slept
+
+
+def test_idle_steps_in_a_row_wait_twice_as_long_up_to_the_cap(waits):
+    side = SimpleNamespace(_recving={"r": SimpleNamespace(final=False)}, _idle_steps=0)
+    for _ in range(7):
+        _step(side, 0)
+    assert waits == [IDLE_WAIT_S * 2 ** i for i in range(5)] + [IDLE_WAIT_MAX_S] * 2
+    assert IDLE_WAIT_S * 2 ** 4 == IDLE_WAIT_MAX_S
+
+
+def test_a_step_that_computes_starts_the_waits_over(waits):
+    side = SimpleNamespace(_recving={"r": SimpleNamespace(final=False)}, _idle_steps=0)
+    for tokens in (0, 0, 0, 5, 0):
+        _step(side, tokens)
+    assert waits == [IDLE_WAIT_S, 2 * IDLE_WAIT_S, 4 * IDLE_WAIT_S, IDLE_WAIT_S]
+
+
+def test_no_wait_without_a_load_in_flight(waits):
+    side = SimpleNamespace(_recving={"r": SimpleNamespace(final=True)}, _idle_steps=3)
+    _step(side, 0)
+    assert waits == [] and side._idle_steps == 0
