@@ -119,7 +119,31 @@ def synthetic_keys(n: int, ns: bytes | None = None, tag: int = 0) -> list[ChunkK
     return [ChunkKey(ns, 0, (tag * 1_000_003 + i).to_bytes(8, "big")) for i in range(n)]
 
 
-class FaultyLateStreams(CpuBackend):
+class CopyHookBackend(CpuBackend):
+    """A cpu backend that calls `before_copy(stream)` before it queues each copy (1D, 2D,
+    batched, 2D-batched): the one place test backends that delay or hold copies hook in."""
+
+    def before_copy(self, stream: Stream) -> None:
+        """Called with the copy's stream before the copy is queued. Default: nothing."""
+
+    def copy_async(self, dst, src, nbytes, stream):
+        self.before_copy(stream)
+        super().copy_async(dst, src, nbytes, stream)
+
+    def copy_2d_async(self, dst, dst_pitch, src, src_pitch, width, height, stream):
+        self.before_copy(stream)
+        super().copy_2d_async(dst, dst_pitch, src, src_pitch, width, height, stream)
+
+    def copy_batch_async(self, dsts, srcs, sizes, stream):
+        self.before_copy(stream)
+        super().copy_batch_async(dsts, srcs, sizes, stream)
+
+    def copy_2d_batch_async(self, copies, stream):
+        self.before_copy(stream)
+        super().copy_2d_batch_async(copies, stream)
+
+
+class FaultyLateStreams(CopyHookBackend):
     """A cpu backend on which every copy queued on a stream that `late(stream)` picks starts
     `delay_s` late, as if a long kernel ran ahead of it on that stream. The default is far
     above chaos mode's delays (≤ 2 ms per operation), so a copy racing it without a stream
@@ -129,18 +153,6 @@ class FaultyLateStreams(CpuBackend):
         super().__init__(**kwargs)
         self.late, self.delay_s = late, delay_s
 
-    def _delay(self, stream: Stream) -> None:
+    def before_copy(self, stream: Stream) -> None:
         if self.late(stream):
             self._worker(stream).submit(functools.partial(time.sleep, self.delay_s))
-
-    def copy_async(self, dst, src, nbytes, stream):
-        self._delay(stream)
-        super().copy_async(dst, src, nbytes, stream)
-
-    def copy_batch_async(self, dsts, srcs, sizes, stream):
-        self._delay(stream)
-        super().copy_batch_async(dsts, srcs, sizes, stream)
-
-    def copy_2d_batch_async(self, copies, stream):
-        self._delay(stream)
-        super().copy_2d_batch_async(copies, stream)

@@ -35,6 +35,8 @@ from kvhal.integrations.vllm.metadata import KVHalMetadata, RegionInfo, Transfer
 from kvhal.integrations.vllm.worker import WorkerSide  # noqa: E402
 from kvhal.layout import attention_spec, chunk_layout  # noqa: E402
 
+from ..engine.rig import CopyHookBackend  # noqa: E402
+
 
 LAYERS = ("layer.0", "layer.1")
 NUM_BLOCKS, HEADS, BLOCK_TOKENS, HEAD_SIZE, BLOCKS_PER_CHUNK = 8, 2, 16, 8, 2
@@ -134,7 +136,7 @@ def _rank(device: str, compute: Callable[[Any], ComputeStream] | None = None, *,
     return rank
 
 
-class FaultyHeldStreams(CpuBackend):
+class FaultyHeldStreams(CopyHookBackend):
     """A cpu backend in chaos mode on which copies queued on a stream that `late(stream)`
     picks, while the test holds them (`hold()` … `release()`), start only once the test has
     released them and every other stream of the backend has run all it can: each is idle or
@@ -184,7 +186,7 @@ class FaultyHeldStreams(CpuBackend):
             waiting = set(self._waiting)
         return all(w in waiting or w.idle() for w in others)
 
-    def _hold(self, stream: Stream) -> None:
+    def before_copy(self, stream: Stream) -> None:
         if not self.late(stream) or self._open.is_set():
             return
         me = self._worker(stream)
@@ -197,22 +199,6 @@ class FaultyHeldStreams(CpuBackend):
                 time.sleep(0.0002)
 
         me.submit(held)
-
-    def copy_async(self, dst, src, nbytes, stream):
-        self._hold(stream)
-        super().copy_async(dst, src, nbytes, stream)
-
-    def copy_2d_async(self, dst, dst_pitch, src, src_pitch, width, height, stream):
-        self._hold(stream)
-        super().copy_2d_async(dst, dst_pitch, src, src_pitch, width, height, stream)
-
-    def copy_batch_async(self, dsts, srcs, sizes, stream):
-        self._hold(stream)
-        super().copy_batch_async(dsts, srcs, sizes, stream)
-
-    def copy_2d_batch_async(self, copies, stream):
-        self._hold(stream)
-        super().copy_2d_batch_async(copies, stream)
 
 
 def _cpu_rank(monkeypatch, seed: int, late: Callable[[Stream, Stream], bool]
