@@ -59,8 +59,10 @@ def test_lookup_promotes_a_peers_host_chunks_byte_exact(pair):
     for i, key in enumerate(keys):
         slot = b.slots.index[key]
         np.testing.assert_array_equal(b_array[slot * SLOT:(slot + 1) * SLOT], payload(i, SLOT))
-    assert (a_tier.stats()["chunks_served"], a_tier.stats()["attached"]) == (3, True)
-    assert a.stats()["reading_slots"] == 0  # every serve unpinned its slot
+    assert a_tier.stats()["attached"]
+    # counted and unpinned once the serving write returned, maybe after b has the bytes
+    wait_for(lambda: (a_tier.stats().get("chunks_served"), a.stats()["reading_slots"]) == (3, 0),
+             what="3 chunks served, every serve's slot unpinned")
 
 
 def test_a_pinned_slot_is_neither_evicted_nor_rewritten(pair):
@@ -128,5 +130,5 @@ def test_a_host_slot_is_hashed_once_per_residence(pair):
     np.testing.assert_array_equal(first, payload(0, SLOT))
     np.testing.assert_array_equal(second, payload(0, SLOT))
     np.testing.assert_array_equal(third, payload(7, SLOT))
-    assert (digests_while_resident, a_tier.stats()["serve_digests"],
-            a_tier.stats()["chunks_served"]) == (1, 2, 3)
+    assert (digests_while_resident, a_tier.stats()["serve_digests"]) == (1, 2)
+    wait_for(lambda: a_tier.stats().get("chunks_served") == 3, what="3 chunks served")

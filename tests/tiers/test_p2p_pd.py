@@ -148,7 +148,7 @@ def test_prefiller_first_decoder_gets_every_chunk_byte_exact_and_pins_end(prefil
         np.testing.assert_array_equal(d.chunk_bytes(i), payload(i, SLOT))
     d.manager.close_request("d1")
     wait_for(lambda: released(p), 10, "the prefiller's release")
-    assert p.stats().get("chunks_served") == 4
+    wait_for(lambda: p.stats().get("chunks_served") == 4, 10, "4 chunks served")
 
 
 def test_decoder_first_streams_chunks_as_they_land_and_a_missing_one_fails_fast(

@@ -48,6 +48,12 @@ def tiers():
         t.close()
 
 
+def served(peer: PeerProcess, count: int) -> None:
+    """Wait until `peer` counted `count` chunks served: it counts once its write returned,
+    which may be after the puller has the bytes (seen in CI: a KeyError right after a load)."""
+    wait_for(lambda: peer.stats().get("chunks_served") == count, what=f"{count} chunks served")
+
+
 def _timed_load(tier, i: int, offset: int, nbytes: int, job_id: int = 1):
     t0 = time.monotonic()
     result = load(tier, chunk_key(NAMESPACE, i), offset, nbytes, job_id=job_id)
@@ -67,7 +73,7 @@ def test_chunks_pulled_from_another_process_are_byte_exact(peers, tiers):
     assert [r.ok for r in results] == [True] * 3
     for i in range(3):
         np.testing.assert_array_equal(array[i * n:(i + 1) * n], payload(i, n))
-    assert peer.stats()["chunks_served"] == 3
+    served(peer, 3)
     assert tier.stats()["bytes_loaded"] == 3 * n
 
 
@@ -152,7 +158,8 @@ def test_silent_unauthenticated_clients_cannot_starve_a_peer(peers, tiers):
     # every silent connection was dropped for a newer one or timed out; none of the peer's
     assert stats.get("handshakes_dropped", 0) + stats.get("handshake_timeouts", 0) == FLOOD
     assert stats["handshake_timeouts"] <= MAX_HANDSHAKING
-    assert (stats.get("connections_refused", 0), stats["chunks_served"]) == (0, 1)
+    assert stats.get("connections_refused", 0) == 0
+    served(peer, 1)
 
 
 def test_stale_directory_entry_costs_one_failed_load_then_a_miss(tiers):
@@ -241,4 +248,4 @@ def test_restarted_peer_is_resynchronised(peers, tiers):
     assert tier.stats()["directory_chunks"] == 4
     assert load(tier, chunk_key(NAMESPACE, 3), 0, 4096).ok
     np.testing.assert_array_equal(array[:4096], payload(3, 4096))
-    assert second.stats()["chunks_served"] == 1
+    served(second, 1)

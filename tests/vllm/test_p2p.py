@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,13 @@ def sockets_with_unread_bytes(port: int) -> int:
     return count
 
 
+def stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (/proc state T)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+               for t in tasks.iterdir())
+
+
 def engine(tmp_path, name: str, tp: int, kvhal: dict) -> EngineProcess:
     return EngineProcess({"tp": tp, "model": "tiny", "kvhal": kvhal}, workdir=tmp_path,
                          name=name, command=(sys.executable, str(RUNNER)))
@@ -90,6 +98,7 @@ def runs(module_tmp):
         # A stops answering (its heartbeats too: B would drop it after 3 s); B's and B2's
         # pulls for P2 are sent, one per pull thread, and wait; then A dies mid-load.
         os.kill(a.pid, signal.SIGSTOP)
+        wait_for(lambda: stopped(a.pid), 10, "A stopped")
         b.send(gen("p2", P2))
         b2.send(gen("p2", P2))
         wait_for(lambda: sockets_with_unread_bytes(port) >= 2 * PULL_THREADS, 60,
@@ -137,8 +146,9 @@ def test_b_at_tp2_loads_from_a_at_tp1(runs):
 def test_a_killed_while_b_loads_b_recomputes_like_a_cold_run(runs):
     cold, recomputed = runs["a"][2]["p2"], runs["b"][1]["p2"]
     assert (cold["num_cached_tokens"], cold["hit_tokens"]) == (0, {})
-    assert recomputed["num_cached_tokens"] == 0
-    assert recomputed["hit_tokens"] == {}
+    # seen once in CI: 384 (how is not known; the message shows what B's kvhal saw)
+    assert (recomputed["num_cached_tokens"], recomputed["hit_tokens"]) == (0, {}), (
+        recomputed["counters"], recomputed.get("timeline"))
     assert recomputed["token_ids"] == cold["token_ids"]
     assert recomputed["logprobs"] == cold["logprobs"]
     assert recomputed["counters"]["tiers"]["p2p"]["load_failed"] >= 1
