@@ -1,6 +1,6 @@
 """Tier conformance across processes (slow): concurrent writers of the same key while another
 process reads in a loop, and writers killed with SIGKILL at seeded points
-(`TierHarness.kill_points`: 100 for fs)."""
+(`TierHarness.kill_points`: 100 for fs) and once caught mid-store (`CAUGHT_KILLS`)."""
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +24,11 @@ pytestmark = pytest.mark.slow
 WRITERS = 3
 ROUNDS = 16
 CHUNKS_PER_WRITER = 6
+#: Writers of the torn-chunk test killed only once provably mid-store, and the seconds the
+#: test may spend on them (generous: on 2 loaded cores a writer may be done before a stop
+#: catches it, and is then replaced).
+CAUGHT_KILLS = 3
+CAUGHT_DEADLINE_S = 120.0
 
 
 def _context():
@@ -91,30 +96,23 @@ def test_concurrent_writers_of_one_key_and_a_looping_reader(harness, shared_stor
         assert (len(complete), temps) == (ROUNDS, [])
 
 
-def _kill_at(ctx, harness, config, namespace, first, nbytes,
-             delay_s: float | None) -> tuple[list[int], float]:
-    """Run a crash writer and SIGKILL it `delay_s` after it is ready (None: once it reports
-    every store finished). Returns the chunk indexes it reported stored and the seconds from
-    ready to kill."""
+def _start_writer(ctx, harness, config, namespace, first, nbytes):
+    """A started crash writer of chunks first .. first+CHUNKS_PER_WRITER-1 and the read end of
+    its pipe, once it sent "ready"."""
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=tier_workers.crash_writer,
                        args=(harness.name, config, namespace, first, CHUNKS_PER_WRITER, nbytes,
                              child))
-    with _reaped([proc]):
-        proc.start()
-        child.close()
-        assert parent.poll(DRAIN_TIMEOUT_S) and parent.recv() == "ready"
-        t0 = time.perf_counter()
-        stored = []
-        if delay_s is None:
-            while (msg := parent.recv()) != "done":
-                stored.append(msg)
-        else:
-            time.sleep(delay_s)  # the seeded kill point
-        os.kill(proc.pid, signal.SIGKILL)
-    elapsed = time.perf_counter() - t0
-    proc.join(DRAIN_TIMEOUT_S)
-    assert proc.exitcode == -signal.SIGKILL
+    proc.start()
+    child.close()
+    assert parent.poll(DRAIN_TIMEOUT_S) and parent.recv() == "ready"
+    return proc, parent
+
+
+def _drain_reports(parent) -> tuple[list[int], bool]:
+    """The chunk indexes a crash writer has reported stored since the last call, and whether
+    it reported "done" (it stops writing to the pipe once killed or stopped)."""
+    stored, done = [], False
     while parent.poll(0):
         try:
             msg = parent.recv()
@@ -122,29 +120,117 @@ def _kill_at(ctx, harness, config, namespace, first, nbytes,
             break
         if isinstance(msg, int):
             stored.append(msg)
-    return stored, elapsed
+        done |= msg == "done"
+    return stored, done
 
 
-def _stored_counts(harness, config) -> tuple[int, int]:
-    """(complete objects, temp objects) in the store now; (0, 0) where the harness cannot
+def _killed(proc) -> None:
+    """SIGKILL `proc` and wait until it is gone."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(DRAIN_TIMEOUT_S)
+    assert proc.exitcode == -signal.SIGKILL
+
+
+def _kill_at(ctx, harness, config, namespace, first, nbytes,
+             delay_s: float | None) -> tuple[list[int], float]:
+    """Run a crash writer and SIGKILL it `delay_s` after it is ready (None: once it reports
+    every store finished). Returns the chunk indexes it reported stored and the seconds from
+    ready to kill."""
+    proc, parent = _start_writer(ctx, harness, config, namespace, first, nbytes)
+    with _reaped([proc]):
+        t0 = time.perf_counter()
+        stored = []
+        if delay_s is None:
+            while (msg := parent.recv()) != "done":
+                stored.append(msg)
+        else:
+            time.sleep(delay_s)  # the seeded kill point
+        _killed(proc)
+    elapsed = time.perf_counter() - t0
+    return stored + _drain_reports(parent)[0], elapsed
+
+
+def _stored_objects(harness, config) -> tuple[frozenset[str], frozenset[str]]:
+    """(complete objects, temp objects) in the store now; both empty where the harness cannot
     list them."""
     if harness.stored_objects is None:
-        return 0, 0
+        return frozenset(), frozenset()
     complete, temps = harness.stored_objects(config)
-    return len(complete), len(temps)
+    return frozenset(complete), frozenset(temps)
+
+
+def _stopped(pid: int, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """SIGSTOP process `pid` and wait until every thread of it is stopped (/proc state T): from
+    then on it changes nothing in the store, and a SIGKILL ends it where it stands. A thread in
+    a system call stops once the call returns."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread ended
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(state in "TtZX" for state in states):
+            return
+        assert time.monotonic() < deadline, f"writer {pid} not stopped: thread states {states}"
+        time.sleep(0.0002)
+
+
+def _mid_store(reported: int, before, now) -> str | None:
+    """How a stopped writer that has reported `reported` chunks stored shows it is mid-store,
+    given the store's (complete, temp) objects `before` it started and `now`; None if not
+    shown: it reported some but not all chunks, or left a temp object, or a complete object it
+    has not reported."""
+    if 0 < reported < CHUNKS_PER_WRITER:
+        return f"partial ({reported} of {CHUNKS_PER_WRITER} reported)"
+    if now[1] - before[1]:
+        return f"{len(now[1] - before[1])} temp object(s)"
+    if len(now[0] - before[0]) > reported:
+        return f"{len(now[0] - before[0])} complete object(s), {reported} reported"
+    return None
+
+
+def _kill_caught(ctx, harness, config, namespace, first, nbytes, step_s: float,
+                 seed: int) -> tuple[list[int], str | None]:
+    """Run a crash writer and stop it (SIGSTOP) every ~`step_s` (seeded) after it is ready
+    until, stopped, it shows it is mid-store (`_mid_store`) or reports "done"; then SIGKILL it.
+    Returns the chunk indexes it reported stored and how it was caught mid-store (None: it was
+    done first)."""
+    before = _stored_objects(harness, config)
+    rng = random.Random(seed)
+    proc, parent = _start_writer(ctx, harness, config, namespace, first, nbytes)
+    stored, caught, done = [], None, False
+    with _reaped([proc]):
+        while caught is None and not done:
+            time.sleep(rng.uniform(0, step_s))
+            assert proc.exitcode is None, f"writer exited with {proc.exitcode} before killed"
+            _stopped(proc.pid)
+            more, done = _drain_reports(parent)
+            stored += more
+            caught = _mid_store(len(stored), before, _stored_objects(harness, config))
+            if caught is None and not done:
+                os.kill(proc.pid, signal.SIGCONT)
+        _killed(proc)
+    return stored + _drain_reports(parent)[0], caught
 
 
 def test_sigkilled_writers_never_leave_a_torn_chunk(harness, shared_store, namespace, host):
-    """Writers SIGKILLed at seeded points leave every chunk they reported stored loadable and
-    no chunk with wrong bytes; at least one kill must land mid-store (the writer reported some
-    but not all of its chunks, or left a temp object, or a complete object it had not
-    reported: an unsettled chunk), so the test cannot pass with every kill before the first
-    write or after the last.
+    """Writers SIGKILLed at seeded points, and `CAUGHT_KILLS` more killed once provably
+    mid-store, leave every chunk they reported stored loadable and no chunk with wrong bytes.
 
-    Fails when a kill tears a chunk (wrong bytes load ok) or loses a reported one; and when the
-    kills miss the stores: e.g. with every kill point moved before the writer starts storing
-    (the parent killing it before "ready") or after it is done (`delay = 2 * span_s`): "no
-    kill of 20 landed mid-store" (obj).
+    The seeded points spread over 1.5x an unkilled writer's time, so under load they may all
+    miss the stores. The caught kills do not: each writer is stopped (SIGSTOP) at short seeded
+    steps until, stopped, it shows it is mid-store (it reported some but not all of its chunks,
+    or left a temp object, or a complete object it had not reported), and only then killed; a
+    writer that finishes first is replaced, until `CAUGHT_KILLS` landed mid-store or
+    `CAUGHT_DEADLINE_S` passed.
+
+    Fails when a kill tears a chunk (wrong bytes load ok, or a chunk found loads with an
+    error) or loses a reported one: e.g. with the fs tier writing the chunk file in place, its
+    header 10 ms before its payload, "chunk 606: corrupt: checksum mismatch" (fs; also with no
+    seeded kills: the caught ones tear it); and when no kill is caught mid-store: e.g. with
+    every caught writer killed only once it is done, "0 of 3 caught kills landed mid-store".
     """
     if not harness.persistent:
         pytest.skip(f"{harness.name} is not persistent: {harness.why_not}")
@@ -154,25 +240,30 @@ def test_sigkilled_writers_never_leave_a_torn_chunk(harness, shared_store, names
     first = harness.kill_points * CHUNKS_PER_WRITER  # the calibration run's chunks come after
     stored_all, span_s = _kill_at(ctx, harness, config, namespace, first, nbytes, None)
     assert sorted(stored_all) == list(range(first, first + CHUNKS_PER_WRITER))
-    complete, _ = _stored_counts(harness, config)
-    partial = temps_left = unsettled = 0
-    for point in range(harness.kill_points):  # kill points spread over 1.5x an unkilled writer's time
+    for point in range(harness.kill_points):  # spread over 1.5x an unkilled writer's time
         delay = random.Random(point).uniform(0, 1.5 * span_s)
         stored, _ = _kill_at(ctx, harness, config, namespace, point * CHUNKS_PER_WRITER,
                              nbytes, delay)
         stored_all += stored
-        now_complete, now_temps = _stored_counts(harness, config)  # before the next writer
-        partial += 0 < len(stored) < CHUNKS_PER_WRITER
-        temps_left += now_temps > 0
-        unsettled += now_complete - complete > len(stored)
-        complete = now_complete
-    assert partial + temps_left + unsettled > 0, (
-        f"no kill of {harness.kill_points} landed mid-store (span {span_s:.3f} s)")
+
+    end, caught, step_s = first + CHUNKS_PER_WRITER, [], span_s / 8
+    deadline = time.monotonic() + CAUGHT_DEADLINE_S
+    while len(caught) < CAUGHT_KILLS and time.monotonic() < deadline:
+        stored, how = _kill_caught(ctx, harness, config, namespace, end, nbytes, step_s, seed=end)
+        stored_all += stored
+        end += CHUNKS_PER_WRITER
+        if how is None:
+            step_s /= 2  # it was done before a stop caught it: stop it more often
+        else:
+            caught.append(how)
+    assert len(caught) == CAUGHT_KILLS, (
+        f"{len(caught)} of {CAUGHT_KILLS} caught kills landed mid-store in "
+        f"{CAUGHT_DEADLINE_S:.0f} s (span {span_s:.3f} s; caught: {caught})")
 
     tier = harness.make(config, host, namespace)
     try:
         array = np.frombuffer(host, dtype=np.uint8)
-        for i in range(first + CHUNKS_PER_WRITER):
+        for i in range(end):
             key = chunk_key(namespace, i)
             if i in stored_all:
                 assert lookup(tier, key) is Lookup.HIT, f"stored chunk {i} lost"
