@@ -7,10 +7,11 @@ import uuid
 import pytest
 
 from conformance.s3 import SECRET_KEY, Fault, FaultyS3Proxy
+from kvhal.tiers.chunk_format import record_nbytes
 from kvhal.tiers.obj import ObjTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload, store
-from .test_fs_cli import kvhal
+from .test_fs_cli import assert_bench_passes_fit, kvhal, timed_kvhal
 from .test_obj_tier import obj_config, raw_client
 
 
@@ -106,11 +107,18 @@ def test_fsck_of_a_missing_bucket_or_without_credentials_is_one_line(s3_server, 
 
 @pytest.mark.slow
 def test_bench_tier_obj_prints_tier_and_raw_loop_side_by_side():
-    out = kvhal("bench", "tier", "--tier", "obj", "--chunk-bytes", "256KiB", "--count", "4",
-                "--repeats", "1", "--json")
+    """The rows, the kvhal tier's own counters (2 passes of 4 chunks of 256 KiB stored and
+    loaded, fresh keys each pass) and passes that fit in the command's time. Fails with the
+    same keys every pass (bench `block_hash` without the pass): 4 chunks stored, not 8."""
+    out, wall_s, cpu_s = timed_kvhal("bench", "tier", "--tier", "obj", "--chunk-bytes",
+                                     "256KiB", "--count", "4", "--repeats", "2", "--json")
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout)
     assert (figures["tier"], figures["chunk_bytes"], figures["count"]) == ("obj", 256 << 10, 4)
-    tier, obstore, boto3 = figures["contenders"]
     assert [c["name"] for c in figures["contenders"]] == ["kvhal obj", "raw obstore", "raw boto3"]
-    assert min(figures["write_vs_raw"], figures["read_vs_boto3"]) > 0
+    stats = figures["kvhal_stats"]
+    assert (stats["bytes_stored"], stats["bytes_loaded"], stats["chunks"], stats["used_bytes"]) == (
+        2 * 4 * (256 << 10), 2 * 4 * (256 << 10), 2 * 4, 2 * 4 * record_nbytes(256 << 10))
+    assert_bench_passes_fit(figures, wall_s, cpu_s)
+    assert all(isinstance(figures[f"{d}_vs_{c}"], float) for d in ("write", "read")
+               for c in ("raw", "boto3"))
