@@ -196,11 +196,14 @@ class _TierContender:
         self.adaptive = aligned and adaptive_for is not None and adaptive_for(chunk)
         self.name = f"kvhal {name}"
 
+    def keys(self, rep: int) -> list[ChunkKey]:
+        """The keys of pass `rep`'s chunks, in slot order."""
+        return [ChunkKey(self.namespace, 0, block_hash(rep, i)) for i in range(self.count)]
+
     def _run(self, kind: JobKind, rep: int) -> None:
         submit = self.tier.submit_store if kind is JobKind.STORE else self.tier.submit_load
-        for i in range(self.count):
-            submit(TierJob(i, kind, ChunkKey(self.namespace, 0, block_hash(rep, i)),
-                           i * self.chunk, self.chunk))
+        for i, key in enumerate(self.keys(rep)):
+            submit(TierJob(i, kind, key, i * self.chunk, self.chunk))
         self.tier.drain()
         failed = [r for r in self.tier.get_finished_jobs() if not r.ok]
         if failed:
@@ -377,6 +380,9 @@ def measure(tier_name: str, config: dict, root: str, chunk: int, count: int,
                 times[c.name][1].append(_timed(c.read, rep))
                 if not np.array_equal(array, reference):
                     raise RuntimeError(f"{c.name}: loaded bytes differ from the stored bytes")
+            if tier_name == "mooncake":            # untimed: the pool's memory is reused
+                from .tier_mooncake import forget_pass
+                forget_pass(contenders, rep)
             if bar:
                 bar.advance(task)
         kvhal_stats = dict(tier.stats())
@@ -428,6 +434,7 @@ def to_json(result: TierBenchResult) -> dict:
         if result.tier == "mooncake":
             raw, plain = result.contenders[1], result.contenders[2]
             out[f"{direction}_vs_plain"] = result.ratio(2, direction)
+            out[f"{direction}_vs_header"] = result.ratio(3, direction)
             out[f"registered_vs_plain_{direction}"] = (getattr(raw, f"{direction}_median")
                                                        / getattr(plain, f"{direction}_median"))
         elif result.tier != "obj":

@@ -3,17 +3,21 @@ against, and the latency of one chunk.
 
 Without a `master_server_address` in `--config`, the run starts a local pool: a
 `mooncake_master` and a `mooncake_client` process lending the pool's memory (`SegmentKeeper`,
-sized for every pass of every contender), so that every transfer crosses a process boundary
-over loopback TCP as it would to a remote node; the tier and the raw loops lend none. Two raw
-loops, each its own client with the host region registered, on the tier's threads (loads: 2 x
-`io_threads`, as the tier's store threads also load while no store is queued; stores:
-`io_threads`), in batches of the tier's `MAX_BATCH` chunks, no header, no checks:
+sized for two passes of every contender: each pass's objects are removed once read), so that
+every transfer crosses a process boundary over loopback TCP as it would to a remote node; the
+tier and the raw loops lend none. Three raw loops, each its own client with the host region
+registered, on the tier's threads (loads: 2 x `io_threads`, as the tier's store threads also
+load while no store is queued; stores: `io_threads`), in batches of the tier's `MAX_BATCH`
+chunks, no checks:
 
 - "raw put_from/get_into": the tier's own calls (`batch_put_from_multi_buffers`,
   `batch_get_into_multi_buffers`) straight between the pool and each chunk's host slot;
 - "raw put/get": the unregistered path (`put_batch` of the slots, `get_batch` into bytes then
   copied into the slots; its client's local buffer sized to stage every batch in flight):
-  what the registered path gains.
+  what the registered path gains;
+- "raw +header": the first loop moving the tier's object shape, a chunk record (a 4 KiB
+  header buffer, unfilled, then the slot, then the padding, as `MooncakeTier._buffers`):
+  what the record's separate header buffer costs, apart from kvhal's checks.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from typing import Iterator
 
 from kvhal.keys import ChunkKey
 from kvhal.tiers.base import JobKind, TierJob
-from kvhal.tiers.chunk_format import record_nbytes
+from kvhal.tiers.chunk_format import ALIGN, HEADER_BYTES, record_nbytes
 
 #: Single-chunk transfers timed per contender and direction for the latency line.
 LATENCY_CHUNKS = 32
@@ -35,13 +39,14 @@ LATENCY_CHUNKS = 32
 @contextlib.contextmanager
 def pool_config(config: dict, chunk: int, count: int, repeats: int) -> Iterator[dict]:
     """`config` naming a pool: the caller's, or a local master and keeper started for the
-    `with` block, the keeper lending room for every pass of three contenders plus the latency
-    chunks (x 1.25 for the master's allocator)."""
+    `with` block, the keeper lending room for two passes of four contenders plus the latency
+    chunks (x 1.25 for the master's allocator): each pass's objects are removed once read
+    (`forget_pass`), so `repeats` does not size it."""
     if "master_server_address" in config:
         yield config
         return
     from kvhal.tiers.mooncake.local_master import LocalMaster, SegmentKeeper
-    room = record_nbytes(chunk) * (3 * (repeats * count + 2 * LATENCY_CHUNKS))
+    room = record_nbytes(chunk) * (4 * (2 * count + 2 * LATENCY_CHUNKS))
     with LocalMaster({"eviction_high_watermark_ratio": "0.95"}) as master:
         keeper = SegmentKeeper(master, int(room * 1.25) + (64 << 20)).start()
         try:
@@ -57,7 +62,8 @@ class _RawMooncakeLoop:
     o_direct = False
 
     def __init__(self, name: str, config: dict, host: memoryview, chunk: int, count: int,
-                 threads: tuple[int, int], batch: int, registered: bool) -> None:
+                 threads: tuple[int, int], batch: int, registered: bool,
+                 header: bool = False) -> None:
         from kvhal.tiers.mooncake.client import connect, register, replicate_config
         from kvhal.tiers.mooncake.config import parse_config
         if not registered:  # plain put/get stage every byte in the client's local buffer
@@ -69,6 +75,12 @@ class _RawMooncakeLoop:
         self.threads, self._batch, self._registered = threads, batch, registered
         self._client = connect(cfg)
         self._base = register(self._client, host, "host")
+        self._registered_ptrs = [self._base]
+        self._pad = record_nbytes(chunk) - HEADER_BYTES - chunk
+        if header:   # one header per chunk of a batch, then the padding (never read)
+            self._scratch = memoryview(bytearray(batch * HEADER_BYTES + ALIGN))
+            self._registered_ptrs.append(register(self._client, self._scratch, "scratch"))
+        self._header = header
         self._replicate = replicate_config(cfg.replica_num)
         self._pools = (ThreadPoolExecutor(threads[0]), ThreadPoolExecutor(threads[1]))
         self._prefix = f"bench-raw/{os.getpid()}/{name.split()[1]}"
@@ -80,6 +92,19 @@ class _RawMooncakeLoop:
     def _names(self, rep: int, part: range) -> list[str]:
         return [f"{self._prefix}/{rep}/{i}" for i in part]
 
+    def _buffers(self, part: range) -> tuple[list[list[int]], list[list[int]]]:
+        """(addresses, sizes) of each chunk of `part`: its slot, or with `header` a chunk
+        record's buffers (header, slot, padding)."""
+        if not self._header:
+            return ([[self._base + i * self.chunk] for i in part],
+                    [[self.chunk] for _ in part])
+        scratch = self._registered_ptrs[1]
+        pad = [scratch + self._batch * HEADER_BYTES] if self._pad else []
+        ptrs = [[scratch + n * HEADER_BYTES, self._base + i * self.chunk, *pad]
+                for n, i in enumerate(part)]
+        sizes = [[HEADER_BYTES, self.chunk] + ([self._pad] if self._pad else []) for _ in part]
+        return ptrs, sizes
+
     def put(self, rep: int, part: range) -> None:
         """Store chunks `part` of pass `rep` in one call.
 
@@ -88,9 +113,8 @@ class _RawMooncakeLoop:
         """
         names = self._names(rep, part)
         if self._registered:
-            codes = self._client.batch_put_from_multi_buffers(
-                names, [[self._base + i * self.chunk] for i in part],
-                [[self.chunk] for _ in part], self._replicate)
+            codes = self._client.batch_put_from_multi_buffers(names, *self._buffers(part),
+                                                              self._replicate)
         else:
             rc = self._client.put_batch(names, [self.host[i * self.chunk:(i + 1) * self.chunk]
                                                 for i in part], self._replicate)
@@ -106,10 +130,9 @@ class _RawMooncakeLoop:
         """
         names = self._names(rep, part)
         if self._registered:
-            got = self._client.batch_get_into_multi_buffers(
-                names, [[self._base + i * self.chunk] for i in part],
-                [[self.chunk] for _ in part])
-            if any(n != self.chunk for n in got):
+            got = self._client.batch_get_into_multi_buffers(names, *self._buffers(part))
+            want = record_nbytes(self.chunk) if self._header else self.chunk
+            if any(n != want for n in got):
                 raise RuntimeError(f"{self.name}: get failed: {got}")
             return
         for i, body in zip(part, self._client.get_batch(names)):
@@ -123,20 +146,55 @@ class _RawMooncakeLoop:
     def read(self, rep: int) -> None:
         list(self._pools[0].map(lambda part: self.get(rep, part), self._batches()))
 
+    def forget(self, rep: int) -> None:
+        """Remove pass `rep`'s objects from the pool (untimed, between passes)."""
+        _removed(self._client, self._names(rep, range(self.count)), self.name)
+
     def close(self) -> None:
         for pool in self._pools:
             pool.shutdown()
-        self._client.unregister_buffer(self._base)
+        for ptr in self._registered_ptrs:
+            self._client.unregister_buffer(ptr)
         self._client.close()
+
+
+def _removed(client, names: list[str], who: str) -> None:
+    """Remove the objects `names` with `client`.
+
+    Raises:
+        RuntimeError: the pool refused a removal (other than "not found").
+    """
+    from kvhal.tiers.mooncake.client import GONE, error_name
+    codes = client.batch_remove(names, True)
+    bad = [c for c in codes if c != 0 and c not in GONE]
+    if bad:
+        raise RuntimeError(f"{who}: removing a pass's objects failed: {error_name(bad[0])}")
+
+
+def forget_pass(contenders: list, rep: int) -> None:
+    """Remove every contender's objects of pass `rep` (`contenders[0]` the kvhal tier): each
+    pass then writes into pool memory a previous pass used, as in a long-running pool, not
+    into memory the keeper touches for the first time. Measured (2 MiB chunks, 2-core VM):
+    with every pass in fresh memory all three contenders wrote 0.5-0.8 GB/s, and with
+    `--repeats 12` the keeper's 23 GiB segment outgrew RAM and writes fell to ~0.1 GB/s after
+    pass 5; with reuse they write 1.0-2.1 GB/s after the first pass."""
+    kvhal = contenders[0]
+    _removed(kvhal.tier._client, [kvhal.tier.object_name(k) for k in kvhal.keys(rep)],
+             kvhal.name)
+    for raw in contenders[1:]:
+        raw.forget(rep)
 
 
 def raw_contenders(config: dict, host: memoryview, chunk: int, count: int,
                    threads: tuple[int, int]) -> list:
-    """The registered and the plain raw loop for the mooncake tier of `config`."""
+    """The registered, the plain and the record-shaped raw loop for the mooncake tier of
+    `config` (module docstring), in that order."""
     from kvhal.tiers.mooncake.tier import MAX_BATCH
-    return [_RawMooncakeLoop(name, config, host, chunk, count, threads, MAX_BATCH, registered)
-            for name, registered in (("raw put_from/get_into", True),
-                                     ("raw put/get", False))]
+    return [_RawMooncakeLoop(name, config, host, chunk, count, threads, MAX_BATCH, registered,
+                             header)
+            for name, registered, header in (("raw put_from/get_into", True, False),
+                                             ("raw put/get", False, False),
+                                             ("raw +header", True, True))]
 
 
 def latency_us(tier, namespace: bytes, raws: list, chunk: int) -> dict[str, dict[str, float]]:
