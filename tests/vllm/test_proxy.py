@@ -203,7 +203,11 @@ def test_a_killed_prefiller_is_reported_and_the_decoder_still_answers(runs):
     """SIGKILLed prefiller: /health names it unhealthy with the connection failure, and a
     request is answered by the decoder alone. Fails when a down prefiller fails requests."""
     prefiller = runs["health without prefiller"]["prefillers"][0]
-    assert prefiller["last_error"].startswith("ClientConnectorError")
+    # refused, or (seen in a clean-clone .ci/run) a poll's kept-alive connection reset by the
+    # kill: "ClientOSError: [Errno 104] Connection reset by peer"
+    assert not prefiller["healthy"]
+    assert prefiller["last_error"].startswith(("ClientConnectorError", "ClientOSError")), (
+        prefiller)
     status, answer = runs["without prefiller"]
     assert status == 200 and len(_tokens(answer)) == MAX_TOKENS
 
