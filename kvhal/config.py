@@ -254,6 +254,15 @@ def tier_factory(tier: TierConfig, path: str = "secondary_tiers[?]") -> Any:
                       f"(kvhal_register_tiers returned names {names})")
 
 
+def host_tail_bytes(config: EngineConfig) -> int:
+    """Free bytes every host slot keeps after its payload for the configured tiers: the
+    largest `TierSpec.host_tail_bytes` of a registered tier type among `secondary_tiers` (a
+    tier loaded by `module_path` asks for none)."""
+    registered = plugins.tiers()
+    return max((registered[t.type].host_tail_bytes for t in config.secondary_tiers
+                if t.module_path is None and t.type in registered), default=0)
+
+
 def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes) -> list[Any]:
     """Construct every secondary tier of `config`, in order.
 

@@ -42,10 +42,16 @@ class BackendSpec:
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    """A registered secondary tier: `factory(config: dict, host_view: memoryview, **ctx)`."""
+    """A registered secondary tier: `factory(config: dict, host_view: memoryview, **ctx)`.
+
+    `host_tail_bytes`: free bytes the tier wants after every host slot's page-rounded payload
+    (0: none); the engine then cuts slots that much longer (`kvhal.host.host_geometry`) and
+    tells the tier the slot size (`HostAccess.slot_bytes`). mooncake: a chunk record's header,
+    so that slot s's record lies contiguous, its header in slot s-1's tail."""
 
     name: str
     factory: Callable[..., Any]
+    host_tail_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

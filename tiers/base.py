@@ -99,9 +99,14 @@ class HostAccess(Protocol):
 
     Attributes:
         chunk_nbytes: Payload bytes of every chunk (the slot at a pinned offset holds this many).
+        slot_bytes: Bytes per slot: slot s starts at byte `s * slot_bytes` of the host region
+            (every job's `offset` is one), its payload first; what follows the page-rounded
+            payload is the tail the registered tier types asked for (`TierSpec.host_tail_bytes`),
+            which no copy touches.
     """
 
     chunk_nbytes: int
+    slot_bytes: int
 
     def pin(self, key: ChunkKey) -> int | None:
         """Add a reader to `key`'s slot if it is resident and not being written; returns the
@@ -116,6 +121,27 @@ class HostAccess(Protocol):
         """Call `listener(gained, lost)` on the manager's thread whenever chunks become
         readable in, or leave, the host tier (it must only queue work: it runs inside the
         manager's calls); returns the chunks readable now, atomically with the subscription."""
+
+
+class HostSlots:
+    """A `HostAccess` that only describes the slots (`chunk_nbytes`, `slot_bytes`): nothing
+    can be pinned and no change is ever heard of. For benchmarks and tests that hand a tier
+    slots cut as the engine cuts them, without an engine."""
+
+    def __init__(self, chunk_nbytes: int, slot_bytes: int):
+        self.chunk_nbytes, self.slot_bytes = chunk_nbytes, slot_bytes
+
+    def pin(self, key: ChunkKey) -> int | None:
+        """Nothing is resident: None."""
+        return None
+
+    def unpin(self, offset: int) -> None:
+        """Nothing was pinned."""
+
+    def subscribe(self, listener: Callable[[Sequence[ChunkKey], Sequence[ChunkKey]], None]
+                  ) -> list[ChunkKey]:
+        """No chunk is readable and none will become so: []."""
+        return []
 
 
 class SecondaryTier(abc.ABC):

@@ -6,10 +6,12 @@ from kvhal.plugins import TierSpec
 @hookimpl
 def kvhal_register_tiers():
     """Register the built-in tier types."""
+    from .chunk_format import HEADER_BYTES
     from .fs import FsTier
     from .memory import MemoryTier
     return [TierSpec("memory", MemoryTier), TierSpec("fs", FsTier), TierSpec("p2p", p2p_tier),
-            TierSpec("obj", obj_tier), TierSpec("mooncake", mooncake_tier)]
+            TierSpec("obj", obj_tier), TierSpec("mooncake", mooncake_tier,
+                                                host_tail_bytes=HEADER_BYTES)]
 
 
 def _lazy(module: str, cls: str, extra: str):

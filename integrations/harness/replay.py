@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvhal.config import ConfigError, EngineConfig, parse_config
+from kvhal.config import ConfigError, EngineConfig, host_tail_bytes, parse_config
 from kvhal.engine import Direction, LayoutPlanner, Worker, build_manager, chunks_to_store, \
     leading_hits
 from kvhal.hal import DeviceBackend, host_array
@@ -400,7 +400,8 @@ class _Replayer:
             self._closers.append(lambda: backend.destroy_stream(self.compute_stream))
             self.computed = backend.create_event()
             self._closers.append(lambda: backend.destroy_event(self.computed))
-            self.geometry = host_geometry(self.chunk_bytes, cfg.cpu_bytes_to_use)
+            self.geometry = host_geometry(self.chunk_bytes, cfg.cpu_bytes_to_use,
+                                          host_tail_bytes(cfg))
             self.region = HostRegion.allocate(backend, self.geometry)
             self._closers.append(self.region.close)
             self.manager = _Timed(build_manager(cfg, self.geometry, self.region.view,

@@ -66,7 +66,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvhal.backends.cpu import CpuBackend
-from kvhal.config import EngineConfig
+from kvhal.config import EngineConfig, host_tail_bytes
 from kvhal.engine import build_manager, chunks_to_store, needed_chunks
 from kvhal.host import HostRegion, host_layout
 from kvhal.keys import chunk_keys
@@ -204,7 +204,8 @@ class SchedulerSide:
         check_shareable(deployment, len(config.secondary_tiers))
         self._seed_checked = False
         self.layout = host_layout(deployment.chunk_nbytes, config.cpu_bytes_to_use,
-                                  config.slot_shares(g.kind for g in deployment.groups))
+                                  config.slot_shares(g.kind for g in deployment.groups),
+                                  host_tail_bytes(config))
         exit_with_parent()  # a killed API server must not leave this engine holding the region
         self.region = HostRegion.create_shared(CpuBackend(), self.layout,
                                                f"{REGION_NAME_PREFIX}{engine_id}")

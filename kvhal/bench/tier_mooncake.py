@@ -61,8 +61,8 @@ class _RawMooncakeLoop:
     durability = "pool"
     o_direct = False
 
-    def __init__(self, name: str, config: dict, host: memoryview, chunk: int, count: int,
-                 threads: tuple[int, int], batch: int, registered: bool,
+    def __init__(self, name: str, config: dict, host: memoryview, chunk: int, stride: int,
+                 count: int, threads: tuple[int, int], batch: int, registered: bool,
                  header: bool = False) -> None:
         from kvhal.tiers.mooncake.client import connect, register, replicate_config
         from kvhal.tiers.mooncake.config import parse_config
@@ -72,6 +72,7 @@ class _RawMooncakeLoop:
                                                                          0))}
         cfg = parse_config(config)
         self.name, self.host, self.chunk, self.count = name, host, chunk, count
+        self.stride = stride        # chunk i at byte i * stride of `host`
         self.threads, self._batch, self._registered = threads, batch, registered
         self._client = connect(cfg)
         self._base = register(self._client, host, "host")
@@ -92,15 +93,19 @@ class _RawMooncakeLoop:
     def _names(self, rep: int, part: range) -> list[str]:
         return [f"{self._prefix}/{rep}/{i}" for i in part]
 
+    def _slot(self, i: int) -> memoryview:
+        """Chunk i's bytes in the host region."""
+        return self.host[i * self.stride:i * self.stride + self.chunk]
+
     def _buffers(self, part: range) -> tuple[list[list[int]], list[list[int]]]:
         """(addresses, sizes) of each chunk of `part`: its slot, or with `header` a chunk
         record's buffers (header, slot, padding)."""
         if not self._header:
-            return ([[self._base + i * self.chunk] for i in part],
+            return ([[self._base + i * self.stride] for i in part],
                     [[self.chunk] for _ in part])
         scratch = self._registered_ptrs[1]
         pad = [scratch + self._batch * HEADER_BYTES] if self._pad else []
-        ptrs = [[scratch + n * HEADER_BYTES, self._base + i * self.chunk, *pad]
+        ptrs = [[scratch + n * HEADER_BYTES, self._base + i * self.stride, *pad]
                 for n, i in enumerate(part)]
         sizes = [[HEADER_BYTES, self.chunk] + ([self._pad] if self._pad else []) for _ in part]
         return ptrs, sizes
@@ -116,8 +121,7 @@ class _RawMooncakeLoop:
             codes = self._client.batch_put_from_multi_buffers(names, *self._buffers(part),
                                                               self._replicate)
         else:
-            rc = self._client.put_batch(names, [self.host[i * self.chunk:(i + 1) * self.chunk]
-                                                for i in part], self._replicate)
+            rc = self._client.put_batch(names, [self._slot(i) for i in part], self._replicate)
             codes = [rc]
         if any(c != 0 for c in codes):
             raise RuntimeError(f"{self.name}: put failed: {codes}")
@@ -138,7 +142,7 @@ class _RawMooncakeLoop:
         for i, body in zip(part, self._client.get_batch(names)):
             if len(body) != self.chunk:
                 raise RuntimeError(f"{self.name}: get of chunk {i} returned {len(body)} bytes")
-            self.host[i * self.chunk:(i + 1) * self.chunk] = body
+            self._slot(i)[:] = body
 
     def write(self, rep: int) -> None:
         list(self._pools[1].map(lambda part: self.put(rep, part), self._batches()))
@@ -185,29 +189,30 @@ def forget_pass(contenders: list, rep: int) -> None:
         raw.forget(rep)
 
 
-def raw_contenders(config: dict, host: memoryview, chunk: int, count: int,
+def raw_contenders(config: dict, host: memoryview, chunk: int, stride: int, count: int,
                    threads: tuple[int, int]) -> list:
     """The registered, the plain and the record-shaped raw loop for the mooncake tier of
     `config` (module docstring), in that order."""
     from kvhal.tiers.mooncake.tier import MAX_BATCH
-    return [_RawMooncakeLoop(name, config, host, chunk, count, threads, MAX_BATCH, registered,
-                             header)
+    return [_RawMooncakeLoop(name, config, host, chunk, stride, count, threads, MAX_BATCH,
+                             registered, header)
             for name, registered, header in (("raw put_from/get_into", True, False),
                                              ("raw put/get", False, False),
                                              ("raw +header", True, True))]
 
 
-def latency_us(tier, namespace: bytes, raws: list, chunk: int) -> dict[str, dict[str, float]]:
+def latency_us(tier, namespace: bytes, raws: list, chunk: int, stride: int
+               ) -> dict[str, dict[str, float]]:
     """Median microseconds of one chunk stored, then loaded, alone (no other transfer in
     flight), per contender: {"kvhal mooncake": {"store": .., "load": .., "samples": n},
-    ...}. The kvhal
-    figure is submit to `drain` (the job's whole path, checksum and verification included)."""
-    count = min(LATENCY_CHUNKS, len(tier._host) // chunk)
+    ...}; chunk i at byte `i * stride`. The kvhal figure is submit to `drain` (the job's whole
+    path, checksum and verification included)."""
+    count = min(LATENCY_CHUNKS, len(tier._host) // stride)
     out: dict[str, dict[str, float]] = {}
     times: dict[str, list[float]] = {"store": [], "load": []}
     for kind, name in ((JobKind.STORE, "store"), (JobKind.LOAD, "load")):
         for i in range(count):
-            job = TierJob(i, kind, ChunkKey(namespace, 1, i.to_bytes(32, "big")), i * chunk,
+            job = TierJob(i, kind, ChunkKey(namespace, 1, i.to_bytes(32, "big")), i * stride,
                           chunk)
             t0 = time.perf_counter()
             (tier.submit_store if kind is JobKind.STORE else tier.submit_load)(job)

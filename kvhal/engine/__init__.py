@@ -10,7 +10,8 @@ Setup (once)::
     ns = kvhal.keys.namespace_digest(model=..., revision=..., kv_dtype=..., format_id=...,
                                      tokens_per_chunk=tpc, hash_name="sha256",
                                      hash_seed=os.environ["PYTHONHASHSEED"])
-    geo = kvhal.host.host_geometry(chunk_nbytes, cfg.cpu_bytes_to_use)
+    geo = kvhal.host.host_geometry(chunk_nbytes, cfg.cpu_bytes_to_use,
+                                   kvhal.config.host_tail_bytes(cfg))  # tiers' slot tails
     region = HostRegion.allocate(backend, geo)                  # or create_shared/attach_shared
     manager = build_manager(cfg, geo, region.view, ns)          # scheduler side
     worker = Worker(backend, planner, host_ptr=region.ptr, slot_bytes=geo.slot_bytes)

@@ -26,6 +26,7 @@ class ManagerHostAccess:
 
     Attributes:
         chunk_nbytes: Payload bytes of every chunk.
+        slot_bytes: Bytes per slot (`HostAccess.slot_bytes`).
 
     Raises:
         EngineError: the manager's slots are cut into several pools (a hybrid model's KV cache
@@ -39,6 +40,7 @@ class ManagerHostAccess:
                               "supported")
         self._manager = manager
         self.chunk_nbytes = manager.chunk_nbytes
+        self.slot_bytes = manager.slot_bytes
 
     def pin(self, key: ChunkKey) -> int | None:
         """Byte offset of `key`'s slot with one more reader, or None if the key is not

@@ -42,7 +42,8 @@ class HostGeometry:
     """How the host region is cut.
 
     Attributes:
-        slot_bytes: Bytes per slot: the canonical chunk bytes rounded up to `PAGE_BYTES`.
+        slot_bytes: Bytes per slot: the canonical chunk bytes rounded up to `PAGE_BYTES`, plus
+            the tail a tier asked for (`host_geometry`'s `tail_bytes`), page-rounded too.
         chunk_nbytes: Payload bytes of one chunk (≤ slot_bytes).
         capacity: Number of slots: `cpu_bytes_to_use // slot_bytes`.
     """
@@ -102,9 +103,10 @@ class HostLayout:
 
 
 def host_layout(chunk_nbytes: tuple[int, ...], cpu_bytes_to_use: int,
-                shares: tuple[float, ...] | None = None) -> HostLayout:
+                shares: tuple[float, ...] | None = None, tail_bytes: int = 0) -> HostLayout:
     """Cut a budget of `cpu_bytes_to_use` bytes into one pool per group, each slot the group's
-    chunk bytes rounded up to `PAGE_BYTES` (never padded to another group's chunk).
+    chunk bytes rounded up to `PAGE_BYTES` (never padded to another group's chunk), plus
+    `tail_bytes` as in `host_geometry`.
 
     Slot counts follow `shares` (relative slot counts, one per group; None: all 1.0, equal
     counts): a pool of the largest share gets n slots, pool p `max(1, floor(n * shares[p] /
@@ -127,7 +129,7 @@ def host_layout(chunk_nbytes: tuple[int, ...], cpu_bytes_to_use: int,
         if (isinstance(share, bool) or not isinstance(share, (int, float))
                 or not math.isfinite(share) or share <= 0):
             raise HostRegionError(f"shares[{i}]: must be a finite number > 0, got {share!r}")
-    slots = [host_geometry(n, 1 << 62).slot_bytes for n in chunk_nbytes]
+    slots = [host_geometry(n, 1 << 62, tail_bytes).slot_bytes for n in chunk_nbytes]
     top = max(shares)
     ratios = [Fraction(s / top).limit_denominator(1 << 20) for s in shares]
 
@@ -149,15 +151,20 @@ def host_layout(chunk_nbytes: tuple[int, ...], cpu_bytes_to_use: int,
     return HostLayout(pools, offsets)
 
 
-def host_geometry(chunk_nbytes: int, cpu_bytes_to_use: int) -> HostGeometry:
-    """Size the region for chunks of `chunk_nbytes` within a budget of `cpu_bytes_to_use`.
+def host_geometry(chunk_nbytes: int, cpu_bytes_to_use: int, tail_bytes: int = 0
+                  ) -> HostGeometry:
+    """Size the region for chunks of `chunk_nbytes` within a budget of `cpu_bytes_to_use`,
+    each slot keeping at least `tail_bytes` free after its page-rounded payload (what the
+    configured tiers ask for: `kvhal.config.host_tail_bytes`; no copy ever touches them).
 
     Raises:
-        HostRegionError: chunk_nbytes ≤ 0, or the budget holds no slot at all.
+        HostRegionError: chunk_nbytes ≤ 0, tail_bytes < 0, or the budget holds no slot at all.
     """
     if chunk_nbytes <= 0:
         raise HostRegionError(f"chunk_nbytes must be > 0, got {chunk_nbytes}")
-    slot_bytes = -(-chunk_nbytes // PAGE_BYTES) * PAGE_BYTES
+    if tail_bytes < 0:
+        raise HostRegionError(f"tail_bytes must be >= 0, got {tail_bytes}")
+    slot_bytes = (-(-chunk_nbytes // PAGE_BYTES) + -(-tail_bytes // PAGE_BYTES)) * PAGE_BYTES
     capacity = cpu_bytes_to_use // slot_bytes
     if capacity <= 0:
         raise HostRegionError(f"cpu_bytes_to_use={cpu_bytes_to_use} holds no slot of "

@@ -9,14 +9,32 @@ import textwrap
 import pytest
 
 from kvhal.backends.cpu import CpuBackend
+from kvhal.config import host_tail_bytes, parse_config
 from kvhal.hal import MemoryKind
 from kvhal.host import (ARCPolicy, HostRegion, HostRegionError, LRUPolicy, SlotTable,
-                        host_geometry)
+                        host_geometry, host_layout)
 
 
 def test_capacity_is_budget_over_slot_bytes_exactly():
     geo = host_geometry(chunk_nbytes=5000, cpu_bytes_to_use=100_000)
     assert (geo.slot_bytes, geo.capacity, geo.nbytes) == (8192, 12, 98_304)
+
+
+def test_a_tier_asking_for_a_slot_tail_gets_it_only_when_configured():
+    """A slot keeps the page-rounded tail the configured tiers ask for (mooncake: a record
+    header), and only then: with fs alone slots are cut as before."""
+    fs = parse_config({"cpu_bytes_to_use": 1 << 20,
+                       "secondary_tiers": [{"type": "fs", "root_dir": "/x"}]})
+    both = parse_config({"cpu_bytes_to_use": 1 << 20,
+                         "secondary_tiers": [{"type": "fs", "root_dir": "/x"},
+                                             {"type": "mooncake"}]})
+    assert (host_tail_bytes(fs), host_tail_bytes(both)) == (0, 4096)
+    assert host_geometry(5000, 100_000, host_tail_bytes(fs)).slot_bytes == 8192
+    assert host_geometry(5000, 100_000, host_tail_bytes(both)).slot_bytes == 12288
+    assert host_geometry(5000, 100_000, 1).slot_bytes == 12288
+    assert host_layout((5000, 4096), 1 << 20, None, 4096).pools[1].slot_bytes == 8192
+    with pytest.raises(HostRegionError, match="tail_bytes must be >= 0, got -1"):
+        host_geometry(5000, 100_000, -1)
 
 
 def test_budget_below_one_slot_is_refused():
@@ -37,6 +55,7 @@ CHILD = """
 import sys
 import numpy as np
 from kvhal.backends.cpu import CpuBackend
+from kvhal.config import host_tail_bytes, parse_config
 from kvhal.host import HostRegion, host_geometry
 region = HostRegion.attach_shared(CpuBackend(), sys.argv[1], host_geometry(4096, 4 * 4096))
 assert region.slot_array(2)[:4].tolist() == [1, 2, 3, 4], region.slot_array(2)[:4]
@@ -71,6 +90,7 @@ def test_shared_region_is_seen_by_another_process():
 CREATOR = """
 import sys, time
 from kvhal.backends.cpu import CpuBackend
+from kvhal.config import host_tail_bytes, parse_config
 from kvhal.host import HostRegion, host_geometry
 region = HostRegion.create_shared(CpuBackend(), host_geometry(4096, 4 * 4096), "kvhal-killed")
 region.slot_array(1)[:] = 7

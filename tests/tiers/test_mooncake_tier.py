@@ -15,7 +15,8 @@ import pytest
 
 from conformance.mooncake import require
 from kvhal import plugins
-from kvhal.tiers.base import Lookup, TierError
+from kvhal.host.region import host_geometry
+from kvhal.tiers.base import JobKind, Lookup, TierError, TierJob
 from kvhal.tiers.chunk_format import HEADER_BYTES, record_nbytes
 from kvhal.tiers.mooncake import MooncakeTier, parse_config
 from kvhal.tiers.mooncake.local_master import LocalMaster
@@ -75,6 +76,53 @@ def test_round_trip_is_byte_exact_and_verified(open_tier, nbytes):
     stats = tier.stats()
     assert (stats["bytes_stored"], stats["bytes_loaded"]) == (nbytes, nbytes)
     assert tier._client.get_size(tier.object_name(key)) == record_nbytes(nbytes)
+
+
+class SlotsOnly:
+    """A `HostAccess` that only describes slots (`chunk_nbytes`, `slot_bytes`), as the
+    manager's does: what the mooncake tier reads of it (it pins nothing)."""
+
+    def __init__(self, chunk_nbytes: int, slot_bytes: int):
+        self.chunk_nbytes, self.slot_bytes = chunk_nbytes, slot_bytes
+
+
+@pytest.mark.parametrize("nbytes", [N, 2 << 20], ids=["unaligned", "2MiB"])
+def test_records_lie_contiguous_in_slots_with_a_header_tail(open_tier, nbytes):
+    """Slots cut with the tier's `host_tail_bytes` (as the engine cuts them): the record of
+    slot s >= 1 moves as one buffer, its header in slot s-1's tail, and round-trips exact
+    through a tier that is not attached (records are the same either way); every byte of the
+    neighbouring slots' payloads stays as it was, and slot 0 takes the scratch path. Seen
+    failing with the header placed at the slot's start (`_header`: `job.offset`): the loads
+    fail as corrupt ("bad magic")."""
+    slot = host_geometry(nbytes, 1 << 30, plugins.tiers()["mooncake"].host_tail_bytes).slot_bytes
+    assert slot >= record_nbytes(nbytes)
+    host, array = host_region(4 * slot)
+    tier, plain = open_tier(host), open_tier()
+    tier.attach_host(SlotsOnly(nbytes, slot))
+    for s in range(4):
+        array[s * slot:s * slot + nbytes] = payload(10 + s, nbytes)
+    before = array.copy()
+    keys = [chunk_key(NAMESPACE, 10 + s) for s in range(4)]
+
+    stored = [store(tier, keys[s], s * slot, nbytes) for s in (1, 0, 3)]
+    array[slot:2 * slot] = 0
+    loaded = load(tier, keys[1], slot, nbytes)
+    plain_array = np.frombuffer(plain._host, dtype=np.uint8)
+    elsewhere, exact = [], []
+    for s in (0, 1, 3):
+        elsewhere.append(load(plain, keys[s], 0, nbytes))
+        exact.append(np.array_equal(plain_array[:nbytes], payload(10 + s, nbytes)))
+
+    assert all(r.ok for r in stored + [loaded] + elsewhere), (stored, loaded, elsewhere)
+    assert tier._contiguous(TierJob(0, JobKind.LOAD, keys[1], slot, nbytes))
+    assert not tier._contiguous(TierJob(0, JobKind.LOAD, keys[0], 0, nbytes))
+    for s in range(4):
+        assert np.array_equal(array[s * slot:s * slot + nbytes],
+                              before[s * slot:s * slot + nbytes])
+    assert exact == [True] * 3
+    assert tier._client.get_size(tier.object_name(keys[1])) == record_nbytes(nbytes)
+    assert tier.stats()["contiguous_records"] == 3            # stores of slots 1, 3; a load
+    assert plain.stats().get("contiguous_records", 0) == 0
 
 
 def test_a_second_store_of_a_key_moves_nothing(open_tier):
@@ -380,9 +428,10 @@ def test_bench_tier_mooncake_prints_tier_and_raw_loops_side_by_side():
     """`kvhal bench tier --tier mooncake` on a pool it starts itself: the tier, the registered,
     the plain and the record-shaped raw loop, one pass each, and one chunk's latency. The
     tier's own counters (not the bench's figures) say the timed pass moved each of the 4
-    chunks once each way, nothing found already stored and nothing failed. Seen failing with the kvhal contender's
-    write storing its chunks twice per pass (`already_stored`: 4, the pass timing existence
-    checks too), which passed the old checks of the ratios the bench computes itself."""
+    chunks once each way, nothing found already stored and nothing failed. Seen failing with
+    the kvhal contender's write storing its chunks twice per pass (`already_stored`: 4, the
+    pass timing existence checks too), which passed the old checks of the ratios the bench
+    computes itself."""
     require()
     out = kvhal("bench", "tier", "--tier", "mooncake", "--chunk-bytes", "256KiB", "--count",
                 "4", "--repeats", "1", "--json")
@@ -398,8 +447,9 @@ def test_bench_tier_mooncake_prints_tier_and_raw_loops_side_by_side():
         (1, 1)] * 4
     # the pass's objects are removed once read: the index drops them at its next re-check
     assert stats.pop("chunks") in (0, 4)
+    # slots cut with the tier's tail: every chunk but slot 0's moved as one buffer each way
     assert stats == {"bytes_stored": 4 * (256 << 10), "bytes_loaded": 4 * (256 << 10),
-                     "durability": "pool"}
+                     "contiguous_records": 2 * 3, "durability": "pool"}
     assert set(figures["latency_us"]) == {"kvhal mooncake", "raw put_from/get_into",
                                           "raw put/get"}
     assert figures["latency_us"]["kvhal mooncake"]["samples"] == 4
