@@ -2,19 +2,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
+
+from ..cli import kvhal
 
 from .conftest import mooncake
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TRACE = [mooncake([i]) for i in (1, 2, 1, 3, 4, 1)]  # see test_replay: LRU vs ARC
-
-
-def kvhal(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvhal.cli", *args], capture_output=True,
-                          text=True, timeout=300)
 
 
 def test_json_report_has_hits_by_level_and_reference(write_trace):

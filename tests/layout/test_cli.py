@@ -2,13 +2,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-
-def kvhal(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvhal.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+from ..cli import kvhal
 
 
 def test_layout_json_reports_every_rank():

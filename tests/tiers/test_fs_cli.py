@@ -17,22 +17,8 @@ from kvhal.tiers.chunk_format import record_nbytes
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path
 
+from ..cli import kvhal, timed_kvhal
 from .helpers import NAMESPACE, chunk_key, dead_pid, host_region, payload, store, temp_files
-
-
-def kvhal(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvhal.cli", *args], capture_output=True,
-                          text=True, timeout=300)
-
-
-def timed_kvhal(*args: str) -> tuple[subprocess.CompletedProcess, float, float]:
-    """`kvhal(*args)`, the wall seconds it took and the CPU seconds (user + system) of the
-    command and the children it waited for, by this process's own clocks."""
-    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    out = kvhal(*args)
-    wall_s = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return out, wall_s, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def assert_bench_passes_fit(result: dict, wall_s: float, cpu_s: float) -> None:

@@ -11,7 +11,8 @@ from kvhal.tiers.chunk_format import record_nbytes
 from kvhal.tiers.obj import ObjTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload, store
-from .test_fs_cli import assert_bench_passes_fit, kvhal, timed_kvhal
+from ..cli import kvhal, timed_kvhal
+from .test_fs_cli import assert_bench_passes_fit
 from .test_obj_tier import obj_config, raw_client
 
 
