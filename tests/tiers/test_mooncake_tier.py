@@ -21,8 +21,8 @@ from kvhal.tiers.chunk_format import HEADER_BYTES, record_nbytes
 from kvhal.tiers.mooncake import MooncakeTier, parse_config
 from kvhal.tiers.mooncake.local_master import LocalMaster
 
+from ..cli import kvhal
 from .helpers import NAMESPACE, chunk_key, host_region, load, payload, store, wait_for
-from .test_fs_cli import kvhal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 300001          # not a multiple of 4 KiB: the record's padding is exercised
