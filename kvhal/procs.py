@@ -11,6 +11,7 @@ multiprocessing child that must shut down cleanly, uses `integrations.vllm.lifet
 from __future__ import annotations
 
 import ctypes
+import random
 import signal
 import socket
 import subprocess
@@ -29,11 +30,51 @@ def die_with_parent() -> None:
         pass
 
 
+#: Where `free_port` looks, below Linux's ephemeral range (ip_local_port_range(7)).
+PORT_FLOOR = 20000
+_handed_out: set[int] = set()
+#: Its own generator: a test seeding `random` must not make two processes draw alike.
+_draw = random.SystemRandom()
+
+
+def _ephemeral_floor() -> int:
+    """First port of the kernel's ephemeral range (outgoing connections and port-0 binds
+    take theirs from it); 32768 (Linux's default) where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (bound to port 0, then released)."""
+    """A TCP port free on 127.0.0.1 right now, for a server another process will bind.
+
+    Drawn at random below the ephemeral range, never twice by one process: a port the kernel
+    hands out for port 0 lies inside it, where any outgoing connection made before the server
+    binds (another test worker's, vLLM's own) can take it ("Address already in use", seen in
+    CI). Falls back to port 0 where the range leaves no room below it.
+    """
+    floor = _ephemeral_floor()
+    if floor - PORT_FLOOR >= 1000:
+        for _ in range(200):
+            port = _draw.randrange(PORT_FLOOR, floor)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    """Whether nothing holds `port` on 127.0.0.1 (no listener, no connection end)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class LocalService:

@@ -110,6 +110,27 @@ _FIELDS = {  # field order of vllm.distributed.kv_events (array_like decoding fa
 }
 
 
+def _cascaded(base: str, model: str, n: int) -> str:
+    """Wait until the fs tier counted `n` cascades (stored or failed), then return `/metrics`.
+
+    Cascades finish on the fs tier's threads and the engine collects them (releasing their
+    host slots) on its next step; a one-token prompt stores nothing, evicts no cached block
+    (vLLM reuses its uncached block first) and makes such steps. Waiting after every prompt
+    keeps the next prompt's stores from finding the host slots still held by cascades (then
+    dropped: 15 of 21 counted in a loaded CI run).
+    """
+    deadline = time.monotonic() + 120
+    while True:
+        text = scrape(base)
+        done = metric(text, "vllm:kv_offload_stored_chunks_total", tier="fs") + metric(
+            text, "vllm:kv_offload_failed_chunks_total", tier="fs", kind="store")
+        if done == n:
+            return text
+        assert done < n and time.monotonic() < deadline, f"fs cascades counted: {done} of {n}"
+        _post(base, {"model": model, "prompt": [5], "max_tokens": 1})
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
@@ -144,26 +165,17 @@ def served(tmp_path_factory):
             except OSError:
                 assert time.monotonic() < deadline, "server did not start"
                 time.sleep(1)
-        replies = []
+        replies, seen = [], set()
         for name in ORDER:
             replies.append(_post(base, {"model": str(model), "prompt": PROMPTS[name],
                                         "max_tokens": 4, "temperature": 0,
                                         "ignore_eos": True}))
-        # Cascades to fs finish on its threads; the engine collects them on its next step.
-        # A one-token prompt stores nothing and makes steps until every cascade is counted.
-        deadline = time.monotonic() + 60
-        while True:
-            _post(base, {"model": str(model), "prompt": [5], "max_tokens": 1})
-            text = scrape(base)
-            done = metric(text, "vllm:kv_offload_stored_chunks_total", tier="fs") + metric(
-                text, "vllm:kv_offload_failed_chunks_total", tier="fs", kind="store")
-            if done == 21:
-                break
-            assert time.monotonic() < deadline, f"fs cascades counted: {done} of 21"
-            time.sleep(0.2)
+            seen.add(name)
+            text = _cascaded(base, str(model), len(seen) * CHUNKS)
         # ... and publishes their events on the same step; wait until the subscriber has them
+        deadline = time.monotonic() + 60
         evicted = metric(text, "vllm:kv_offload_evicted_chunks_total", tier="fs")
-        while _count(sub.events, "BlockStored", "STORAGE") < 21 or _count(
+        while _count(sub.events, "BlockStored", "STORAGE") < len(seen) * CHUNKS or _count(
                 sub.events, "BlockRemoved", "STORAGE") < evicted:
             assert time.monotonic() < deadline, "fs events did not arrive"
             time.sleep(0.1)

@@ -1,0 +1,44 @@
+"""`kvhal.procs.free_port`: ports for servers other processes bind, clear of the ports the
+kernel hands out to connections."""
+from __future__ import annotations
+
+import random
+import socket
+
+from kvhal import procs
+
+
+def test_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice():
+    """Fails when `free_port` binds port 0 (the kernel picks inside the ephemeral range, where
+    an outgoing connection can take the port before the server binds it: CI's "Address
+    already in use") or hands one process the same port twice."""
+    floor = procs._ephemeral_floor()
+    ports = [procs.free_port() for _ in range(50)]
+    assert all(procs.PORT_FLOOR <= p < floor for p in ports), (floor, ports)
+    assert len(set(ports)) == len(ports)
+
+
+def test_a_seeded_random_does_not_make_two_processes_draw_alike():
+    """Fails when `free_port` draws from `random`'s global state, which tests seed."""
+    draws = []
+    for _ in range(2):
+        random.seed(7)
+        procs._handed_out.clear()
+        draws.append([procs.free_port() for _ in range(3)])
+    assert draws[0] != draws[1]
+
+
+def test_a_port_held_by_a_listener_is_not_handed_out(monkeypatch):
+    """Fails when `free_port` returns a port a process listens on: the first port drawn is
+    held, the second is not."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            spare = s.getsockname()[1]
+        order = iter([port, spare])
+        monkeypatch.setattr(procs, "_draw", type("Drawn", (), {
+            "randrange": staticmethod(lambda lo, hi: next(order))}))
+        assert procs.free_port() == spare
