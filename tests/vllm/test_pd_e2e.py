@@ -229,13 +229,6 @@ def _common(x: dict, y: dict) -> int:
                 min(len(x["token_ids"]), len(y["token_ids"])))
 
 
-def _max_diff(x: dict, y: dict, n: int) -> float:
-    """Largest |logprob difference| over the first `n` tokens, which must be equal."""
-    assert x["token_ids"][:n] == y["token_ids"][:n]
-    return float(np.abs(np.array(x["logprobs"][:n]) - np.array(y["logprobs"][:n])).max(
-        initial=0.0))
-
-
 def test_same_tp_answers_equal_vllms_own_hit_token_for_token_logprob_for_logprob(pd):
     """TP=1 to TP=1: every turn's answer is vLLM's own prefix-cache hit at the same boundary,
     exactly. Meant to fail when the decoder reads other bytes than the prefiller computed, or
@@ -251,15 +244,39 @@ def test_same_tp_answers_equal_vllms_own_hit_token_for_token_logprob_for_logprob
                                                                      ref["logprobs"])
 
 
+def _parting(x: dict, y: dict) -> tuple[int, float]:
+    """(n, off) of two greedy answers: n the length of their common prefix of tokens, off the
+    largest |logprob difference| over those n tokens and the position where they part (where
+    each took its top token: a near tie when both saw nearly the same distribution)."""
+    n = _common(x, y)
+    k = min(n + 1, len(x["logprobs"]), len(y["logprobs"]))
+    return n, float(np.abs(np.array(x["logprobs"][:k]) - np.array(y["logprobs"][:k])).max(
+        initial=0.0))
+
+
+def test_parting_counts_the_position_where_two_answers_part():
+    """Fails when `_parting` compares only the common prefix (a parting position far off from
+    the reference would pass) or compares past it (logprobs of different tokens)."""
+    ref = {"token_ids": [1, 2, 3], "logprobs": [-6.0, -5.99, -5.9]}
+    near = {"token_ids": [1, 9, 9], "logprobs": [-6.0, -5.994, -1.0]}
+    far = {"token_ids": [1, 9, 9], "logprobs": [-6.0, -4.0, -1.0]}
+    assert _parting(near, ref) == (1, pytest.approx(0.004))
+    assert _parting(far, ref) == (1, pytest.approx(1.99))
+    assert _parting(ref, ref) == (3, 0.0)
+
+
 def test_cross_tp_answers_are_within_vllms_own_tp_spread(pd):
     """TP=1 to TP=2 and back, against vLLM's own hit at the same boundary on the decoder's TP
     size. The tiny random model's next-token distribution is nearly flat (logprobs ~ -6 for
-    1,021 tokens), so vLLM's own TP=1 and TP=2 answers part at a near tie now and then; up
-    to where they part, the P/D answer has the same tokens and logprobs no further off than
-    their spread plus a tenth of a bf16 logit step, and where they part it takes one of the
-    two. Meant to fail when the decoder reads wrong bytes (tokens or logprobs off from the
-    first token) or the reference does not hit at the same boundary; not seen failing yet
-    (the decoder computing the prompt itself also stays within the spread)."""
+    1,021 tokens), so vLLM's own TP=1 and TP=2 answers part at a near tie now and then, and so
+    may the P/D answer, whose prompt KV was computed at the prefiller's TP size and whose new
+    tokens at the decoder's (a mix neither reference is): seen under load, the TP=2 decoder's
+    answer [965, 429, 429] against 965, 965, 965 from both references, 429 at -5.9981 where
+    they took 965 at -5.9942. So up to and at the position where the P/D answer parts from
+    the reference on the decoder's TP size, its logprobs are no further off than vLLM's own
+    TP=1/TP=2 spread plus a tenth of a bf16 logit step (`_parting`). Meant to fail when the
+    decoder reads wrong bytes (logprobs off from the first token on) or the reference does
+    not hit at the same boundary."""
     block = _block(pd)
     spread, off, compared = 0.0, {}, 0
     for p, d in CROSS_TP:
@@ -267,15 +284,11 @@ def test_cross_tp_answers_are_within_vllms_own_tp_spread(pd):
             refs = turn["ref_tp1"], turn["ref_tp2"]
             assert refs[0]["cached"] == refs[1]["cached"] == boundary(turn["prompt_tokens"],
                                                                       block)
-            n = _common(*refs)
-            spread = max(spread, _max_diff(*refs, n))
-            off[(p, d, k)] = _max_diff(turn["pd"], turn[f"ref_{d}"], n)
-            if n < MAX_TOKENS:
-                assert turn["pd"]["token_ids"][n] in {r["token_ids"][n] for r in refs}
+            spread = max(spread, _parting(*refs)[1])
+            n, off[(p, d, k)] = _parting(turn["pd"], turn[f"ref_{d}"])
             compared += n
     print(f"vLLM TP=1 vs TP=2 max |logprob diff| {spread:.3g}; P/D against vLLM's own hit "
-          f"at the decoder's TP {off}; {compared} tokens compared", file=sys.stderr)
-    assert compared >= MAX_TOKENS * len(CROSS_TP)
+          f"at the decoder's TP {off}; {compared} equal tokens", file=sys.stderr)
     assert max(off.values()) <= spread + 0.1 * LOGIT_STEP
 
 
