@@ -36,7 +36,8 @@ SPEC_KINDS = {"FullAttentionSpec": Kind.FULL, "SlidingWindowSpec": Kind.SLIDING_
               "MLAAttentionSpec": Kind.MLA, "MambaSpec": Kind.MAMBA}
 
 #: torch dtype names (as `str(torch.dtype)` without "torch.") → `kvhal.layout.ELEMENT_BYTES` keys.
-_DTYPES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+_DTYPES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
+           "float8_e4m3fnuz": "fp8_e4m3fnuz"}
 #: vLLM `--kv-cache-dtype` values of a per-tensor fp8 KV cache → `ELEMENT_BYTES` keys. vLLM
 #: keeps such a page as uint8 (`STR_DTYPE_TO_TORCH_DTYPE`), so its format comes from here;
 #: "fp8" is e4m3 (vLLM's `CacheDType` documentation).
@@ -160,9 +161,12 @@ def _fp8_format(gi: int, group: Any, backend: str, cache_dtype: str, page_dtype:
 
     Only fp8, fp8_e4m3 and fp8_e5m2 are kept: vLLM's other per-tensor fp8 values hold scales
     kvhal cannot see (fp8_inc: Intel Neural Compressor's own; fp8_ds_mla: per-tile scales in
-    the page). The format comes from `cache_dtype`; a float8 page of another format, or a
-    platform whose fp8 is e4m3fnuz (ROCm on MI300: the same bytes decode to half the value),
-    is refused, so "fp8_e4m3" names OCP e4m3 bytes everywhere.
+    the page). The format comes from `cache_dtype` and the platform: where vLLM's fp8 is
+    e4m3fnuz (`Platform.is_fp8_fnuz`: ROCm on MI300, whose same bytes decode to half the OCP
+    value), e4m3 pages are kept as "fp8_e4m3fnuz", a namespace of their own, so "fp8_e4m3"
+    names OCP e4m3 bytes everywhere and MI300 instances share only with each other; e5m2 is
+    refused there (vLLM's byte format of it on fnuz platforms is not pinned down here). A
+    float8 page of another format than the one resolved is refused.
     """
     fmt = _FP8_CACHE_DTYPES.get(cache_dtype)
     if fmt is None:
@@ -170,14 +174,17 @@ def _fp8_format(gi: int, group: Any, backend: str, cache_dtype: str, page_dtype:
                       f"a per-tensor fp8 page under --kv-cache-dtype "
                       f"{cache_dtype!r}: its fp8 format is unknown or its scales "
                       "are not the layer's (kvhal keeps fp8, fp8_e4m3, fp8_e5m2)")
+    if _platform_fp8_fnuz():
+        if fmt != "fp8_e4m3":
+            raise _refuse(gi, group, backend,
+                          f"--kv-cache-dtype {cache_dtype!r} on a platform whose fp8 is "
+                          "e4m3fnuz (ROCm on MI300): kvhal keeps e4m3fnuz there "
+                          "(--kv-cache-dtype fp8 or fp8_e4m3)")
+        fmt = "fp8_e4m3fnuz"
     if page_dtype not in ("uint8", fmt):
         raise _refuse(gi, group, backend,
                       f"page dtype {page_dtype} under --kv-cache-dtype "
                       f"{cache_dtype!r} ({fmt}): its fp8 format is ambiguous")
-    if _platform_fp8_fnuz():
-        raise _refuse(gi, group, backend,
-                      f"--kv-cache-dtype {cache_dtype!r} on a platform whose fp8 is "
-                      "e4m3fnuz (ROCm on MI300): kvhal keeps OCP fp8 only")
     return fmt
 
 

@@ -12,13 +12,15 @@ from dataclasses import dataclass
 
 #: Bytes per element of each KV dtype name. Sources: IEEE 754-2008 binary16/binary32 (fp16 2 B,
 #: fp32 4 B); bfloat16 is 16 bits (Google Brain float, as in torch.bfloat16); OCP "8-bit Floating
-#: Point Specification (OFP8)" v1.0 for E4M3/E5M2 (1 B). Names follow vLLM's `--kv-cache-dtype`
-#: values (`fp8`, `fp8_e4m3`, `fp8_e5m2`) plus the torch-style spellings.
+#: Point Specification (OFP8)" v1.0 for E4M3/E5M2 (1 B); E4M3FNUZ (1 B, no infinities, no negative
+#: zero, exponent bias 8: torch.float8_e4m3fnuz, AMD MI300's fp8) is a format of its own. Names
+#: follow vLLM's `--kv-cache-dtype` values (`fp8`, `fp8_e4m3`, `fp8_e5m2`) plus the torch-style
+#: spellings.
 ELEMENT_BYTES: dict[str, int] = {
     "bf16": 2, "bfloat16": 2,
     "fp16": 2, "float16": 2, "half": 2,
     "fp32": 4, "float32": 4, "float": 4,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_e4m3fnuz": 1,
 }
 
 

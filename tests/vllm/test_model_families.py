@@ -96,9 +96,31 @@ def test_float8_page_of_another_format_than_the_cache_dtype_is_refused(cache_dty
         group_spec(0, group, model=_Model(), cache_dtype=cache_dtype)
 
 
-def test_fp8_on_a_platform_with_fnuz_fp8_is_refused(monkeypatch):
-    """ROCm on MI300 keeps "fp8" as e4m3fnuz bytes in the same uint8 page: under the OCP
-    "fp8_e4m3" namespace another instance would read them at twice their value."""
+@pytest.mark.parametrize("cache_dtype, dtype", [("fp8", torch.uint8),
+                                                ("fp8_e4m3", torch.uint8),
+                                                ("fp8", torch.float8_e4m3fnuz)])
+def test_fp8_on_a_platform_with_fnuz_fp8_is_kept_as_its_own_format(monkeypatch, cache_dtype,
+                                                                   dtype):
+    """ROCm on MI300 keeps "fp8" as e4m3fnuz bytes (the same bytes decode to half the OCP
+    value): kvhal keeps them as "fp8_e4m3fnuz", a format and so a namespace of its own, never
+    under OCP "fp8_e4m3" (where an NVIDIA instance would read them at twice their value).
+    Fails when the platform is not asked (the page becomes "fp8_e4m3") and was refused before
+    MI300 fp8 was kept."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVQuantMode
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=dtype,
+                             kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
+    monkeypatch.setattr(type(current_platform), "is_fp8_fnuz", classmethod(lambda cls: True))
+    fnuz = group_spec(0, group, model=_Model(), cache_dtype=cache_dtype)
+    assert (fnuz.dtype, fnuz.element_bytes) == ("fp8_e4m3fnuz", 1)
+    monkeypatch.setattr(type(current_platform), "is_fp8_fnuz", classmethod(lambda cls: False))
+    if dtype == torch.uint8:
+        assert group_spec(0, group, model=_Model(), cache_dtype=cache_dtype).dtype == "fp8_e4m3"
+
+
+def test_e5m2_on_a_platform_with_fnuz_fp8_is_refused(monkeypatch):
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVQuantMode
 
@@ -106,8 +128,9 @@ def test_fp8_on_a_platform_with_fnuz_fp8_is_refused(monkeypatch):
     spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.uint8,
                              kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
     group = KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
-    with pytest.raises(UnsupportedModelError, match=r"e4m3fnuz \(ROCm on MI300\)"):
-        group_spec(0, group, model=_Model(), cache_dtype="fp8")
+    with pytest.raises(UnsupportedModelError, match=r"'fp8_e5m2' on a platform whose fp8 is "
+                                                    r"e4m3fnuz \(ROCm on MI300\)"):
+        group_spec(0, group, model=_Model(), cache_dtype="fp8_e5m2")
 
 
 @pytest.mark.parametrize("mode", ["INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD", "NVFP4"])
