@@ -274,7 +274,9 @@ def test_cross_tp_answers_are_within_vllms_own_tp_spread(pd):
     answer [965, 429, 429] against 965, 965, 965 from both references, 429 at -5.9981 where
     they took 965 at -5.9942. So up to and at the position where the P/D answer parts from
     the reference on the decoder's TP size, its logprobs are no further off than vLLM's own
-    TP=1/TP=2 spread plus a tenth of a bf16 logit step (`_parting`). Meant to fail when the
+    TP=1/TP=2 spread, or one bf16 logit step where that spread is smaller (one rounding step
+    of the logits: 0.00785 was seen with a spread of 0.00794), plus a tenth of a step
+    (`_parting`). Meant to fail when the
     decoder reads wrong bytes (logprobs off from the first token on) or the reference does
     not hit at the same boundary."""
     block = _block(pd)
@@ -289,7 +291,7 @@ def test_cross_tp_answers_are_within_vllms_own_tp_spread(pd):
             compared += n
     print(f"vLLM TP=1 vs TP=2 max |logprob diff| {spread:.3g}; P/D against vLLM's own hit "
           f"at the decoder's TP {off}; {compared} equal tokens", file=sys.stderr)
-    assert max(off.values()) <= spread + 0.1 * LOGIT_STEP
+    assert max(off.values()) <= max(spread, LOGIT_STEP) + 0.1 * LOGIT_STEP
 
 
 def test_latency_of_pd_against_a_single_instance(pd):
