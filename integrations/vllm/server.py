@@ -30,7 +30,7 @@ API_SERVER = "vllm.entrypoints.openai.api_server"
 def server_argv(model: Path, port: int, *, num_blocks: int | None = None,
                 max_model_len: int | None = None,
                 kv_transfer_config: Mapping[str, Any] | None = None,
-                extra: Sequence[str] = ()) -> list[str]:
+                extra: Sequence[str] = (), python: str = sys.executable) -> list[str]:
     """The command line of a vLLM OpenAI server on `model` at 127.0.0.1:`port`: token-id
     prompts, eager mode, cached-token counts in `usage.prompt_tokens_details`.
 
@@ -40,8 +40,10 @@ def server_argv(model: Path, port: int, *, num_blocks: int | None = None,
         max_model_len: Longest prompt + output in tokens; None: the model's.
         kv_transfer_config: vLLM's `kv_transfer_config` (a connector), or None for none.
         extra: More arguments, appended as given.
+        python: The interpreter that runs vLLM (default this one; `kvhal bench serve`'s
+            LMCache contender runs the LMCache venv's).
     """
-    argv = [sys.executable, "-m", API_SERVER, "--model", str(model), "--host", "127.0.0.1",
+    argv = [python, "-m", API_SERVER, "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--enforce-eager",
             "--enable-prompt-tokens-details"]
     if num_blocks is not None:
@@ -53,20 +55,33 @@ def server_argv(model: Path, port: int, *, num_blocks: int | None = None,
     return argv + list(extra)
 
 
+class ServerDidNotStart(RuntimeError):
+    """A server exited or did not answer in time; `log` is its log file."""
+
+    def __init__(self, message: str, log: Path):
+        super().__init__(message)
+        self.log = log
+
+
 class ServerProcess:
-    """A vLLM OpenAI server running in its own session until `stop_all`.
+    """A vLLM OpenAI server (or another local HTTP server) running in its own session until
+    `stop_all`.
 
     Args:
         argv: Its command line (`server_argv`, or `["bash", "-c", script]`).
         port: The port it listens on (127.0.0.1).
         log: File receiving its stdout and stderr (overwritten).
         env: Its environment (default: this process's).
-        timeout_s: Seconds `wait_ready` waits for `/health`.
+        timeout_s: Seconds `wait_ready` waits for `health_path`.
+        health_path: The path that answers 200 once it serves (vLLM's `/health`; LMCache's
+            multiprocess server: `/healthcheck`).
     """
 
     def __init__(self, argv: Sequence[str], port: int, log: Path,
-                 env: Mapping[str, str] | None = None, timeout_s: float = 400.0):
+                 env: Mapping[str, str] | None = None, timeout_s: float = 400.0,
+                 health_path: str = "/health"):
         self.port = port
+        self.health_path = health_path
         self.base_url = f"http://127.0.0.1:{port}"
         self.env = dict(os.environ if env is None else env)
         self.log = log
@@ -83,22 +98,23 @@ class ServerProcess:
         self.stop_all()
 
     def wait_ready(self) -> None:
-        """Block until `/health` answers 200 (servers started side by side start in parallel).
+        """Block until `health_path` answers 200 (servers started side by side start in parallel).
 
         Raises:
-            RuntimeError: the server exited or did not answer within `timeout_s`; the message
-                ends with the last 3,000 characters of its log.
+            ServerDidNotStart: the server exited or did not answer within `timeout_s`; the
+                message ends with the last 3,000 characters of its log.
         """
         deadline = time.monotonic() + self.timeout_s
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop_all()
-                raise RuntimeError(f"server did not come up: {self.log.read_text()[-3000:]}")
+                raise ServerDidNotStart(
+                    f"server did not come up: {self.log.read_text()[-3000:]}", self.log)
             time.sleep(0.5)
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=10) as r:
+            with urllib.request.urlopen(f"{self.base_url}{self.health_path}", timeout=10) as r:
                 return r.status == 200
         except (OSError, urllib.error.URLError):
             return False

@@ -32,7 +32,7 @@ REUSABLE = 2 * 384                       # the second turns' 3 full blocks each
 def report(module_tmp):
     out = subprocess.run(
         [sys.executable, "-m", "kvhal.cli", "bench", "serve", *ARGS, "--contenders",
-         "vllm,kvhal-host,reference,offloading,lmcache", "--workdir", str(module_tmp),
+         "vllm,kvhal-host,reference,offloading,lmcache,lmcache-fs", "--workdir", str(module_tmp),
          "--plot", str(module_tmp / "serve.png"), "--json"],
         capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -103,5 +103,7 @@ def test_contenders_that_cannot_run_say_why(report):
     """Fails when the log's last line is reported instead of vLLM's root cause (seen: a
     resource_tracker warning)."""
     assert "only supported on CUDA-alike" in report["not_run"]["offloading"]
-    assert report["not_run"]["lmcache"].startswith("not run: LMCache is not installed")
+    for name in ("lmcache", "lmcache-fs"):        # no --lmcache-venv (CI makes none)
+        assert report["not_run"][name].startswith("not run: no LMCache venv given "
+                                                  "(--lmcache-venv PATH); make one with: ")
     assert report["plot"].stat().st_size > 10_000
