@@ -192,8 +192,8 @@ class Rig:
         self.scheduler.add_request(request)
         return request
 
-    def run(self, timeout_s: float = 120.0, after_save: Callable[[Any], None] | None = None
-            ) -> None:
+    def run(self, timeout_s: float = 120.0, after_save: Callable[[Any], None] | None = None,
+            after_load: Callable[[Any], None] | None = None) -> None:
         """Step until the scheduler has no request left (and no delayed free), as an engine
         does: steps that schedule nothing (waiting on kvhal's transfers) go on, 1 ms apart.
         A loaded machine runs the transfers' threads late, so a bound on steps (200 once
@@ -206,20 +206,24 @@ class Rig:
         while self.scheduler.has_requests():
             if time.monotonic() > deadline:
                 raise AssertionError(f"not done after {timeout_s} s ({steps} steps)")
-            if not self.step(after_save):
+            if not self.step(after_save, after_load):
                 time.sleep(0.001)
             steps += 1
 
     # -- one engine step ---------------------------------------------------------------------
-    def step(self, after_save: Callable[[Any], None] | None = None) -> int:
+    def step(self, after_save: Callable[[Any], None] | None = None,
+             after_load: Callable[[Any], None] | None = None) -> int:
         """One `schedule` → worker step → `update_from_output`; `after_save(metadata)` runs
-        right after `wait_for_save` issued the stores of the step's `KVHalMetadata`. Returns
-        the tokens the step scheduled."""
+        right after `wait_for_save` issued the stores of the step's `KVHalMetadata`, and
+        `after_load(metadata)` right after `start_load_kv` issued a step's synchronous loads
+        (before the forward waits for them). Returns the tokens the step scheduled."""
         out = self.scheduler.schedule()
         worker, meta = self.worker, out.kv_connector_metadata
         worker.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
             worker.start_load_kv(None)
+            if after_load is not None:
+                after_load(meta)
         for name in self.specs:
             worker.wait_for_layer_load(name)
         self._forward(out)

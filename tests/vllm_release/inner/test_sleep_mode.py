@@ -38,8 +38,20 @@ class FaultySlowBackend(CpuBackend):
 
 
 @pytest.fixture
-def rig(monkeypatch):
-    monkeypatch.setattr(plugins, "select_backend", lambda name=None: FaultySlowBackend())
+def backends(monkeypatch):
+    """The `FaultySlowBackend`s the rig's worker side selected (one per `select_backend`)."""
+    made: list[FaultySlowBackend] = []
+
+    def select(name=None):
+        made.append(FaultySlowBackend())
+        return made[-1]
+
+    monkeypatch.setattr(plugins, "select_backend", select)
+    return made
+
+
+@pytest.fixture
+def rig(backends):
     rig = Rig("full", {"cpu_bytes_to_use": 32 << 20})
     yield rig
     rig.close()
@@ -76,6 +88,36 @@ def test_stores_in_flight_at_sleep_finish_before_the_kv_is_discarded(rig):
         for p in range(96):
             row = rig.attention_row(name, blocks[p // 16], p % 16)
             assert (row == pattern(tokens[p], p, layer)).all(), (name, p)
+
+
+def test_loads_in_flight_at_sleep_land_before_the_kv_is_discarded(rig, backends):
+    """b's synchronous loads from the host tier are issued (each copy 50 ms late) when the
+    sleep begins: `unregister_kv_caches` must return only once they have written the device
+    KV, so that no copy writes it after vLLM discarded it (on a GPU: memory unmapped or handed
+    to another allocation). After the sleep the device KV is zeroed and every stream of the
+    backend flushed: it must still be all zeros. Seen failing with the wait in
+    `WorkerSide.unregister_kv_caches` removed (the loads landed after the zeroing: 98,048
+    non-zero elements)."""
+    tokens = prompt(4, 100)
+    rig.add("a", tokens)
+    rig.run()
+    assert rig.scheduler.reset_prefix_cache()
+    late = []
+
+    def sleep(meta) -> None:        # right after b's loads were issued
+        if meta.loads and not late:
+            rig.worker.unregister_kv_caches()
+            for tensor in rig.kv_caches.values():
+                tensor.zero_()      # sleep discards the device KV
+            for backend in backends:    # any copy still queued lands now
+                for stream in list(backend._workers):
+                    stream.synchronize()
+            late.append(sum(int(t.count_nonzero()) for t in rig.kv_caches.values()))
+            rig.worker.restore_kv_caches()
+
+    rig.add("b", tokens)
+    rig.run(after_load=sleep)
+    assert late == [0]
 
 
 def test_restore_refuses_kv_tensors_that_moved(rig):
