@@ -10,6 +10,7 @@ connections and threads; the decoder's slots and threads.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -19,7 +20,7 @@ import pytest
 from kvhal.engine.manager import Manager
 from kvhal.host.policy import LRUPolicy
 from kvhal.host.slots import SlotTable
-from kvhal.tiers.base import JobKind
+from kvhal.tiers.base import JobKind, Lookup
 from kvhal.tiers.p2p import P2PTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload, wait_for
@@ -89,6 +90,23 @@ class Decoder:
             return len(self.landed) >= count
         wait_for(ended, timeout_s, "the decoder's pulls")
         return self.landed
+
+    def store(self, ctx: str, first: int, count: int) -> list:
+        """Store chunks first.. for `ctx` (bytes `payload(i, SLOT)`) and wait for the p2p
+        tier's store jobs; their results, in chunk order."""
+        keys = [chunk_key(NAMESPACE, i) for i in range(first, first + count)]
+        plan = self.manager.prepare_store(keys, context=ctx)
+        for index, slot in zip(plan.indices.tolist(), plan.slots.tolist()):
+            self.array[slot * SLOT:(slot + 1) * SLOT] = payload(first + index, SLOT)
+        self.manager.complete_store(plan.job_id)
+        stored = {}
+
+        def ended():
+            stored.update((INDEX[r.key], r) for r in self.manager.poll()
+                          if r.kind is JobKind.STORE)
+            return len(stored) >= count
+        wait_for(ended, 10, "the p2p tier's stores")
+        return [stored[i] for i in range(first, first + count)]
 
     def chunk_bytes(self, i: int) -> np.ndarray:
         slot = self.manager.slots.index[chunk_key(NAMESPACE, i)]
@@ -415,3 +433,33 @@ def test_decoder_killed_mid_pull_the_prefiller_reaps_and_leaks_nothing(prefiller
     wait_for(lambda: p.stats().get("park_reaped") == 1, 15, "the reap")
     wait_for(lambda: released(p) and p.stats()["connections"] == 0
              and p.stats()["threads"] <= threads, 15, "the prefiller's release")
+
+
+@pytest.mark.parametrize("block,why", [
+    ({}, "kv_transfer_params.remote_decoder.kv_request_id must be a string of 1..200 "
+         "characters, got None"),
+    ({"kv_request_id": 7}, "kv_transfer_params.remote_decoder.kv_request_id must be a "
+                           "string of 1..200 characters, got 7"),
+    (["pd-14"], "kv_transfer_params.remote_decoder must be an object with kv_request_id, got "
+                "list ['pd-14']"),
+], ids=["no-id", "int-id", "list"])
+def test_malformed_remote_decoder_fails_the_legs_stores(decoder, block, why, caplog):
+    """A prefill leg whose `remote_decoder` block has no usable id: vLLM's tier fails its
+    stores (`orchestration` module docstring: `_parse_dest`, `submit_store`), and so does
+    kvhal's, with one ERROR naming the request, the key and the value; the chunks stay in the
+    host tier and nothing is parked. Seen failing with the block ignored as before
+    (`open_request` answered False: not a leg, its stores ok) and, with the parse fixed, with
+    `P2PTier.submit_store` not checking `park_error`: `[(True, None), (True, None)]`."""
+    inst = decoder()
+    with caplog.at_level(logging.ERROR, "kvhal.tiers.p2p.orchestration"):
+        assert inst.manager.open_request("p1", {"remote_decoder": block})
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"request p1: {why}; ")
+
+    results = inst.store("p1", 0, 2)
+
+    assert [(r.ok, r.error) for r in results] == [(False, why)] * 2
+    stats = inst.tier.stats()
+    assert (stats["store_failed"], stats["parked_ids"], stats["parked_held"]) == (2, 0, 0)
+    assert inst.manager.lookup([chunk_key(NAMESPACE, i) for i in range(2)]) == [Lookup.HIT] * 2
+    inst.manager.close_request("p1")

@@ -67,7 +67,8 @@ an id not heard of yet waits for its leg as long as the fetch waits (the decoder
 tombstone: the late leg parks nothing); a record nobody fetches is reaped after
 `unbound_store_timeout_s`, its id refused for 60 s more (vLLM's rules). A server thread
 waiting on a fetch checks every 0.2 s that its peer is still connected, so a killed decoder
-holds nothing. `remote_kv_source` pulls by key from the named peer (nothing parked).
+holds nothing. `remote_kv_source` pulls by key from the named peer (nothing parked). A
+malformed `remote_decoder` block fails the leg's stores (vLLM's rule, `orchestration.py`).
 
 Faults. Every job carries a deadline of `timeout_s` from its submission, applied to every
 socket call, so a killed, stopped or slow peer fails the job in time (a failed load is a

@@ -173,8 +173,13 @@ class P2PTier(BoardedTier):
     def submit_store(self, job: TierJob) -> None:
         """Make the chunk available to peers (see `SecondaryTier.submit_store`). Attached to a
         host tier the chunk is served from its slot already: the job ends here, at once. A
-        prefill leg's chunk is also parked under its id (pinned until its decoder is done)."""
+        prefill leg's chunk is also parked under its id (pinned until its decoder is done);
+        the store of a request whose `remote_decoder` block is malformed fails at once with
+        `Orchestration.park_error`, storing nothing (vLLM's p2p tier fails it too)."""
         orch = self._requests.get(job.request) if job.request is not None else None
+        if orch is not None and orch.park_error is not None:
+            self._jobs.finish(job, orch.park_error)
+            return
         park_id = orch.park_id if orch is not None else None
         if self._attached:
             problem = job_problem(job, len(self._host), self.namespace)
