@@ -463,3 +463,40 @@ def test_malformed_remote_decoder_fails_the_legs_stores(decoder, block, why, cap
     assert (stats["store_failed"], stats["parked_ids"], stats["parked_held"]) == (2, 0, 0)
     assert inst.manager.lookup([chunk_key(NAMESPACE, i) for i in range(2)]) == [Lookup.HIT] * 2
     inst.manager.close_request("p1")
+
+
+@pytest.mark.parametrize("first_use", ["finished", "replaced"])
+def test_a_late_done_of_a_reused_id_leaves_the_new_leg_parked(prefiller, decoder, first_use):
+    """The orchestrator reuses an id at once, and the first decoder's `done` reaches the
+    prefiller only after the second leg parked its chunks. That `done` names the generation
+    the first decoder fetched from, older than the new leg's record, and releases nothing of
+    it (`done_stale`): the second decoder gets every chunk, and its own `done` releases them.
+    "finished": the first decoder fetched all of its sealed leg (that record ended);
+    "replaced": it fetched chunk 0 of 2, and the second leg opened while the first was live.
+    Seen failing with `Parking.finish` ignoring the generation (as before the fix): the late
+    `done` released the second leg, (parked_held, reading_slots, done_stale) was (0, 0, None),
+    and the second decoder's pulls were refused "kv_request_id finished"."""
+    p = prefiller()
+    assert p.leg("p1", "pd-15") and p.store("p1", 0, 2) == 2
+    p.close_leg("p1")
+    first = decoder()
+    wanted = 2 if first_use == "finished" else 1
+    first.pull("d1", decode_params(p, "pd-15"), 0, wanted)
+    assert all(ok for ok, _, _ in first.collect(wanted).values())
+    if first_use == "finished":
+        wait_for(lambda: released(p), 10, "the end of the first leg's record")
+    assert p.leg("p2", "pd-15") and p.store("p2", 2, 2) == 2      # the id reused at once
+    p.close_leg("p2")
+    first.manager.close_request("d1")
+    first.close()                   # joins the pull thread: the prefiller answered its `done`
+
+    stats = p.stats()
+    assert (stats["parked_held"], stats["reading_slots"], stats.get("done_stale")) == (2, 2, 1)
+    second = decoder()
+    second.pull("d2", decode_params(p, "pd-15"), 2, 2)
+    landed = second.collect(2)
+    assert [(ok, error) for ok, error, _ in landed.values()] == [(True, None)] * 2
+    for i in (2, 3):
+        np.testing.assert_array_equal(second.chunk_bytes(i), payload(i, SLOT))
+    second.manager.close_request("d2")
+    wait_for(lambda: released(p), 10, "the prefiller's release")

@@ -195,12 +195,16 @@ class Puller:
         conn.close()
 
     def pull(self, peer: Peer, key: ChunkKey, out: memoryview, deadline: float,
-             parked: tuple[str, float] | None = None) -> None:
+             parked: tuple[str, float] | None = None) -> int:
         """Fill `out` with chunk `key` from `peer`, checked (see module docstring).
 
         Args:
             parked: (kv_request_id, wait_s) of a decode leg: ask for the chunk the prefill
                 leg parks under that id, waiting up to wait_s for it (`fetch`).
+
+        Returns:
+            The generation of the parked record the chunk came from (`parking.py`; 0 for a
+            pull by key).
 
         Raises:
             PullError: the peer does not hold it, is busy, sent another length or digest, or
@@ -250,9 +254,12 @@ class Puller:
         if hasher.digest() != digest:
             self._count("checksum_mismatch")
             raise PullError(f"peer {where}: checksum mismatch")
+        return reply["gen"]
 
-    def finish(self, peer: Peer, kv_id: str, deadline: float) -> None:
-        """Tell `peer` this instance is done with the chunks parked under `kv_id` (`done`).
+    def finish(self, peer: Peer, kv_id: str, gen: int, deadline: float) -> None:
+        """Tell `peer` this instance is done with the chunks parked under `kv_id` (`done`),
+        having fetched last from its record of generation `gen` (0: fetched nothing; only
+        that record is released, `parking.Parking.finish`).
 
         Raises:
             PullError: the peer could not be told by `deadline`.
@@ -263,7 +270,7 @@ class Puller:
         except (AuthError, WireError, ConnectionError, TimeoutError, OSError) as exc:
             raise PullError(f"peer {where}: cannot connect ({type(exc).__name__})") from None
         try:
-            conn.send(encode("done", id=kv_id), deadline)
+            conn.send(encode("done", id=kv_id, gen=gen), deadline)
             conn.recv(deadline, "ok")
         except (WireError, ConnectionError, TimeoutError, OSError) as exc:
             self._drop(conn)

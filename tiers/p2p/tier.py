@@ -70,6 +70,8 @@ class P2PTier(BoardedTier):
         # request context -> its orchestration (manager's thread; read by pull threads)
         self._requests: dict[Hashable, Orchestration] = {}
         self._refused: set[Hashable] = set()  # decode legs whose prefiller refused the id
+        # decode leg -> latest generation of its parked record it fetched from (`parking.py`)
+        self._fetched_gen: dict[Hashable, int] = {}
         self._lock = threading.Lock()
         transport = transport or TcpTransport()
         beat = heartbeat_s(cfg.timeout_s)
@@ -147,9 +149,12 @@ class P2PTier(BoardedTier):
 
     def close_request(self, request: Hashable) -> None:
         """A prefill leg's record is sealed (the decoder is refused chunks it lacks at once);
-        a decode leg tells its prefiller it is done (its parked chunks are released)."""
+        a decode leg tells its prefiller it is done, naming the latest generation of the
+        parked record it fetched from: that record's chunks are released, never those of a
+        newer leg under a reused id (`parking.py`)."""
         with self._lock:
             orch = self._requests.pop(request, None)
+            gen = self._fetched_gen.pop(request, 0)
         self._refused.discard(request)
         if orch is None:
             return
@@ -158,13 +163,13 @@ class P2PTier(BoardedTier):
         if orch.parked and not self._jobs.closed:
             deadline = time.monotonic() + self.config.timeout_s
             try:
-                self._pullers.submit(self._finish_remote, orch, deadline)
+                self._pullers.submit(self._finish_remote, orch, gen, deadline)
             except RuntimeError:
                 pass  # closing: the prefiller reaps the id
 
-    def _finish_remote(self, orch: Orchestration, deadline: float) -> None:
+    def _finish_remote(self, orch: Orchestration, gen: int, deadline: float) -> None:
         try:
-            self._puller.finish(orch.source, orch.fetch_id, deadline)
+            self._puller.finish(orch.source, orch.fetch_id, gen, deadline)
         except PullError as exc:
             logger.info("p2p: could not tell %s that kv_request_id %r is done (%s); it "
                         "releases the chunks when it reaps the id", format_peer(orch.source),
@@ -231,6 +236,7 @@ class P2PTier(BoardedTier):
         checksum_mismatch, malformed, auth_failed, connections_refused, handshakes_dropped,
         handshake_timeouts, peer_lost, feed_resyncs, parked_chunks, park_reused, park_reaped,
         park_late (prefill legs opened after their decoder gave up: nothing parked),
+        done_stale (a decoder's late `done` of an earlier use of a reused id: ignored),
         fetch_refused; plus served_chunks, directory_chunks, peers, peers_synced, connections
         (served + pooled data connections), attached (bool), parked_ids and parked_held (P/D
         records and the chunks they pin now), fetches_waiting (decoders' fetches waiting here
@@ -304,11 +310,17 @@ class P2PTier(BoardedTier):
             parked = (orch.fetch_id, max(0.0, deadline - time.monotonic()
                                          - self.config.timeout_s))
         try:
-            self._puller.pull(orch.source, job.key,
-                              self._host[job.offset:job.offset + job.nbytes], deadline, parked)
+            gen = self._puller.pull(orch.source, job.key,
+                                    self._host[job.offset:job.offset + job.nbytes], deadline,
+                                    parked)
         except PullError as exc:
             if exc.why in ID_REFUSALS:
                 self._refused.add(job.request)
             return str(exc)
+        if orch.parked:
+            with self._lock:
+                if job.request in self._requests:   # its `done` not sent yet
+                    self._fetched_gen[job.request] = max(
+                        gen, self._fetched_gen.get(job.request, 0))
         self._jobs.count("bytes_loaded", job.nbytes)
         return None
