@@ -186,6 +186,9 @@ class SchedulerSide:
         engine_id: vLLM's `kv_transfer_config.engine_id` (names the shared host region).
         kv_events: Whether vLLM publishes KV events (`kv_events_config.enable_kv_cache_events`);
             chunks are described for them only then.
+        data_parallel_index: This engine's data-parallel index (vLLM's
+            `parallel_config.data_parallel_index`), for the tiers that take it
+            (`kvhal.config.build_tiers`: p2p listens on its `port` + it).
 
     Attributes:
         kv_cache_manager: vLLM's `KVCacheManager` (a request's block ids), set by the connector
@@ -198,7 +201,7 @@ class SchedulerSide:
     """
 
     def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str,
-                 kv_events: bool = False):
+                 kv_events: bool = False, data_parallel_index: int = 0):
         self.deployment = deployment
         self.config = config
         check_shareable(deployment, len(config.secondary_tiers))
@@ -211,7 +214,8 @@ class SchedulerSide:
                                                f"{REGION_NAME_PREFIX}{engine_id}")
         self.region_info = RegionInfo(self.region.share_path, self.layout)
         self.manager = build_manager(config, self.layout, self.region.view,
-                                     deployment.namespace)
+                                     deployment.namespace,
+                                     data_parallel_index=data_parallel_index)
         self.manager.metrics.keep_samples = True       # shipped each step (`stats.py`)
         self.kv_cache_manager: Any = None
         # tier label → vLLM CacheHitSource value of the tokens it serves

@@ -24,7 +24,7 @@ from kvhal.tiers.base import JobKind, Lookup
 from kvhal.tiers.p2p import P2PTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload, wait_for
-from .p2p_helpers import PeerProcess, config
+from .p2p_helpers import PeerProcess, config, fixed_port
 from .p2p_pd_peer import SLOT
 
 DECODER_SLOTS = 16
@@ -499,4 +499,34 @@ def test_a_late_done_of_a_reused_id_leaves_the_new_leg_parked(prefiller, decoder
     for i in (2, 3):
         np.testing.assert_array_equal(second.chunk_bytes(i), payload(i, SLOT))
     second.manager.close_request("d2")
+    wait_for(lambda: released(p), 10, "the prefiller's release")
+
+
+def test_prefiller_engine_of_data_parallel_index_2_serves_on_port_plus_2(prefiller, decoder):
+    """vLLM's p2p tier listens on its base `port` + the engine's data-parallel index, and an
+    orchestrator names that port as `remote_port` (README, "P/D with kvhal proxy"). A
+    prefiller engine of index 2 (passed as vLLM's connector passes it, through
+    `build_tiers`) listens on base + 2, where a decode leg gets every chunk; nothing listens
+    on the base port, so a leg naming it fails at once. Seen failing with the index not
+    passed on (`build_tiers` ignoring `TierSpec.instance_keys`): the prefiller listened on
+    the base port, `('127.0.0.1', base) == ('127.0.0.1', base + 2)`."""
+    base = fixed_port(span=3)
+    p = prefiller(port=base, data_parallel_index=2)
+    assert p.address == ("127.0.0.1", base + 2)
+    assert p.leg("p1", "pd-16") and p.store("p1", 0, 2) == 2
+    p.close_leg("p1")
+    d = decoder()
+
+    d.pull("d1", decode_params(p, "pd-16"), 0, 2)
+    landed = d.collect(2)
+    wrong = decoder()
+    wrong.pull("d2", {"remote_prefiller": {"kv_request_id": "pd-16", "remote_host": "127.0.0.1",
+                                           "remote_port": base}}, 0, 1)
+    (ok, error, _), = wrong.collect(1).values()
+
+    assert [(ok, error) for ok, error, _ in landed.values()] == [(True, None)] * 2
+    for i in range(2):
+        np.testing.assert_array_equal(d.chunk_bytes(i), payload(i, SLOT))
+    assert not ok and error == f"peer 127.0.0.1:{base}: cannot connect (ConnectionRefusedError)"
+    d.manager.close_request("d1")
     wait_for(lambda: released(p), 10, "the prefiller's release")

@@ -11,7 +11,7 @@ from kvhal.keys import ChunkKey
 from ..base import HostAccess, Lookup, TierError, TierJob, job_problem
 from ..jobs import BoardedTier, JobBoard, JobPool
 from .client import FeedLink, Puller, PullError, format_peer
-from .config import parse_address, parse_config
+from .config import listen_port, parse_address, parse_config
 from .directory import Directory
 from .orchestration import Orchestration, parse
 from .parking import ID_REFUSALS, Parking
@@ -39,12 +39,18 @@ class P2PTier(BoardedTier):
         host: Writable, C-contiguous memoryview (format "B") of the host region.
         namespace: 16-byte namespace digest; only keys of it are stored or loaded.
         transport: How bytes move (default plain TCP).
+        data_parallel_index: The serving engine's data-parallel index (vLLM's
+            `parallel_config.data_parallel_index`, passed by `kvhal.config.build_tiers`):
+            the listener binds `port` + it, as vLLM's p2p tier does, so each DP engine of a
+            server has its own port (a `port` of 0 stays ephemeral).
 
     Attributes:
-        identity: "host:port" peers name this instance by (the bound port if `port` is 0).
+        identity: "host:port" peers name this instance by: the bound port, i.e. `port` +
+            `data_parallel_index` (an ephemeral one if `port` is 0).
 
     Raises:
-        TierError: bad config, or the listener cannot bind (`port: ...`).
+        TierError: bad config, a negative `data_parallel_index` or one that puts the port
+            past 65535, or the listener cannot bind (`port: ...`).
     """
 
     name = "p2p"
@@ -53,10 +59,11 @@ class P2PTier(BoardedTier):
     hit_source = "p2p"
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes, *,
-                 transport: Transport | None = None):
+                 transport: Transport | None = None, data_parallel_index: int = 0):
         cfg = parse_config(config)
         if not host.contiguous or host.itemsize != 1:
             raise TierError("host: the host region must be a C-contiguous byte memoryview")
+        port = listen_port(cfg.port, data_parallel_index)
         self.config = cfg
         self.namespace = bytes(namespace)
         self._host = host
@@ -76,13 +83,13 @@ class P2PTier(BoardedTier):
         transport = transport or TcpTransport()
         beat = heartbeat_s(cfg.timeout_s)
         try:
-            self._server = Server(transport, cfg.host, cfg.port, cfg.auth_key, self._feed,
+            self._server = Server(transport, cfg.host, port, cfg.auth_key, self._feed,
                                   self._source, timeout_s=cfg.timeout_s, heartbeat_s=beat,
                                   max_inflight=cfg.max_inflight, count=self._jobs.count,
                                   parking=self._parking)
         except OSError as exc:
             self._parking.close()
-            raise TierError(f"port: cannot listen on {cfg.host}:{cfg.port} "
+            raise TierError(f"port: cannot listen on {cfg.host}:{port} "
                             f"({exc.strerror or exc})") from None
         self._self_peer = (cfg.advertise_host, self._server.address[1])
         self.identity = format_peer(self._self_peer)
