@@ -530,3 +530,76 @@ def test_prefiller_engine_of_data_parallel_index_2_serves_on_port_plus_2(prefill
     assert not ok and error == f"peer 127.0.0.1:{base}: cannot connect (ConnectionRefusedError)"
     d.manager.close_request("d1")
     wait_for(lambda: released(p), 10, "the prefiller's release")
+
+
+def source_params(peer, kv_id: str) -> dict:
+    host, port = peer.address
+    return {"remote_kv_source": {"kv_request_id": kv_id, "remote_host": host,
+                                 "remote_port": port}}
+
+
+def settled(d: Decoder, ctx: str, keys: list) -> list:
+    """`ctx`'s tier answers for `keys` once the named peer answered (no RETRY left)."""
+    answers = []
+
+    def done():
+        answers[:] = [d.tier.lookup_for(k, ctx) for k in keys]
+        return Lookup.RETRY not in answers
+    wait_for(done, 10, "the named peer's answer")
+    return answers
+
+
+def test_remote_kv_source_claims_only_what_the_named_peer_holds(prefiller, decoder):
+    """A load-balancing request names a peer whose host tier holds chunks 0-2 of its 5. Its
+    first lookup claims none of them (UNDECIDED: the peer is being asked, vLLM asks again),
+    the answers then settle on what the peer holds, and exactly those three are pulled, byte
+    exact, with no failed load. Seen failing with `lookup_for` answering HIT unasked (as
+    before the fix): the first lookup claimed all five, `[RETRY] * 5` (promotions started),
+    and the pulls of chunks 3-4 failed "miss (not held)"."""
+    p = prefiller()
+    assert p.store("src", 0, 3) == 3
+    d = decoder()
+    keys = [chunk_key(NAMESPACE, i) for i in range(5)]
+    assert d.manager.open_request("lb", source_params(p, "lb-1"))
+
+    first = d.manager.lookup(keys, context="lb")
+    answers = settled(d, "lb", keys)
+    again = d.manager.lookup(keys, context="lb")
+    landed = d.collect(3)
+
+    assert first == [Lookup.UNDECIDED] * 5
+    assert answers == [Lookup.HIT] * 3 + [Lookup.MISS] * 2
+    assert again == [Lookup.RETRY] * 3 + [Lookup.MISS] * 2
+    assert sorted((i, ok, error) for i, (ok, error, _) in landed.items()) == [
+        (0, True, None), (1, True, None), (2, True, None)]
+    for i in range(3):
+        np.testing.assert_array_equal(d.chunk_bytes(i), payload(i, SLOT))
+    stats = d.tier.stats()
+    assert (stats["probed_keys"], stats.get("load_failed", 0)) == (5, 0)
+    wait_for(lambda: (p.stats().get("chunks_served"), p.stats()["reading_slots"]) == (3, 0),
+             10, "3 chunks served, nothing pinned (a probe pins nothing)")
+    d.manager.close_request("lb")
+
+
+def test_remote_kv_source_naming_a_dead_peer_misses_without_a_pull(prefiller, decoder):
+    """The named peer was killed: the probe fails within `timeout_s` (2 s), every chunk is a
+    MISS from then on and nothing is pulled. Seen failing with a failed probe leaving its keys
+    RETRY (`Probes._drain` not settling them; the request would be asked about forever):
+    "timed out after 10 s waiting for the named peer's answer"."""
+    p = prefiller()
+    p.kill()
+    d = decoder()
+    keys = [chunk_key(NAMESPACE, i) for i in range(3)]
+    assert d.manager.open_request("lb", source_params(p, "lb-2"))
+    start = time.monotonic()
+
+    first = d.manager.lookup(keys, context="lb")
+    answers = settled(d, "lb", keys)
+
+    assert time.monotonic() - start < 2.0 + 3.0
+    assert first == [Lookup.UNDECIDED] * 3
+    assert answers == [Lookup.MISS] * 3
+    assert d.manager.lookup(keys, context="lb") == [Lookup.MISS] * 3
+    stats = d.tier.stats()
+    assert (stats["probed_keys"], stats["probe_failed"], stats.get("load_failed", 0)) == (3, 3, 0)
+    d.manager.close_request("lb")

@@ -32,6 +32,8 @@ VALID = {
     "busy": {},
     "fetch": dict(id="pd-6f1c", key=KEY, n=2 << 20, wait_ms=30_000),
     "done": dict(id="pd-6f1c", gen=3),
+    "probe": dict(keys=[KEY, chunk_key(NAMESPACE, 2)]),
+    "held": dict(keys=[KEY]),
 }
 
 

@@ -20,8 +20,9 @@ before their proof: `MAX_HANDSHAKING` of them arriving within one handshake of a
   the chunk under `id` (`parking.py`), then is answered as a `get` whose `chunk` carries the
   parked record's generation, or `miss(why)` at once when the id or the chunk is refused;
   `done(id, gen)` (the decoder is finished with `id`, having fetched last from generation
-  `gen`, 0 if none: that record's parked chunks are released) is answered `ok`. The chunk is
-  held
+  `gen`, 0 if none: that record's parked chunks are released) is answered `ok`; `probe(keys)`
+  is answered `held(keys)` with those of them the source holds now (readable; nothing pinned:
+  `probe.py`). The chunk is held
   (`Source.acquire`: host slot pinned) for the whole transfer and released after it; `sum` is
   the xxh3-128 digest the bytes had when stored (own store: bytes damaged since then fail the
   puller's check), or the digest of the pinned host slot taken at its first serve
@@ -58,6 +59,8 @@ class Source(Protocol):
     """Where served chunks come from (`source.HostSource` or `source.OwnStore`)."""
 
     def acquire(self, key: ChunkKey) -> Served | None: ...
+
+    def hold(self, key: ChunkKey) -> Callable[[], None] | None: ...
 
 
 class Server:
@@ -180,7 +183,12 @@ class Server:
 
     def _serve_data(self, conn: Connection) -> None:
         while not self._closed:
-            request = conn.recv(time.monotonic() + IDLE_S, "get", "fetch", "done")
+            request = conn.recv(time.monotonic() + IDLE_S, "get", "fetch", "done", "probe")
+            if request["t"] == "probe":
+                held = [key for key in request["keys"] if self._holds(key)]
+                self._count("probes_served")
+                conn.send(encode("held", keys=held), time.monotonic() + self._timeout_s)
+                continue
             if request["t"] == "done":
                 self._parking.finish(request["id"], request["gen"])
                 conn.send(encode("ok"), time.monotonic() + self._timeout_s)
@@ -206,6 +214,14 @@ class Server:
                 self._slots.release()
             if sent and request["t"] == "fetch":
                 self._parking.fetched(request["id"], request["key"], gen)
+
+    def _holds(self, key: ChunkKey) -> bool:
+        """Whether the source holds `key` readable now (held and let go at once)."""
+        release = self.source.hold(key)
+        if release is None:
+            return False
+        release()
+        return True
 
     def _serve_chunk(self, conn: Connection, key: ChunkKey, nbytes: int,
                      deadline: float, gen: int) -> bool:

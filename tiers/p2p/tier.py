@@ -15,6 +15,7 @@ from .config import listen_port, parse_address, parse_config
 from .directory import Directory
 from .orchestration import Orchestration, parse
 from .parking import ID_REFUSALS, Parking
+from .probe import Probes
 from .server import Server
 from .source import Feed, HostSource, OwnStore
 from .transport import TcpTransport, Transport
@@ -98,6 +99,8 @@ class P2PTier(BoardedTier):
         self._directory.replace(self._self_peer, self._feed.epoch, seq, keys)
         self._attached = False
         self._puller = Puller(transport, cfg.auth_key, self.identity, self._jobs.count)
+        self._probes = Probes(self._puller.probe, timeout_s=cfg.timeout_s,
+                              threads=cfg.num_threads, count=self._jobs.count)
         self._pullers = JobPool(cfg.num_threads, "kvhal-p2p-pull")
         self._storers = JobPool(1, "kvhal-p2p-store")
         self._links = [FeedLink(peer, transport, cfg.auth_key, self.identity,
@@ -131,10 +134,13 @@ class P2PTier(BoardedTier):
         """Take part in a request whose `kv_transfer_params` carry p2p orchestration
         (`orchestration.py`): a prefill leg opens its parking record now (a reaped id, or one
         its decoder already gave up, parks nothing: logged); a decode leg or a
-        `remote_kv_source` pulls from the named peer."""
+        `remote_kv_source` pulls from the named peer (the latter after asking it,
+        `probe.py`)."""
         orch = parse(params, request)
         if orch is None or self._jobs.closed:
             return False
+        if orch.source is not None and not orch.parked:
+            self._probes.open(request)
         if orch.park_id is not None:
             why = self._parking.open(orch.park_id)
             if why is not None:
@@ -146,13 +152,17 @@ class P2PTier(BoardedTier):
         return True
 
     def lookup_for(self, key: ChunkKey, request: Hashable) -> Lookup:
-        """A pulling request: HIT while its peer has not refused its id (the pull says
-        whether the chunk comes; vLLM's tier answers a decode leg the same way); else as
-        `lookup`."""
+        """A decode leg (`remote_prefiller`): HIT while its prefiller has not refused its id
+        (the pull waits for the chunk and says whether it comes; vLLM's tier answers a decode
+        leg the same way). A `remote_kv_source` request: the named peer is asked first, RETRY
+        until it answered, then HIT if it holds `key`, else MISS (`probe.py`; vLLM's tier
+        probes too). Other requests: as `lookup`. No I/O."""
         orch = self._requests.get(request)
         if orch is None or orch.source is None:
             return self.lookup(key)
-        return Lookup.MISS if self._jobs.closed or request in self._refused else Lookup.HIT
+        if self._jobs.closed or request in self._refused:
+            return Lookup.MISS
+        return Lookup.HIT if orch.parked else self._probes.lookup(request, orch.source, key)
 
     def close_request(self, request: Hashable) -> None:
         """A prefill leg's record is sealed (the decoder is refused chunks it lacks at once);
@@ -163,6 +173,7 @@ class P2PTier(BoardedTier):
             orch = self._requests.pop(request, None)
             gen = self._fetched_gen.pop(request, 0)
         self._refused.discard(request)
+        self._probes.close_request(request)
         if orch is None:
             return
         if orch.park_id is not None:
@@ -230,6 +241,7 @@ class P2PTier(BoardedTier):
             return
         self._pullers.shutdown(wait=True)
         self._storers.shutdown(wait=True)
+        self._probes.close()
         for link in self._links:
             link.close()
         self._feed.close()
@@ -244,7 +256,8 @@ class P2PTier(BoardedTier):
         handshake_timeouts, peer_lost, feed_resyncs, parked_chunks, park_reused, park_reaped,
         park_late (prefill legs opened after their decoder gave up: nothing parked),
         done_stale (a decoder's late `done` of an earlier use of a reused id: ignored),
-        fetch_refused; plus served_chunks, directory_chunks, peers, peers_synced, connections
+        fetch_refused, probed_keys / probe_failed (keys this instance asked named peers about,
+        and those of them that got no answer: `probe.py`), probes_served; plus served_chunks, directory_chunks, peers, peers_synced, connections
         (served + pooled data connections), attached (bool), parked_ids and parked_held (P/D
         records and the chunks they pin now), fetches_waiting (decoders' fetches waiting here
         now for a chunk or for their prefill leg)."""
@@ -323,6 +336,8 @@ class P2PTier(BoardedTier):
         except PullError as exc:
             if exc.why in ID_REFUSALS:
                 self._refused.add(job.request)
+            if not orch.parked:       # the peer lost it since it said it held it
+                self._probes.failed(job.request, job.key)
             return str(exc)
         if orch.parked:
             with self._lock:
