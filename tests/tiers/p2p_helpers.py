@@ -5,11 +5,11 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from kvhal.procs import bindable
 from kvhal.procs import free_port  # noqa: F401  (re-exported for the p2p tests)
 
 #: The shared secret of the tests' peers (a test value).
@@ -25,18 +25,9 @@ def fixed_port(span: int = 1) -> int:
     rng = random.Random()
     for _ in range(100):
         port = rng.randrange(max(1024, low - 12000), low - span + 1)
-        if all(_free(p) for p in range(port, port + span)):
+        if all(bindable(p) for p in range(port, port + span)):
             return port
     raise RuntimeError(f"no {span} free TCP ports in a row below the ephemeral range")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def config(**extra) -> dict:

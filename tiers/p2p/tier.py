@@ -257,8 +257,9 @@ class P2PTier(BoardedTier):
         park_late (prefill legs opened after their decoder gave up: nothing parked),
         done_stale (a decoder's late `done` of an earlier use of a reused id: ignored),
         fetch_refused, probed_keys / probe_failed (keys this instance asked named peers about,
-        and those of them that got no answer: `probe.py`), probes_served; plus served_chunks, directory_chunks, peers, peers_synced, connections
-        (served + pooled data connections), attached (bool), parked_ids and parked_held (P/D
+        and those of them that got no answer: `probe.py`), probes_served; plus served_chunks,
+        directory_chunks, peers, peers_synced, connections (served + pooled data
+        connections), attached (bool), parked_ids and parked_held (P/D
         records and the chunks they pin now), fetches_waiting (decoders' fetches waiting here
         now for a chunk or for their prefill leg)."""
         served = self._feed.snapshot()[1]
