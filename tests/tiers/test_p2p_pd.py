@@ -603,3 +603,33 @@ def test_remote_kv_source_naming_a_dead_peer_misses_without_a_pull(prefiller, de
     stats = d.tier.stats()
     assert (stats["probed_keys"], stats["probe_failed"], stats.get("load_failed", 0)) == (3, 3, 0)
     d.manager.close_request("lb")
+
+
+def test_an_old_prefill_leg_ending_after_its_id_was_reopened_leaves_the_new_leg_open(
+        prefiller, decoder):
+    """The orchestrator reopens an id while its first prefill leg still runs (a retry): the
+    old leg's later store parks nothing into the new leg's record (that store fails), and
+    its end does not seal it, so the new leg parks all 4 chunks and the decoder gets them.
+    Seen failing with `Parking.park` and `seal` ignoring the generation (as before): the old
+    leg's late store parked into the new record and its end sealed it, so the new leg's
+    stores were refused, (parked_held, park_reused, store_failed) `(1, 1, 4) == (4, 1, 1)`,
+    and the decoder got chunk 2 only (the rest refused, "kv_request_id finished")."""
+    p = prefiller()
+    assert p.leg("p1", "pd-17") and p.store("p1", 0, 2) == 2
+    assert p.leg("p2", "pd-17")                   # reopened while p1 still runs
+    assert p.store("p1", 2, 1) == 1               # p1's late store: resident, not parked
+    p.close_leg("p1")                             # p1 ends after p2 opened
+    assert p.store("p2", 0, 4) == 1               # chunks 0-2 resident already, all parked
+    p.close_leg("p2")
+    stats = p.stats()
+    assert (stats["parked_held"], stats["park_reused"], stats["store_failed"]) == (4, 1, 1)
+
+    d = decoder()
+    d.pull("d1", decode_params(p, "pd-17"), 0, 4)
+    landed = d.collect(4)
+
+    assert [(landed[i][0], landed[i][1]) for i in range(4)] == [(True, None)] * 4
+    for i in range(4):
+        np.testing.assert_array_equal(d.chunk_bytes(i), payload(i, SLOT))
+    d.manager.close_request("d1")
+    wait_for(lambda: released(p), 10, "the prefiller's release")

@@ -35,7 +35,10 @@ names that record's generation, or names none: a late `done` of a previous use o
 (the orchestrator reused it at once, and the old decoder's `done` arrived after the new leg
 opened) finds a newer record and leaves it alone (counted `done_stale`), so the new leg's
 decoder still gets its chunks. A `done` naming none keeps vLLM's rule (the decoder is finished
-with the id: release what is parked, or tombstone an id not opened yet).
+with the id: release what is parked, or tombstone an id not opened yet). Likewise a prefill
+leg parks into and seals only the record it opened (`park`, `seal` take its generation): an
+old leg still running when its id was opened again neither adds its chunks to the new leg's
+record nor seals it when it ends (its stores fail: `REOPENED`).
 
 Locking: the manager calls `open`, `park` and `seal` holding its own lock; `hold` and the
 releases take the manager's lock, so they are never called while this module's lock is held.
@@ -60,6 +63,8 @@ REAPED, FINISHED, GIVEN_UP, UNKNOWN, CLOSED = (
     "kv_request_id reaped", "kv_request_id finished", "kv_request_id given up by its decoder",
     "unknown kv_request_id", "tier closed")
 ID_REFUSALS = frozenset({REAPED, FINISHED, GIVEN_UP, UNKNOWN, CLOSED})
+#: Why a prefill leg parks nothing more: a newer leg opened its id again.
+REOPENED = "kv_request_id opened again by a newer prefill leg"
 #: Refusals `open` heeds: the id may not be parked under again until they expire.
 _NOT_REOPENED = frozenset({REAPED, GIVEN_UP})
 #: Seconds between checks that a waiting fetch's peer is still connected.
@@ -113,30 +118,36 @@ class Parking:
         self._reaper.start()
 
     # -- prefill leg (manager's thread) -------------------------------------------------------
-    def open(self, kv_id: str) -> str | None:
-        """Start parking under `kv_id` (a live record of it is released first). Returns None,
-        or why nothing will be parked (`REAPED` or `GIVEN_UP`: refused for now; `CLOSED`)."""
+    def open(self, kv_id: str) -> tuple[int, str | None]:
+        """Start parking under `kv_id` (a live record of it is released first). Returns (the
+        new record's generation, None), or (0, why nothing will be parked: `REAPED` or
+        `GIVEN_UP`, refused for now; `CLOSED`)."""
         with self._cond:
             refused = self._refused(kv_id, time.monotonic())
             if self._closed or refused in _NOT_REOPENED:
                 if refused == GIVEN_UP:
                     self._count("park_late")
-                return refused or CLOSED
+                return 0, refused or CLOSED
             self._gone.pop(kv_id, None)
             old = self._records.pop(kv_id, None)
-            self._records[kv_id] = _Record(next(self._gens), time.monotonic())
+            gen = next(self._gens)
+            self._records[kv_id] = _Record(gen, time.monotonic())
             self._cond.notify_all()
         if old is not None:
             self._count("park_reused")
             _release_all(old)
-        return None
+        return gen, None
 
-    def park(self, kv_id: str, key: ChunkKey) -> str | None:
-        """Hold `key` under `kv_id`; returns None, or why not (the chunk is then failed)."""
+    def park(self, kv_id: str, gen: int, key: ChunkKey) -> str | None:
+        """Hold `key` in `kv_id`'s record of generation `gen` (the one its leg opened);
+        returns None, or why not (the chunk is then failed; a newer leg's record of a reused
+        id is left alone)."""
         release = self._hold(key)
         with self._cond:
             record = self._records.get(kv_id)
-            if record is not None and not record.sealed:
+            if record is not None and record.gen != gen:
+                why = REOPENED
+            elif record is not None and not record.sealed:
                 if release is None:
                     record.failed.add(key)
                 elif key not in record.held:
@@ -150,11 +161,12 @@ class Parking:
             release()
         return why
 
-    def seal(self, kv_id: str) -> None:
-        """The prefill leg of `kv_id` ended: nothing more will be parked under it."""
+    def seal(self, kv_id: str, gen: int) -> None:
+        """The prefill leg that opened `kv_id`'s record of generation `gen` ended: nothing
+        more will be parked in it (a newer leg's record of a reused id stays open)."""
         with self._cond:
             record = self._records.get(kv_id)
-            if record is None:
+            if record is None or record.gen != gen:
                 return
             record.sealed = True
             done = self._complete(kv_id, record)

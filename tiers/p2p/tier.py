@@ -80,6 +80,8 @@ class P2PTier(BoardedTier):
         self._refused: set[Hashable] = set()  # decode legs whose prefiller refused the id
         # decode leg -> latest generation of its parked record it fetched from (`parking.py`)
         self._fetched_gen: dict[Hashable, int] = {}
+        # prefill leg -> generation of the record it opened (`parking.py`)
+        self._park_gen: dict[Hashable, int] = {}
         self._lock = threading.Lock()
         transport = transport or TcpTransport()
         beat = heartbeat_s(cfg.timeout_s)
@@ -141,14 +143,16 @@ class P2PTier(BoardedTier):
             return False
         if orch.source is not None and not orch.parked:
             self._probes.open(request)
+        gen = 0
         if orch.park_id is not None:
-            why = self._parking.open(orch.park_id)
+            gen, why = self._parking.open(orch.park_id)
             if why is not None:
                 logger.warning("request %s: kv_transfer_params.remote_decoder.kv_request_id "
                                "%r is %s; its chunks are not parked (the decoder recomputes)",
                                request, orch.park_id, why)
         with self._lock:
             self._requests[request] = orch
+            self._park_gen[request] = gen
         return True
 
     def lookup_for(self, key: ChunkKey, request: Hashable) -> Lookup:
@@ -172,12 +176,13 @@ class P2PTier(BoardedTier):
         with self._lock:
             orch = self._requests.pop(request, None)
             gen = self._fetched_gen.pop(request, 0)
+            park_gen = self._park_gen.pop(request, 0)
         self._refused.discard(request)
         self._probes.close_request(request)
         if orch is None:
             return
         if orch.park_id is not None:
-            self._parking.seal(orch.park_id)
+            self._parking.seal(orch.park_id, park_gen)
         if orch.parked and not self._jobs.closed:
             deadline = time.monotonic() + self.config.timeout_s
             try:
@@ -203,18 +208,21 @@ class P2PTier(BoardedTier):
         if orch is not None and orch.park_error is not None:
             self._jobs.finish(job, orch.park_error)
             return
-        park_id = orch.park_id if orch is not None else None
+        park = None
+        if orch is not None and orch.park_id is not None:
+            park = (orch.park_id, self._park_gen.get(job.request, 0))
         if self._attached:
             problem = job_problem(job, len(self._host), self.namespace)
-            if problem is None and park_id is not None:
-                problem = self._park(park_id, job.key)
+            if problem is None and park is not None:
+                problem = self._park(park, job.key)
             self._jobs.finish(job, problem)
         else:
-            self._jobs.submit(self._storers, lambda j: self._store(j, park_id), job)
+            self._jobs.submit(self._storers, lambda j: self._store(j, park), job)
 
-    def _park(self, park_id: str, key: ChunkKey) -> str | None:
-        why = self._parking.park(park_id, key)
-        return None if why is None else f"kv_request_id {park_id!r}: {why}"
+    def _park(self, park: tuple[str, int], key: ChunkKey) -> str | None:
+        """Park `key` under (kv_request_id, generation of the record the leg opened)."""
+        why = self._parking.park(park[0], park[1], key)
+        return None if why is None else f"kv_request_id {park[0]!r}: {why}"
 
     def submit_load(self, job: TierJob) -> None:
         """Pull the chunk, within `timeout_s` of this call: from the peer a request names
@@ -290,14 +298,14 @@ class P2PTier(BoardedTier):
         return self._directory.position(holder) == peer.feed_position()
 
     # -- jobs ---------------------------------------------------------------------------------
-    def _store(self, job: TierJob, park_id: str | None) -> str | None:
+    def _store(self, job: TierJob, park: tuple[str, int] | None) -> str | None:
         if (problem := job_problem(job, len(self._host), self.namespace)) is not None:
             return problem
         error = self._source.put(job.key, self._host[job.offset:job.offset + job.nbytes])
         if error is None:
             self._jobs.count("bytes_stored", job.nbytes)
-            if park_id is not None:
-                error = self._park(park_id, job.key)
+            if park is not None:
+                error = self._park(park, job.key)
         return error
 
     def _load(self, job: TierJob, deadline: float, orch: Orchestration | None
