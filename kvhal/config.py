@@ -219,8 +219,10 @@ def _parse_tiers(entries: Any) -> tuple[TierConfig, ...]:
     return tuple(out)
 
 
-def tier_factory(tier: TierConfig, path: str = "secondary_tiers[?]") -> Any:
-    """The factory `(config, host_view, namespace) -> SecondaryTier` of one tier entry.
+def tier_spec(tier: TierConfig, path: str = "secondary_tiers[?]") -> plugins.TierSpec:
+    """The `TierSpec` of one tier entry: its factory `(config, host_view, namespace,
+    **instance) -> SecondaryTier` and the instance facts it takes (`"pkg.mod:Factory"`: a
+    spec of that factory alone).
 
     Raises:
         ConfigError: the module cannot be imported (any exception while importing it, e.g. a
@@ -228,7 +230,7 @@ def tier_factory(tier: TierConfig, path: str = "secondary_tiers[?]") -> Any:
             returns no `TierSpec` of this type, or the named factory is not callable.
     """
     if tier.module_path is None:
-        return plugins.tiers()[tier.type].factory
+        return plugins.tiers()[tier.type]
     where = f"{path}.module_path"
     module_name, _, attr = tier.module_path.partition(":")
     try:
@@ -240,7 +242,7 @@ def tier_factory(tier: TierConfig, path: str = "secondary_tiers[?]") -> Any:
         factory = getattr(module, attr, None)
         if not callable(factory):
             raise ConfigError(where, f"{module_name!r} has no callable attribute {attr!r}")
-        return factory
+        return plugins.TierSpec(tier.type, factory)
     try:
         specs = list(getattr(module, "kvhal_register_tiers", lambda: [])() or [])
     except Exception as exc:
@@ -249,7 +251,7 @@ def tier_factory(tier: TierConfig, path: str = "secondary_tiers[?]") -> Any:
     names = [getattr(spec, "name", None) for spec in specs]
     for spec, name in zip(specs, names):
         if name == tier.type and callable(getattr(spec, "factory", None)):
-            return spec.factory
+            return spec
     raise ConfigError(where, f"{module_name!r} registers no tier of type {tier.type!r} "
                       f"(kvhal_register_tiers returned names {names})")
 
@@ -263,8 +265,14 @@ def host_tail_bytes(config: EngineConfig) -> int:
                 if t.module_path is None and t.type in registered), default=0)
 
 
-def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes) -> list[Any]:
+def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes, *,
+                data_parallel_index: int = 0) -> list[Any]:
     """Construct every secondary tier of `config`, in order.
+
+    A tier whose `TierSpec.instance_keys` names an instance fact gets it as a keyword
+    argument: `data_parallel_index`, the serving engine's data-parallel index (vLLM's
+    `parallel_config.data_parallel_index`; 0 outside data parallelism). A tier loaded as
+    `"pkg.mod:Factory"` gets none.
 
     A tier's own validation error (`TierError`/`ValueError` whose message starts with its key,
     e.g. "root_dir: ...") is re-raised as a `ConfigError` under `secondary_tiers[i]`; any other
@@ -275,13 +283,15 @@ def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes) -
         ConfigError: a tier cannot be loaded or refuses its options. Tiers built before the
             failing one are closed.
     """
+    instance = {"data_parallel_index": data_parallel_index}
     built: list[Any] = []
     try:
         for i, tier in enumerate(config.secondary_tiers):
             path = f"secondary_tiers[{i}]"
-            factory = tier_factory(tier, path)
+            spec = tier_spec(tier, path)
+            facts = {k: instance[k] for k in spec.instance_keys if k in instance}
             try:
-                built.append(factory(tier.options, host_view, namespace))
+                built.append(spec.factory(tier.options, host_view, namespace, **facts))
             except ValueError as exc:
                 key, sep, message = str(exc).partition(": ")
                 if sep and _KEY_PATH.fullmatch(key):

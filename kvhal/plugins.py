@@ -42,16 +42,23 @@ class BackendSpec:
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    """A registered secondary tier: `factory(config: dict, host_view: memoryview, **ctx)`.
+    """A registered secondary tier: `factory(config: dict, host_view: memoryview,
+    namespace: bytes, **instance)`.
 
     `host_tail_bytes`: free bytes the tier wants after every host slot's page-rounded payload
     (0: none); the engine then cuts slots that much longer (`kvhal.host.host_geometry`) and
     tells the tier the slot size (`HostAccess.slot_bytes`). mooncake: a chunk record's header,
-    so that slot s's record lies contiguous, its header in slot s-1's tail."""
+    so that slot s's record lies contiguous, its header in slot s-1's tail.
+
+    `instance_keys`: facts about the serving engine instance the factory takes as keyword
+    arguments (the integration knows them, the config does not; `kvhal.config.build_tiers`
+    passes them): "data_parallel_index" (int ≥ 0, the engine's data-parallel index, vLLM's
+    `parallel_config.data_parallel_index`; 0 outside vLLM). p2p: its listener's port offset."""
 
     name: str
     factory: Callable[..., Any]
     host_tail_bytes: int = 0
+    instance_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

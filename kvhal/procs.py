@@ -59,7 +59,7 @@ def free_port() -> int:
     if floor - PORT_FLOOR >= 1000:
         for _ in range(200):
             port = _draw.randrange(PORT_FLOOR, floor)
-            if port not in _handed_out and _bindable(port):
+            if port not in _handed_out and bindable(port):
                 _handed_out.add(port)
                 return port
     with socket.socket() as s:
@@ -67,7 +67,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
     """Whether nothing holds `port` on 127.0.0.1 (no listener, no connection end)."""
     with socket.socket() as s:
         try:

@@ -19,11 +19,23 @@ from kvhal.keys import ChunkKey
 
 
 class Lookup(enum.Enum):
-    """Answer of a lookup. RETRY: the chunk is on its way (ask again on a later step)."""
+    """Answer of a lookup.
+
+    A tier's (`SecondaryTier.lookup`): HIT (a load would succeed now), MISS, or RETRY (it
+    cannot tell yet: a check of its store or a probe of a peer is under way; asked again on a
+    later step, the answer settles to HIT or MISS).
+
+    The manager's (`Manager.lookup`): HIT (readable in host memory), MISS, RETRY (on its way
+    into host memory: a store or a promotion in flight; part of a hit, loaded once it lands),
+    or UNDECIDED (not in host memory, and a secondary tier answered RETRY: not a hit, ask
+    again on a later step; vLLM's scheduler likewise defers a request whose lookup a tier
+    answered RETRY, `OffloadingConnectorScheduler._maximal_prefix_lookup`).
+    """
 
     HIT = "hit"
     MISS = "miss"
     RETRY = "retry"
+    UNDECIDED = "undecided"
 
 
 class JobKind(enum.Enum):
@@ -166,7 +178,9 @@ class SecondaryTier(abc.ABC):
 
     @abc.abstractmethod
     def lookup(self, key: ChunkKey) -> Lookup:
-        """HIT if a load of `key` would succeed now, RETRY if it soon may, MISS otherwise.
+        """HIT if a load of `key` would succeed now, MISS if not, RETRY while the tier cannot
+        tell yet (a check under way; it must settle to HIT or MISS within the tier's own
+        bound). Never UNDECIDED (the manager's answer for a RETRY).
 
         Must not block on I/O. A HIT is a promise made in good faith: the load may still fail
         (file deleted, checksum mismatch) and is then reported as a failed job.

@@ -9,7 +9,8 @@ def kvhal_register_tiers():
     from .chunk_format import HEADER_BYTES
     from .fs import FsTier
     from .memory import MemoryTier
-    return [TierSpec("memory", MemoryTier), TierSpec("fs", FsTier), TierSpec("p2p", p2p_tier),
+    return [TierSpec("memory", MemoryTier), TierSpec("fs", FsTier),
+            TierSpec("p2p", p2p_tier, instance_keys=("data_parallel_index",)),
             TierSpec("obj", obj_tier), TierSpec("mooncake", mooncake_tier,
                                                 host_tail_bytes=HEADER_BYTES)]
 

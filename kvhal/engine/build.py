@@ -10,7 +10,8 @@ from .manager import Manager
 
 
 def build_manager(config: EngineConfig, geometry: HostGeometry | HostLayout, host_view: memoryview,
-                  namespace: bytes, *, emit_events: bool = True) -> Manager:
+                  namespace: bytes, *, emit_events: bool = True,
+                  data_parallel_index: int = 0) -> Manager:
     """A manager over `geometry.capacity` slots with `config.eviction_policy` and every
     secondary tier of `config` (each given `host_view` and `namespace`).
 
@@ -22,12 +23,14 @@ def build_manager(config: EngineConfig, geometry: HostGeometry | HostLayout, hos
         host_view: The host region's memoryview (`HostRegion.view`).
         namespace: 16-byte digest from `kvhal.keys.namespace_digest`.
         emit_events: Deliver KV events to `kvhal_kv_event` hooks.
+        data_parallel_index: The serving engine's data-parallel index, for the tiers that
+            take it (`kvhal.config.build_tiers`; p2p listens on its `port` + it).
 
     Raises:
         ConfigError: a tier cannot be built (path `secondary_tiers[i]...`).
     """
     factory = plugins.cache_policies()[config.eviction_policy].factory
-    tiers = build_tiers(config, host_view, namespace)
+    tiers = build_tiers(config, host_view, namespace, data_parallel_index=data_parallel_index)
     if isinstance(geometry, HostLayout):
         slots = SlotTable(geometry.capacities, [factory(c) for c in geometry.capacities],
                           pool_of=lambda key: key.group)

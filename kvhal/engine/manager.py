@@ -35,7 +35,7 @@ from .types import EngineError, LoadPlan, StorePlan
 
 logger = logging.getLogger(__name__)
 
-_HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
+_HIT, _MISS, _RETRY, _UNDECIDED = Lookup.HIT, Lookup.MISS, Lookup.RETRY, Lookup.UNDECIDED
 _HOST = metrics.HOST
 #: Owner of a promotion whose request was released before it landed.
 _RELEASED = object()
@@ -135,14 +135,16 @@ class Manager:
                context: Hashable | None = None) -> list[Lookup]:
         """Where each chunk of a prefix stands: HIT (in host memory now), RETRY (being written
         into host memory: a store in flight or a promotion from a secondary tier; ask again
-        later) or MISS.
+        later), UNDECIDED (not in host memory and not known yet: a secondary tier is still
+        finding out whether it holds it; not a hit, ask again later) or MISS.
 
         A miss in host memory asks the secondary tiers in order; the first that has the chunk
         starts a promotion into a reserved host slot (never evicting a chunk of `keys`) and the
         answer is RETRY until it lands; a failed promotion answers MISS once. While
         `max_promotions` slots are held by promotions, a tier hit answers RETRY without
-        starting one (a later lookup starts it). Keys after the first MISS answer MISS without
-        being looked at (a chunk is usable only after its whole prefix).
+        starting one (a later lookup starts it). If no tier has it and one answered RETRY
+        (`Lookup`: it cannot tell yet), the answer is UNDECIDED. Keys after the first MISS
+        answer MISS without being looked at (a chunk is usable only after its whole prefix).
 
         Args:
             keys: Chunk keys of one prefix, in order (may be empty).
@@ -186,7 +188,7 @@ class Manager:
             for slot in pins:
                 state[slot] += 1
             self._pins[request_id] = pins
-        retries = out.count(_RETRY)
+        retries = out.count(_RETRY) + out.count(_UNDECIDED)    # both: asked again later
         count = self.metrics.count
         count("chunk_lookups", _HOST, len(pins), "hit")
         count("chunk_lookups", _HOST, retries, "retry")
@@ -206,7 +208,7 @@ class Manager:
             found = tier.lookup_for(key, context) if t in taking else tier.lookup(key)
             self.metrics.count("chunk_lookups", self.tier_labels[t], 1, found.value)
             if found is _RETRY:
-                answer = _RETRY
+                answer = _UNDECIDED
             elif found is _HIT:
                 if len(self._promo) >= self.max_promotions:
                     self.promotions_deferred += 1

@@ -35,14 +35,15 @@ def leading_hits(answers: Sequence[Lookup]) -> int | None:
     """Chunks loadable now from the start of a prefix, given `Manager.lookup`'s answers.
 
     Returns:
-        The number of leading HITs, or None if a RETRY comes before the first MISS (a chunk is
-        on its way into host memory: ask again on a later step).
+        The number of leading HITs, or None if a RETRY or UNDECIDED comes before the first
+        MISS (a chunk is on its way into host memory, or a tier cannot tell yet whether it
+        holds it: ask again on a later step).
     """
     n = 0
     for answer in answers:
         if answer is Lookup.HIT:
             n += 1
-        elif answer is Lookup.RETRY:
+        elif answer is Lookup.RETRY or answer is Lookup.UNDECIDED:
             return None
         else:
             break

@@ -5,11 +5,11 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from kvhal.procs import bindable
 from kvhal.procs import free_port  # noqa: F401  (re-exported for the p2p tests)
 
 #: The shared secret of the tests' peers (a test value).
@@ -17,20 +17,17 @@ KEY = "kvhal-test-p2p-shared-key"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def fixed_port() -> int:
-    """A TCP port free on 127.0.0.1 now and below the kernel's ephemeral range, so no
-    ephemeral bind or outgoing connection takes it while a slow process starts to listen."""
+def fixed_port(span: int = 1) -> int:
+    """A TCP port free on 127.0.0.1 now, with the `span` - 1 ports after it (a p2p base port
+    and its data-parallel engines' ports), all below the kernel's ephemeral range, so no
+    ephemeral bind or outgoing connection takes them while a slow process starts to listen."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     rng = random.Random()
     for _ in range(100):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        port = rng.randrange(max(1024, low - 12000), low - span + 1)
+        if all(bindable(p) for p in range(port, port + span)):
             return port
-    raise RuntimeError("no free TCP port below the ephemeral range")
+    raise RuntimeError(f"no {span} free TCP ports in a row below the ephemeral range")
 
 
 def config(**extra) -> dict:

@@ -1,7 +1,9 @@
 """A P/D instance in its own process, for the P/D tests: `python -m tests.tiers.p2p_pd_peer CFG`.
 
 CFG is a JSON object: the p2p tier config plus `"slots"` (host slots of `SLOT` bytes, default
-8). The process runs a real engine manager whose host tier the p2p tier is attached to, prints
+8) and `"data_parallel_index"` (default 0: the engine's, as vLLM's connector passes it, through
+`kvhal.config.build_tiers`). The process runs a real engine manager whose host tier the p2p
+tier is attached to, prints
 one JSON line `{"identity": "host:port"}` once it serves, then answers commands on stdin, one
 line each:
     open CTX PARAMS_JSON    -> manager.open_request(CTX, params) (true/false)
@@ -21,10 +23,10 @@ import threading
 
 import numpy as np
 
+from kvhal.config import build_tiers, parse_config
 from kvhal.engine.manager import Manager
 from kvhal.host.policy import LRUPolicy
 from kvhal.host.slots import SlotTable
-from kvhal.tiers.p2p import P2PTier
 
 from .helpers import NAMESPACE, chunk_key, payload
 
@@ -34,9 +36,12 @@ SLOT = 64 << 10
 def main(argv: list[str]) -> int:
     config = json.loads(argv[0])
     capacity = config.pop("slots", 8)
+    index = config.pop("data_parallel_index", 0)
     host = memoryview(mmap.mmap(-1, SLOT * capacity))
     array = np.frombuffer(host, dtype=np.uint8)
-    tier = P2PTier(config, host, NAMESPACE)
+    tier, = build_tiers(parse_config({"cpu_bytes_to_use": SLOT * capacity,
+                                      "secondary_tiers": [config]}), host, NAMESPACE,
+                        data_parallel_index=index)
     manager = Manager(SlotTable(capacity, LRUPolicy(capacity)), slot_bytes=SLOT,
                       chunk_nbytes=SLOT, tiers=[tier], emit_events=False)
     print(json.dumps({"identity": tier.identity}), flush=True)

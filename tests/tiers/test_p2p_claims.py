@@ -60,7 +60,7 @@ class FaultyLyingTransport(FaultyServingTransport):
         header, payload_view, _ = parts
         asked = decode(bytes(header[4:]), "chunk")
         body = bytes(payload_view[:len(payload_view) + self.delta]) + bytes(max(self.delta, 0))
-        send((encode("chunk", key=self.key or asked["key"], n=len(body)), body,
+        send((encode("chunk", key=self.key or asked["key"], n=len(body), gen=0), body,
               encode("end", sum=payload_checksum(body))), deadline)
 
 

@@ -89,3 +89,21 @@ def test_engine_config_error_carries_the_list_position():
     with pytest.raises(ConfigError) as info:
         build_manager(config, host_geometry(4096, 1 << 20), host, NAMESPACE)
     assert str(info.value).startswith("secondary_tiers[0].peers[1]: must be \"host:port\"")
+
+
+@pytest.mark.parametrize("port,index,message", [
+    (65535, 1, "secondary_tiers[0].port: 65535 + data-parallel index 1 = 65536 exceeds 65535"),
+    (7000, -1, "secondary_tiers[0].port: the data-parallel index must be an integer >= 0, "
+               "got -1"),
+], ids=["past-65535", "negative"])
+def test_a_data_parallel_port_outside_the_port_range_names_port_and_index(port, index,
+                                                                         message):
+    """The engine's data-parallel index moves the listener to `port` + index (vLLM's rule);
+    a sum past 65535 or a negative index is refused naming both, not bound elsewhere."""
+    config = parse_engine_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [
+        {"type": "p2p", "auth_key": SECRET, "port": port}]})
+    host, _ = host_region(1 << 20)
+    with pytest.raises(ConfigError) as info:
+        build_manager(config, host_geometry(4096, 1 << 20), host, NAMESPACE,
+                      data_parallel_index=index)
+    assert str(info.value) == message

@@ -10,6 +10,7 @@ connections and threads; the decoder's slots and threads.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -19,11 +20,11 @@ import pytest
 from kvhal.engine.manager import Manager
 from kvhal.host.policy import LRUPolicy
 from kvhal.host.slots import SlotTable
-from kvhal.tiers.base import JobKind
+from kvhal.tiers.base import JobKind, Lookup
 from kvhal.tiers.p2p import P2PTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload, wait_for
-from .p2p_helpers import PeerProcess, config
+from .p2p_helpers import PeerProcess, config, fixed_port
 from .p2p_pd_peer import SLOT
 
 DECODER_SLOTS = 16
@@ -89,6 +90,23 @@ class Decoder:
             return len(self.landed) >= count
         wait_for(ended, timeout_s, "the decoder's pulls")
         return self.landed
+
+    def store(self, ctx: str, first: int, count: int) -> list:
+        """Store chunks first.. for `ctx` (bytes `payload(i, SLOT)`) and wait for the p2p
+        tier's store jobs; their results, in chunk order."""
+        keys = [chunk_key(NAMESPACE, i) for i in range(first, first + count)]
+        plan = self.manager.prepare_store(keys, context=ctx)
+        for index, slot in zip(plan.indices.tolist(), plan.slots.tolist()):
+            self.array[slot * SLOT:(slot + 1) * SLOT] = payload(first + index, SLOT)
+        self.manager.complete_store(plan.job_id)
+        stored = {}
+
+        def ended():
+            stored.update((INDEX[r.key], r) for r in self.manager.poll()
+                          if r.kind is JobKind.STORE)
+            return len(stored) >= count
+        wait_for(ended, 10, "the p2p tier's stores")
+        return [stored[i] for i in range(first, first + count)]
 
     def chunk_bytes(self, i: int) -> np.ndarray:
         slot = self.manager.slots.index[chunk_key(NAMESPACE, i)]
@@ -415,3 +433,203 @@ def test_decoder_killed_mid_pull_the_prefiller_reaps_and_leaks_nothing(prefiller
     wait_for(lambda: p.stats().get("park_reaped") == 1, 15, "the reap")
     wait_for(lambda: released(p) and p.stats()["connections"] == 0
              and p.stats()["threads"] <= threads, 15, "the prefiller's release")
+
+
+@pytest.mark.parametrize("block,why", [
+    ({}, "kv_transfer_params.remote_decoder.kv_request_id must be a string of 1..200 "
+         "characters, got None"),
+    ({"kv_request_id": 7}, "kv_transfer_params.remote_decoder.kv_request_id must be a "
+                           "string of 1..200 characters, got 7"),
+    (["pd-14"], "kv_transfer_params.remote_decoder must be an object with kv_request_id, got "
+                "list ['pd-14']"),
+], ids=["no-id", "int-id", "list"])
+def test_malformed_remote_decoder_fails_the_legs_stores(decoder, block, why, caplog):
+    """A prefill leg whose `remote_decoder` block has no usable id: vLLM's tier fails its
+    stores (`orchestration` module docstring: `_parse_dest`, `submit_store`), and so does
+    kvhal's, with one ERROR naming the request, the key and the value; the chunks stay in the
+    host tier and nothing is parked. Seen failing with the block ignored as before
+    (`open_request` answered False: not a leg, its stores ok) and, with the parse fixed, with
+    `P2PTier.submit_store` not checking `park_error`: `[(True, None), (True, None)]`."""
+    inst = decoder()
+    with caplog.at_level(logging.ERROR, "kvhal.tiers.p2p.orchestration"):
+        assert inst.manager.open_request("p1", {"remote_decoder": block})
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"request p1: {why}; ")
+
+    results = inst.store("p1", 0, 2)
+
+    assert [(r.ok, r.error) for r in results] == [(False, why)] * 2
+    stats = inst.tier.stats()
+    assert (stats["store_failed"], stats["parked_ids"], stats["parked_held"]) == (2, 0, 0)
+    assert inst.manager.lookup([chunk_key(NAMESPACE, i) for i in range(2)]) == [Lookup.HIT] * 2
+    inst.manager.close_request("p1")
+
+
+@pytest.mark.parametrize("first_use", ["finished", "replaced"])
+def test_a_late_done_of_a_reused_id_leaves_the_new_leg_parked(prefiller, decoder, first_use):
+    """The orchestrator reuses an id at once, and the first decoder's `done` reaches the
+    prefiller only after the second leg parked its chunks. That `done` names the generation
+    the first decoder fetched from, older than the new leg's record, and releases nothing of
+    it (`done_stale`): the second decoder gets every chunk, and its own `done` releases them.
+    "finished": the first decoder fetched all of its sealed leg (that record ended);
+    "replaced": it fetched chunk 0 of 2, and the second leg opened while the first was live.
+    Seen failing with `Parking.finish` ignoring the generation (as before the fix): the late
+    `done` released the second leg, (parked_held, reading_slots, done_stale) was (0, 0, None),
+    and the second decoder's pulls were refused "kv_request_id finished"."""
+    p = prefiller()
+    assert p.leg("p1", "pd-15") and p.store("p1", 0, 2) == 2
+    p.close_leg("p1")
+    first = decoder()
+    wanted = 2 if first_use == "finished" else 1
+    first.pull("d1", decode_params(p, "pd-15"), 0, wanted)
+    assert all(ok for ok, _, _ in first.collect(wanted).values())
+    if first_use == "finished":
+        wait_for(lambda: released(p), 10, "the end of the first leg's record")
+    assert p.leg("p2", "pd-15") and p.store("p2", 2, 2) == 2      # the id reused at once
+    p.close_leg("p2")
+    first.manager.close_request("d1")
+    first.close()                   # joins the pull thread: the prefiller answered its `done`
+
+    stats = p.stats()
+    assert (stats["parked_held"], stats["reading_slots"], stats.get("done_stale")) == (2, 2, 1)
+    second = decoder()
+    second.pull("d2", decode_params(p, "pd-15"), 2, 2)
+    landed = second.collect(2)
+    assert [(ok, error) for ok, error, _ in landed.values()] == [(True, None)] * 2
+    for i in (2, 3):
+        np.testing.assert_array_equal(second.chunk_bytes(i), payload(i, SLOT))
+    second.manager.close_request("d2")
+    wait_for(lambda: released(p), 10, "the prefiller's release")
+
+
+def test_prefiller_engine_of_data_parallel_index_2_serves_on_port_plus_2(prefiller, decoder):
+    """vLLM's p2p tier listens on its base `port` + the engine's data-parallel index, and an
+    orchestrator names that port as `remote_port` (README, "P/D with kvhal proxy"). A
+    prefiller engine of index 2 (passed as vLLM's connector passes it, through
+    `build_tiers`) listens on base + 2, where a decode leg gets every chunk; nothing listens
+    on the base port, so a leg naming it fails at once. Seen failing with the index not
+    passed on (`build_tiers` ignoring `TierSpec.instance_keys`): the prefiller listened on
+    the base port, `('127.0.0.1', base) == ('127.0.0.1', base + 2)`."""
+    base = fixed_port(span=3)
+    p = prefiller(port=base, data_parallel_index=2)
+    assert p.address == ("127.0.0.1", base + 2)
+    assert p.leg("p1", "pd-16") and p.store("p1", 0, 2) == 2
+    p.close_leg("p1")
+    d = decoder()
+
+    d.pull("d1", decode_params(p, "pd-16"), 0, 2)
+    landed = d.collect(2)
+    wrong = decoder()
+    wrong.pull("d2", {"remote_prefiller": {"kv_request_id": "pd-16", "remote_host": "127.0.0.1",
+                                           "remote_port": base}}, 0, 1)
+    (ok, error, _), = wrong.collect(1).values()
+
+    assert [(ok, error) for ok, error, _ in landed.values()] == [(True, None)] * 2
+    for i in range(2):
+        np.testing.assert_array_equal(d.chunk_bytes(i), payload(i, SLOT))
+    assert not ok and error == f"peer 127.0.0.1:{base}: cannot connect (ConnectionRefusedError)"
+    d.manager.close_request("d1")
+    wait_for(lambda: released(p), 10, "the prefiller's release")
+
+
+def source_params(peer, kv_id: str) -> dict:
+    host, port = peer.address
+    return {"remote_kv_source": {"kv_request_id": kv_id, "remote_host": host,
+                                 "remote_port": port}}
+
+
+def settled(d: Decoder, ctx: str, keys: list) -> list:
+    """`ctx`'s tier answers for `keys` once the named peer answered (no RETRY left)."""
+    answers = []
+
+    def done():
+        answers[:] = [d.tier.lookup_for(k, ctx) for k in keys]
+        return Lookup.RETRY not in answers
+    wait_for(done, 10, "the named peer's answer")
+    return answers
+
+
+def test_remote_kv_source_claims_only_what_the_named_peer_holds(prefiller, decoder):
+    """A load-balancing request names a peer whose host tier holds chunks 0-2 of its 5. Its
+    first lookup claims none of them (UNDECIDED: the peer is being asked, vLLM asks again),
+    the answers then settle on what the peer holds, and exactly those three are pulled, byte
+    exact, with no failed load. Seen failing with `lookup_for` answering HIT unasked (as
+    before the fix): the first lookup claimed all five, `[RETRY] * 5` (promotions started),
+    and the pulls of chunks 3-4 failed "miss (not held)"."""
+    p = prefiller()
+    assert p.store("src", 0, 3) == 3
+    d = decoder()
+    keys = [chunk_key(NAMESPACE, i) for i in range(5)]
+    assert d.manager.open_request("lb", source_params(p, "lb-1"))
+
+    first = d.manager.lookup(keys, context="lb")
+    answers = settled(d, "lb", keys)
+    again = d.manager.lookup(keys, context="lb")
+    landed = d.collect(3)
+
+    assert first == [Lookup.UNDECIDED] * 5
+    assert answers == [Lookup.HIT] * 3 + [Lookup.MISS] * 2
+    assert again == [Lookup.RETRY] * 3 + [Lookup.MISS] * 2
+    assert sorted((i, ok, error) for i, (ok, error, _) in landed.items()) == [
+        (0, True, None), (1, True, None), (2, True, None)]
+    for i in range(3):
+        np.testing.assert_array_equal(d.chunk_bytes(i), payload(i, SLOT))
+    stats = d.tier.stats()
+    assert (stats["probed_keys"], stats.get("load_failed", 0)) == (5, 0)
+    wait_for(lambda: (p.stats().get("chunks_served"), p.stats()["reading_slots"]) == (3, 0),
+             10, "3 chunks served, nothing pinned (a probe pins nothing)")
+    d.manager.close_request("lb")
+
+
+def test_remote_kv_source_naming_a_dead_peer_misses_without_a_pull(prefiller, decoder):
+    """The named peer was killed: the probe fails within `timeout_s` (2 s), every chunk is a
+    MISS from then on and nothing is pulled. Seen failing with a failed probe leaving its keys
+    RETRY (`Probes._drain` not settling them; the request would be asked about forever):
+    "timed out after 10 s waiting for the named peer's answer"."""
+    p = prefiller()
+    p.kill()
+    d = decoder()
+    keys = [chunk_key(NAMESPACE, i) for i in range(3)]
+    assert d.manager.open_request("lb", source_params(p, "lb-2"))
+    start = time.monotonic()
+
+    first = d.manager.lookup(keys, context="lb")
+    answers = settled(d, "lb", keys)
+
+    assert time.monotonic() - start < 2.0 + 3.0
+    assert first == [Lookup.UNDECIDED] * 3
+    assert answers == [Lookup.MISS] * 3
+    assert d.manager.lookup(keys, context="lb") == [Lookup.MISS] * 3
+    stats = d.tier.stats()
+    assert (stats["probed_keys"], stats["probe_failed"], stats.get("load_failed", 0)) == (3, 3, 0)
+    d.manager.close_request("lb")
+
+
+def test_an_old_prefill_leg_ending_after_its_id_was_reopened_leaves_the_new_leg_open(
+        prefiller, decoder):
+    """The orchestrator reopens an id while its first prefill leg still runs (a retry): the
+    old leg's later store parks nothing into the new leg's record (that store fails), and
+    its end does not seal it, so the new leg parks all 4 chunks and the decoder gets them.
+    Seen failing with `Parking.park` and `seal` ignoring the generation (as before): the old
+    leg's late store parked into the new record and its end sealed it, so the new leg's
+    stores were refused, (parked_held, park_reused, store_failed) `(1, 1, 4) == (4, 1, 1)`,
+    and the decoder got chunk 2 only (the rest refused, "kv_request_id finished")."""
+    p = prefiller()
+    assert p.leg("p1", "pd-17") and p.store("p1", 0, 2) == 2
+    assert p.leg("p2", "pd-17")                   # reopened while p1 still runs
+    assert p.store("p1", 2, 1) == 1               # p1's late store: resident, not parked
+    p.close_leg("p1")                             # p1 ends after p2 opened
+    assert p.store("p2", 0, 4) == 1               # chunks 0-2 resident already, all parked
+    p.close_leg("p2")
+    stats = p.stats()
+    assert (stats["parked_held"], stats["park_reused"], stats["store_failed"]) == (4, 1, 1)
+
+    d = decoder()
+    d.pull("d1", decode_params(p, "pd-17"), 0, 4)
+    landed = d.collect(4)
+
+    assert [(landed[i][0], landed[i][1]) for i in range(4)] == [(True, None)] * 4
+    for i in range(4):
+        np.testing.assert_array_equal(d.chunk_bytes(i), payload(i, SLOT))
+    d.manager.close_request("d1")
+    wait_for(lambda: released(p), 10, "the prefiller's release")

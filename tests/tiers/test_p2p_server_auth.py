@@ -25,7 +25,7 @@ from .p2p_helpers import KEY, config
 REPLY_S = 5.0
 GET = encode("get", key=chunk_key(NAMESPACE, 0), n=4096)
 #: A P/D decoder's "finished with this kv_request_id" (releases the prefiller's parked chunks).
-DONE = encode("done", id="request-1")
+DONE = encode("done", id="request-1", gen=0)
 #: Frames that only an authenticated client gets: a chunk, a feed page or event.
 SERVICE = ("chunk", "snap", "ev")
 

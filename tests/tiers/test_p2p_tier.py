@@ -13,7 +13,7 @@ import pytest
 from kvhal.tiers.base import JobKind, Lookup, TierJob
 from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.server import MAX_CONNECTIONS, MAX_HANDSHAKING
-from kvhal.tiers.p2p.wire import encode
+from kvhal.tiers.p2p.wire import PROTOCOL_VERSION, encode
 
 from .helpers import NAMESPACE, chunk_key, host_region, load, payload, wait_for
 from .p2p_helpers import PeerProcess, config, free_port
@@ -118,7 +118,8 @@ def test_malformed_or_unauthenticated_requests_are_dropped_and_counted(peers, ti
     attempts = [b"\xff\xff\xff\xff" + b"x" * 64,          # frame length over the limit
                 b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1",  # msgpack reserved bytes
                 get,                                      # a request before the handshake
-                encode("hello", v=1, role="data", nonce=b"n" * 16, id="x") + get]
+                encode("hello", v=PROTOCOL_VERSION, role="data", nonce=b"n" * 16,
+                       id="x") + get]
 
     replies = [_raw(peer.address, data) for data in attempts]
 

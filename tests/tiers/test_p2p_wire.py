@@ -18,7 +18,7 @@ from .helpers import NAMESPACE, chunk_key
 KEY = chunk_key(NAMESPACE, 1)
 EPOCH = bytes(range(16))
 VALID = {
-    "hello": dict(v=1, role="data", nonce=os.urandom(16), id="127.0.0.1:5000"),
+    "hello": dict(v=2, role="data", nonce=os.urandom(16), id="127.0.0.1:5000"),
     "challenge": dict(nonce=os.urandom(16), mac=os.urandom(32)),
     "auth": dict(mac=os.urandom(32)),
     "ok": {},
@@ -26,12 +26,14 @@ VALID = {
     "ev": dict(epoch=EPOCH, seq=7, gain=[KEY], lose=[]),
     "hb": dict(epoch=EPOCH, seq=7),
     "get": dict(key=KEY, n=2 << 20),
-    "chunk": dict(key=KEY, n=2 << 20),
+    "chunk": dict(key=KEY, n=2 << 20, gen=3),
     "end": dict(sum=os.urandom(16)),
     "miss": dict(why="not held"),
     "busy": {},
     "fetch": dict(id="pd-6f1c", key=KEY, n=2 << 20, wait_ms=30_000),
-    "done": dict(id="pd-6f1c"),
+    "done": dict(id="pd-6f1c", gen=3),
+    "probe": dict(keys=[KEY, chunk_key(NAMESPACE, 2)]),
+    "held": dict(keys=[KEY]),
 }
 
 

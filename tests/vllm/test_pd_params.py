@@ -38,8 +38,6 @@ def test_vllm_keys_and_precedence(params, expected):
 
 
 @pytest.mark.parametrize("params,named", [
-    ({"remote_decoder": "pd-1"}, "remote_decoder must be an object"),
-    ({"remote_decoder": {"kv_request_id": ""}}, "remote_decoder.kv_request_id"),
     ({"remote_prefiller": SOURCE | {"remote_port": 0}}, "remote_prefiller.remote_port"),
     ({"remote_prefiller": SOURCE | {"remote_host": None}}, "remote_prefiller.remote_host"),
     ({"remote_prefiller": SOURCE | {"kv_request_id": 7}}, "remote_prefiller.kv_request_id"),
@@ -55,6 +53,33 @@ def test_malformed_params_warn_naming_key_and_request_and_orchestrate_nothing(
         assert parse(params, "req-42") is None
     (record,) = caplog.records
     assert "request req-42" in record.getMessage() and named in record.getMessage()
+
+
+@pytest.mark.parametrize("block,why", [
+    ({}, "kv_transfer_params.remote_decoder.kv_request_id must be a string of 1..200 "
+         "characters, got None"),
+    ({"kv_request_id": ""}, "kv_transfer_params.remote_decoder.kv_request_id must be a "
+                            "string of 1..200 characters, got ''"),
+    ({"kv_request_id": 7}, "kv_transfer_params.remote_decoder.kv_request_id must be a "
+                           "string of 1..200 characters, got 7"),
+    ("pd-1", "kv_transfer_params.remote_decoder must be an object with kv_request_id, got "
+             "str 'pd-1'"),
+], ids=["no-id", "empty-id", "int-id", "not-an-object"])
+def test_malformed_remote_decoder_is_a_leg_whose_stores_fail(block, why, caplog):
+    """A present `remote_decoder` block without a usable id still marks a prefill leg (vLLM's
+    `_parse_dest`): `park_error` names the key and the value and an ERROR says so. Seen failing
+    with the block ignored as before (parse answered None, a WARNING)."""
+    with caplog.at_level(logging.WARNING, "kvhal.tiers.p2p.orchestration"):
+        assert parse({"remote_decoder": block}, "req-42") == Orchestration(park_error=why)
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR
+    assert record.getMessage().startswith(f"request req-42: {why}; its stores to the p2p tier "
+                                          "fail")
+
+
+def test_null_remote_decoder_is_absent():
+    """vLLM's `_remote_decoder_params` reads a null block as no block: not a prefill leg."""
+    assert parse({"remote_decoder": None}, "req-42") is None
 
 
 P1, P2, P3 = prompt(31), prompt(32), prompt(33)

@@ -63,11 +63,16 @@ answers as soon as the chunk is parked (chunks stream while the prefill computes
 refuses at once a chunk its sealed record lacks or that failed, and reaped or finished ids;
 an id not heard of yet waits for its leg as long as the fetch waits (the decoder's
 `fetch_wait_s`; the prefiller's `arrival_timeout_s` may bound it). The decoder's
-`close_request` sends `done(id)`, releasing the pins (a `done` before the leg opened leaves a
-tombstone: the late leg parks nothing); a record nobody fetches is reaped after
-`unbound_store_timeout_s`, its id refused for 60 s more (vLLM's rules). A server thread
-waiting on a fetch checks every 0.2 s that its peer is still connected, so a killed decoder
-holds nothing. `remote_kv_source` pulls by key from the named peer (nothing parked).
+`close_request` sends `done(id, gen)`, releasing the pins of the record generation `gen` it
+fetched from (a late `done` of an earlier use of a reused id leaves the newer leg alone; a
+`done` before the leg opened leaves a tombstone: the late leg parks nothing); a record
+nobody fetches is reaped after `unbound_store_timeout_s`, its id refused for 60 s more
+(vLLM's rules). A server thread waiting on a fetch checks every 0.2 s that its peer is still
+connected, so a killed decoder holds nothing. `remote_kv_source` pulls by key from the named
+peer (nothing parked), after asking it which of the request's chunks it holds (`probe.py`:
+the lookup answers RETRY, the manager UNDECIDED and vLLM asks again, until the peer answered;
+then HIT or MISS, so no chunk the peer lacks is claimed). A malformed `remote_decoder` block
+fails the leg's stores (vLLM's rule, `orchestration.py`).
 
 Faults. Every job carries a deadline of `timeout_s` from its submission, applied to every
 socket call, so a killed, stopped or slow peer fails the job in time (a failed load is a

@@ -8,7 +8,8 @@ with capped exponential backoff, so a restarted peer is picked up again.
 
 `Puller.pull` runs one load: `get` to a peer that announced the key, the payload received
 straight into the reserved host slot, then the length, key and xxh3-128 digest checked before
-success. Every step is bounded by the job's deadline. Data connections are pooled per peer
+success; `Puller.probe` asks a peer which of some keys it holds (`probe.py`). Every step is
+bounded by the job's deadline. Data connections are pooled per peer
 (one per pull thread at most) and closed on any error, so a failed transfer never leaves a
 half-read stream behind.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import xxhash
 
@@ -25,7 +26,7 @@ from kvhal.keys import ChunkKey
 from .auth import AuthError, client_handshake
 from .directory import Directory, Peer
 from .transport import Connection, Transport, remaining
-from .wire import WireError, encode
+from .wire import MAX_KEYS_PER_FRAME, WireError, encode
 
 #: Reconnect backoff of a feed link: first wait, cap (seconds).
 BACKOFF_S = (0.05, 1.0)
@@ -181,6 +182,24 @@ class Puller:
             raise
         return conn
 
+    def _open(self, peer: Peer, deadline: float) -> Connection:
+        """A data connection to `peer` (pooled, or new and authenticated).
+
+        Raises:
+            PullError: it could not be had by `deadline`; args[0] says why.
+        """
+        where = format_peer(peer)
+        try:
+            remaining(deadline)
+            return self._take(peer, deadline)
+        except AuthError as exc:
+            self._count("auth_failed")
+            raise PullError(f"peer {where}: {exc}") from None
+        except TimeoutError:
+            raise PullError(f"peer {where}: timed out connecting") from None
+        except (ConnectionError, OSError, WireError) as exc:
+            raise PullError(f"peer {where}: cannot connect ({type(exc).__name__})") from None
+
     def _give_back(self, peer: Peer, conn: Connection) -> None:
         with self._lock:
             self._busy.discard(conn)
@@ -195,28 +214,23 @@ class Puller:
         conn.close()
 
     def pull(self, peer: Peer, key: ChunkKey, out: memoryview, deadline: float,
-             parked: tuple[str, float] | None = None) -> None:
+             parked: tuple[str, float] | None = None) -> int:
         """Fill `out` with chunk `key` from `peer`, checked (see module docstring).
 
         Args:
             parked: (kv_request_id, wait_s) of a decode leg: ask for the chunk the prefill
                 leg parks under that id, waiting up to wait_s for it (`fetch`).
 
+        Returns:
+            The generation of the parked record the chunk came from (`parking.py`; 0 for a
+            pull by key).
+
         Raises:
             PullError: the peer does not hold it, is busy, sent another length or digest, or
                 the transfer failed or passed `deadline`; args[0] says which (for the job).
         """
         where = format_peer(peer)
-        try:
-            remaining(deadline)
-            conn = self._take(peer, deadline)
-        except AuthError as exc:
-            self._count("auth_failed")
-            raise PullError(f"peer {where}: {exc}") from None
-        except TimeoutError:
-            raise PullError(f"peer {where}: timed out connecting") from None
-        except (ConnectionError, OSError, WireError) as exc:
-            raise PullError(f"peer {where}: cannot connect ({type(exc).__name__})") from None
+        conn = self._open(peer, deadline)
         try:
             conn.send(encode("get", key=key, n=len(out)) if parked is None else
                       encode("fetch", id=parked[0], key=key, n=len(out),
@@ -250,25 +264,48 @@ class Puller:
         if hasher.digest() != digest:
             self._count("checksum_mismatch")
             raise PullError(f"peer {where}: checksum mismatch")
+        return reply["gen"]
 
-    def finish(self, peer: Peer, kv_id: str, deadline: float) -> None:
-        """Tell `peer` this instance is done with the chunks parked under `kv_id` (`done`).
+    def finish(self, peer: Peer, kv_id: str, gen: int, deadline: float) -> None:
+        """Tell `peer` this instance is done with the chunks parked under `kv_id` (`done`),
+        having fetched last from its record of generation `gen` (0: fetched nothing; only
+        that record is released, `parking.Parking.finish`).
 
         Raises:
             PullError: the peer could not be told by `deadline`.
         """
-        where = format_peer(peer)
+        conn = self._open(peer, deadline)
         try:
-            conn = self._take(peer, deadline)
-        except (AuthError, WireError, ConnectionError, TimeoutError, OSError) as exc:
-            raise PullError(f"peer {where}: cannot connect ({type(exc).__name__})") from None
-        try:
-            conn.send(encode("done", id=kv_id), deadline)
+            conn.send(encode("done", id=kv_id, gen=gen), deadline)
             conn.recv(deadline, "ok")
         except (WireError, ConnectionError, TimeoutError, OSError) as exc:
             self._drop(conn)
-            raise PullError(f"peer {where}: done not delivered ({type(exc).__name__})") from None
+            raise PullError(f"peer {format_peer(peer)}: done not delivered "
+                            f"({type(exc).__name__})") from None
         self._give_back(peer, conn)
+
+    def probe(self, peer: Peer, keys: Sequence[ChunkKey], deadline: float) -> set[ChunkKey]:
+        """Which of `keys` `peer` holds now (`probe` → `held`, one round trip per
+        `MAX_KEYS_PER_FRAME` keys; a key it did not ask about is ignored).
+
+        Raises:
+            PullError: the peer could not be asked by `deadline`, or answered malformed.
+        """
+        conn = self._open(peer, deadline)
+        held: set[ChunkKey] = set()
+        try:
+            for i in range(0, len(keys), MAX_KEYS_PER_FRAME):
+                asked = keys[i:i + MAX_KEYS_PER_FRAME]
+                conn.send(encode("probe", keys=asked), deadline)
+                held.update(set(conn.recv(deadline, "held")["keys"]).intersection(asked))
+        except (WireError, ConnectionError, TimeoutError, OSError) as exc:
+            if isinstance(exc, WireError):
+                self._count("malformed")
+            self._drop(conn)
+            raise PullError(f"peer {format_peer(peer)}: probe not answered "
+                            f"({type(exc).__name__})") from None
+        self._give_back(peer, conn)
+        return held
 
     def forget_peer(self, peer: Peer) -> None:
         """Close the idle data connections to `peer` (its feed link was lost: they are most

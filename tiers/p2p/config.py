@@ -6,8 +6,9 @@ Keys:
     advertise_host (str): the address peers reach this instance at, when `host` is a wildcard
         ("0.0.0.0", "::") or a private interface. A wildcard identity is refused: peers could
         not tell instances apart nor reach them.
-    port (int in 0..65535): listener port; default 0 (an ephemeral port, reported by
-        `P2PTier.identity`; fixed ports are what peers' configs name).
+    port (int in 0..65535): listener base port: the engine of data-parallel index i listens
+        on `port` + i (i is 0 without data parallelism); default 0 (an ephemeral port,
+        reported by `P2PTier.identity`; fixed ports are what peers' configs name).
     peers (list of "host:port"): instances to pull from. This instance's own identity may be
         listed (one config for every instance); it is skipped.
     num_threads (int > 0): pull threads (loads in flight at once); default 4.
@@ -40,10 +41,14 @@ Keys:
         finished and given-up ids are refused at once either way.
     The orchestrator's view: a prefiller is named in a decode leg's `remote_prefiller` (and a
     peer in `remote_kv_source`) by `remote_host` = its `advertise_host` (or `host`) and
-    `remote_port` = its `port`, i.e. exactly its `P2PTier.identity`. Give prefillers a fixed
-    `port`. (vLLM's own tier binds `port` + the engine's data-parallel index; kvhal binds
-    `port` as given, so one DP engine per config.) Every instance needs the same
-    `auth_key`; `peers` may stay empty (a decode leg needs no directory).
+    `remote_port` = its `port` + the data-parallel index of the engine that serves the
+    request, i.e. exactly that engine's `P2PTier.identity`: like vLLM's own tier, each DP
+    engine of a server (one config, one `port`) listens on `port` + its index (vLLM's
+    `parallel_config.data_parallel_index`, `listen_port`), so an orchestrator that sent the
+    prefill leg to DP rank r (vLLM's `X-data-parallel-rank` header) names `port` + r. Give
+    prefillers a fixed `port` with the next DP-size - 1 ports free too. Every instance needs
+    the same `auth_key`; `peers` may stay empty (a decode leg needs no directory); a peer in
+    `peers` is named by its engine's port likewise.
 Errors name the key (`peers[1]: ...`); the config loader prefixes the list position.
 """
 from __future__ import annotations
@@ -159,6 +164,24 @@ def _auth_key(config: Mapping[str, Any]) -> bytes:
         raise TierError(f"{where}: the key must be at least {MIN_AUTH_KEY_CHARS} characters "
                         f"(value not shown)")
     return key
+
+
+def listen_port(port: int, data_parallel_index: int) -> int:
+    """The port the listener binds: `port` + `data_parallel_index` (vLLM's p2p tier binds its
+    base port + the engine's data-parallel index, `P2PSecondaryTierManager.__init__` in
+    `vllm/v1/kv_offload/tiering/p2p/manager.py`), or 0 (ephemeral) if `port` is 0.
+
+    Raises:
+        TierError: the index is not an integer ≥ 0, or the sum exceeds 65535 (`port: ...`).
+    """
+    if (not isinstance(data_parallel_index, int) or isinstance(data_parallel_index, bool)
+            or data_parallel_index < 0):
+        raise TierError(f"port: the data-parallel index must be an integer >= 0, got "
+                        f"{data_parallel_index!r}")
+    if port and port + data_parallel_index > 65535:
+        raise TierError(f"port: {port} + data-parallel index {data_parallel_index} = "
+                        f"{port + data_parallel_index} exceeds 65535")
+    return port + data_parallel_index if port else 0
 
 
 def parse_config(config: Mapping[str, Any]) -> P2PConfig:

@@ -14,9 +14,23 @@ protocol, `vllm/v1/kv_offload/tiering/p2p/manager.py`; llm-d's router speaks it 
   peer H:P holds (by key; nothing is parked). `remote_prefiller` wins over it.
 
 The orchestrator invents ID (it must be unguessable if tenants share an auth key: a fetch
-needs both). Malformed parameters are logged as a warning naming the key and the request and
-treated as absent (no orchestration), never raised: one request must not take the engine
-down.
+needs both). Nothing here raises: one request must not take the engine down.
+
+- A malformed `remote_prefiller` / `remote_kv_source` block is logged as a warning naming the
+  key and the request and treated as absent (nothing is pulled; the request computes), as
+  vLLM's `_parse_source` returns None for an incomplete block.
+- A malformed `remote_decoder` block (present and not null, but not an object, or whose
+  `kv_request_id` is not a string of 1..`MAX_ID_CHARS` characters) still marks a prefill leg:
+  it is logged as an error naming the request, the key and the bad value, and every store of
+  the request to the p2p tier fails with that reason (`Orchestration.park_error`; the chunks
+  stay in the host tier, nothing is parked). That is what vLLM 0.32's tier does
+  (`vllm/v1/kv_offload/tiering/p2p/manager.py`: `_parse_dest` keeps a present block without a
+  `kv_request_id` as `P2PDestInfo(kv_request_id=None)`, "the block's presence still marks the
+  request as remote-decode, so submit_store must fail rather than store locally", and
+  `P2PSecondaryTierManager.submit_store` then fails the job, "submit_store missing
+  kv_request_id"). Where vLLM does worse kvhal fails the stores too: a block that is not an
+  object makes `_parse_dest` raise (AttributeError from `role.get`), and an id that is not a
+  string parks chunks no decoder can fetch (`FetchMsg.validate` requires a str) until reaped.
 """
 from __future__ import annotations
 
@@ -45,22 +59,34 @@ class Orchestration:
         source: The peer to pull from, (host, port); set exactly when `fetch_id` is.
         parked: True for a decode leg (`remote_prefiller`: the source parks the chunks
             under the id, and the pull waits for them), False for `remote_kv_source`.
+        park_error: A prefill leg whose `remote_decoder` block is malformed: why, naming the
+            key and the value (`park_id` is then None); every store of the request to the
+            p2p tier fails with it (module docstring).
     """
 
     park_id: str | None = None
     fetch_id: str | None = None
     source: Peer | None = None
     parked: bool = False
+    park_error: str | None = None
 
 
-def _kv_id(block: Mapping[str, Any], where: str, request: Hashable) -> str | None:
+def _id_problem(block: Mapping[str, Any], where: str) -> str | None:
+    """Why `block`'s kv_request_id is unusable (naming the key path and the value), or None."""
     kv_id = block.get("kv_request_id")
-    if not isinstance(kv_id, str) or not 0 < len(kv_id) <= MAX_ID_CHARS:
-        logger.warning("request %s: kv_transfer_params.%s.kv_request_id must be a string of "
-                       "1..%d characters, got %s; ignored (no orchestration)", request, where,
-                       MAX_ID_CHARS, _shown(kv_id))
+    if isinstance(kv_id, str) and 0 < len(kv_id) <= MAX_ID_CHARS:
         return None
-    return kv_id
+    return (f"kv_transfer_params.{where}.kv_request_id must be a string of 1..{MAX_ID_CHARS} "
+            f"characters, got {_shown(kv_id)}")
+
+
+def _park_id(block: Any) -> tuple[str | None, str | None]:
+    """(kv_request_id, None) of a well-formed `remote_decoder` block, else (None, why)."""
+    if not isinstance(block, Mapping):
+        return None, (f"kv_transfer_params.{REMOTE_DECODER} must be an object with "
+                      f"kv_request_id, got {type(block).__name__} {_shown(block)}")
+    why = _id_problem(block, REMOTE_DECODER)
+    return (block["kv_request_id"], None) if why is None else (None, why)
 
 
 def _shown(value: Any) -> str:
@@ -94,34 +120,35 @@ def _source(block: Any, where: str, request: Hashable) -> tuple[str, Peer] | Non
                        "ignored (no orchestration)", request, where,
                        _shown(block.get("remote_port")))
         return None
-    kv_id = _kv_id(block, where, request)
-    if kv_id is None:
+    why = _id_problem(block, where)
+    if why is not None:
+        logger.warning("request %s: %s; ignored (no orchestration)", request, why)
         return None
-    return kv_id, (host[1:-1] if host.startswith("[") and host.endswith("]") else host, port)
+    return block["kv_request_id"], (host[1:-1] if host.startswith("[") and host.endswith("]")
+                                    else host, port)
 
 
 def parse(params: Any, request: Hashable) -> Orchestration | None:
     """The p2p orchestration of a request's `kv_transfer_params` (see module docstring), or
-    None if it asks nothing of the p2p tier. Never raises: a malformed block is logged
-    (warning naming `request` and the key) and ignored."""
+    None if it asks nothing of the p2p tier. Never raises: a malformed pull block is logged
+    (warning naming `request` and the key) and ignored; a malformed `remote_decoder` block
+    (a null one is absent, as in vLLM) is logged as an error naming `request`, the key and
+    the value, and returned as `park_error`."""
     if not isinstance(params, Mapping):
         return None
-    park_id = None
-    if REMOTE_DECODER in params:
-        block = params[REMOTE_DECODER]
-        if isinstance(block, Mapping):
-            park_id = _kv_id(block, REMOTE_DECODER, request)
-        else:
-            logger.warning("request %s: kv_transfer_params.%s must be an object with "
-                           "kv_request_id, got %s; ignored (no orchestration)", request,
-                           REMOTE_DECODER, type(block).__name__)
+    park_id = park_error = None
+    if params.get(REMOTE_DECODER) is not None:
+        park_id, park_error = _park_id(params[REMOTE_DECODER])
+        if park_error is not None:
+            logger.error("request %s: %s; its stores to the p2p tier fail (as vLLM's p2p tier "
+                         "fails them), nothing is parked for its decoder", request, park_error)
     found = None
     where = (REMOTE_PREFILLER if REMOTE_PREFILLER in params
              else REMOTE_KV_SOURCE if REMOTE_KV_SOURCE in params else None)
     if where is not None:      # remote_prefiller wins, even malformed (as vLLM's tier)
         found = _source(params[where], where, request)
-    if park_id is None and found is None:
+    if park_id is None and park_error is None and found is None:
         return None
     fetch_id, source = found if found is not None else (None, None)
     return Orchestration(park_id, fetch_id, source, found is not None
-                         and where == REMOTE_PREFILLER)
+                         and where == REMOTE_PREFILLER, park_error)

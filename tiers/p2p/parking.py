@@ -27,11 +27,26 @@ chunk) leaves a tombstone: for `RETENTION_S` the late prefill leg parks nothing 
 are not pinned for a reap nobody waits on) and fetches of the id are refused at once. One
 thread reaps; `close` releases everything and joins it.
 
+Generations. Every record gets a generation number when it opens (`open`; increasing, from a
+random start per instance, so a restarted prefiller's numbers do not meet its old ones), a
+served fetch tells the decoder the generation it came from, and the decoder's `done` names
+the latest one it fetched from (0: it fetched nothing). A `done` ends a record only if it
+names that record's generation, or names none: a late `done` of a previous use of the id
+(the orchestrator reused it at once, and the old decoder's `done` arrived after the new leg
+opened) finds a newer record and leaves it alone (counted `done_stale`), so the new leg's
+decoder still gets its chunks. A `done` naming none keeps vLLM's rule (the decoder is finished
+with the id: release what is parked, or tombstone an id not opened yet). Likewise a prefill
+leg parks into and seals only the record it opened (`park`, `seal` take its generation): an
+old leg still running when its id was opened again neither adds its chunks to the new leg's
+record nor seals it when it ends (its stores fail: `REOPENED`).
+
 Locking: the manager calls `open`, `park` and `seal` holding its own lock; `hold` and the
 releases take the manager's lock, so they are never called while this module's lock is held.
 """
 from __future__ import annotations
 
+import itertools
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +63,8 @@ REAPED, FINISHED, GIVEN_UP, UNKNOWN, CLOSED = (
     "kv_request_id reaped", "kv_request_id finished", "kv_request_id given up by its decoder",
     "unknown kv_request_id", "tier closed")
 ID_REFUSALS = frozenset({REAPED, FINISHED, GIVEN_UP, UNKNOWN, CLOSED})
+#: Why a prefill leg parks nothing more: a newer leg opened its id again.
+REOPENED = "kv_request_id opened again by a newer prefill leg"
 #: Refusals `open` heeds: the id may not be parked under again until they expire.
 _NOT_REOPENED = frozenset({REAPED, GIVEN_UP})
 #: Seconds between checks that a waiting fetch's peer is still connected.
@@ -58,6 +75,7 @@ Release = Callable[[], None]
 
 @dataclass(slots=True)
 class _Record:
+    gen: int                # generation (module docstring)
     touched: float
     held: dict[ChunkKey, Release] = field(default_factory=dict)
     failed: set[ChunkKey] = field(default_factory=set)
@@ -76,7 +94,8 @@ class Parking:
         arrival_s: Longest wait of a fetch for an id never seen; None: the fetch's own
             deadline (the decoder's `fetch_wait_s`; vLLM's tier has no separate bound).
         count: `count(name)` bumps a tier counter ("parked_chunks", "park_reaped",
-            "park_late": a leg opened after its decoder gave up, ...).
+            "park_late": a leg opened after its decoder gave up, "done_stale": a `done` of an
+            older generation than the id's record, ...).
         retention_s: Seconds a reaped or finished id stays refused.
     """
 
@@ -92,36 +111,43 @@ class Parking:
         self._records: dict[str, _Record] = {}
         self._gone: dict[str, tuple[float, str]] = {}  # id -> (refused until, why)
         self._waiting = 0           # fetches waiting in `wait` now
+        self._gens = itertools.count(1 + secrets.randbelow(1 << 48))
         self._closed = False
         self._reaper = threading.Thread(target=self._reap_loop, name="kvhal-p2p-reap",
                                         daemon=True)
         self._reaper.start()
 
     # -- prefill leg (manager's thread) -------------------------------------------------------
-    def open(self, kv_id: str) -> str | None:
-        """Start parking under `kv_id` (a live record of it is released first). Returns None,
-        or why nothing will be parked (`REAPED` or `GIVEN_UP`: refused for now; `CLOSED`)."""
+    def open(self, kv_id: str) -> tuple[int, str | None]:
+        """Start parking under `kv_id` (a live record of it is released first). Returns (the
+        new record's generation, None), or (0, why nothing will be parked: `REAPED` or
+        `GIVEN_UP`, refused for now; `CLOSED`)."""
         with self._cond:
             refused = self._refused(kv_id, time.monotonic())
             if self._closed or refused in _NOT_REOPENED:
                 if refused == GIVEN_UP:
                     self._count("park_late")
-                return refused or CLOSED
+                return 0, refused or CLOSED
             self._gone.pop(kv_id, None)
             old = self._records.pop(kv_id, None)
-            self._records[kv_id] = _Record(time.monotonic())
+            gen = next(self._gens)
+            self._records[kv_id] = _Record(gen, time.monotonic())
             self._cond.notify_all()
         if old is not None:
             self._count("park_reused")
             _release_all(old)
-        return None
+        return gen, None
 
-    def park(self, kv_id: str, key: ChunkKey) -> str | None:
-        """Hold `key` under `kv_id`; returns None, or why not (the chunk is then failed)."""
+    def park(self, kv_id: str, gen: int, key: ChunkKey) -> str | None:
+        """Hold `key` in `kv_id`'s record of generation `gen` (the one its leg opened);
+        returns None, or why not (the chunk is then failed; a newer leg's record of a reused
+        id is left alone)."""
         release = self._hold(key)
         with self._cond:
             record = self._records.get(kv_id)
-            if record is not None and not record.sealed:
+            if record is not None and record.gen != gen:
+                why = REOPENED
+            elif record is not None and not record.sealed:
                 if release is None:
                     record.failed.add(key)
                 elif key not in record.held:
@@ -135,11 +161,12 @@ class Parking:
             release()
         return why
 
-    def seal(self, kv_id: str) -> None:
-        """The prefill leg of `kv_id` ended: nothing more will be parked under it."""
+    def seal(self, kv_id: str, gen: int) -> None:
+        """The prefill leg that opened `kv_id`'s record of generation `gen` ended: nothing
+        more will be parked in it (a newer leg's record of a reused id stays open)."""
         with self._cond:
             record = self._records.get(kv_id)
-            if record is None:
+            if record is None or record.gen != gen:
                 return
             record.sealed = True
             done = self._complete(kv_id, record)
@@ -149,40 +176,41 @@ class Parking:
 
     # -- decode leg (server threads) ----------------------------------------------------------
     def wait(self, kv_id: str, key: ChunkKey, deadline: float,
-             alive: Callable[[], bool] = lambda: True) -> str:
-        """`HELD` once `key` is held under `kv_id`, or why the fetch is refused (at once
-        for a reaped, finished or given-up id, a failed chunk or a sealed record without it;
-        at `deadline` (monotonic seconds), for an id never seen too unless `arrival_s` ends
-        its wait sooner (`UNKNOWN`); within `ALIVE_CHECK_S` once `alive()` is False: the
-        fetching peer went away). A record is not reaped while a fetch waits on it."""
+             alive: Callable[[], bool] = lambda: True) -> tuple[str, int]:
+        """(`HELD`, the record's generation) once `key` is held under `kv_id`, or (why the
+        fetch is refused, 0): at once for a reaped, finished or given-up id, a failed chunk
+        or a sealed record without it; at `deadline` (monotonic seconds), for an id never
+        seen too unless `arrival_s` ends its wait sooner (`UNKNOWN`); within `ALIVE_CHECK_S`
+        once `alive()` is False (the fetching peer went away). A record is not reaped while
+        a fetch waits on it."""
         arrival = deadline if self._arrival_s is None else min(
             deadline, time.monotonic() + self._arrival_s)
         with self._cond:
             while True:
                 if self._closed:
-                    return CLOSED
+                    return CLOSED, 0
                 now = time.monotonic()
                 record = self._records.get(kv_id)
                 if record is None:
                     why = self._refused(kv_id, now)
                     if why is not None:
-                        return why
+                        return why, 0
                     until = arrival
                     if now >= until:
-                        return UNKNOWN
+                        return UNKNOWN, 0
                 else:
                     record.touched = now
                     if key in record.held:
-                        return HELD
+                        return HELD, record.gen
                     if key in record.failed:
-                        return "chunk failed on the prefiller"
+                        return "chunk failed on the prefiller", 0
                     if record.sealed:
-                        return "chunk not stored by the prefill"
+                        return "chunk not stored by the prefill", 0
                     until = deadline
                     if now >= until:
-                        return "timed out waiting for the chunk"
+                        return "timed out waiting for the chunk", 0
                 if not alive():
-                    return "fetching peer gone"
+                    return "fetching peer gone", 0
                 if record is not None:
                     record.waiters += 1
                 self._waiting += 1
@@ -191,26 +219,34 @@ class Parking:
                 if record is not None:
                     record.waiters -= 1
 
-    def fetched(self, kv_id: str, key: ChunkKey) -> None:
-        """`key` of `kv_id` was sent; a sealed record whose every chunk was sent ends."""
+    def fetched(self, kv_id: str, key: ChunkKey, gen: int) -> None:
+        """`key` of `kv_id`'s record of generation `gen` was sent; a sealed record whose every
+        chunk was sent ends."""
         with self._cond:
             record = self._records.get(kv_id)
-            if record is None or key not in record.held:
+            if record is None or record.gen != gen or key not in record.held:
                 return
             record.fetched.add(key)
             done = self._complete(kv_id, record)
         if done is not None:
             _release_all(done)
 
-    def finish(self, kv_id: str) -> None:
-        """The decoder of `kv_id` is done with it (fetched what it needs, or gave up). An id
-        with no record and no refusal (its prefill leg not opened yet) is tombstoned
-        `GIVEN_UP` for `retention_s`; an id already finished or reaped keeps its refusal (a
-        `done` after the last fetch does not stop the orchestrator reusing the id)."""
+    def finish(self, kv_id: str, gen: int) -> None:
+        """The decoder of `kv_id` is done with it (fetched what it needs, or gave up); `gen`
+        is the latest generation it fetched from, 0 if none (module docstring). The record
+        of generation `gen` (with 0: the id's record) ends. A `gen` the id's record does not
+        have is a late `done` of an earlier use: nothing changes (counted `done_stale`). With
+        0, an id with no record and no refusal (its prefill leg not opened yet) is
+        tombstoned `GIVEN_UP` for `retention_s`; an id already finished or reaped keeps its
+        refusal (a `done` after the last fetch does not stop the orchestrator reusing it)."""
         with self._cond:
             now = time.monotonic()
-            record = self._records.pop(kv_id, None)
+            record = self._records.get(kv_id)
+            if gen and (record is None or record.gen != gen):
+                self._count("done_stale")
+                return
             if record is not None:
+                del self._records[kv_id]
                 self._gone[kv_id] = (now + self._retention_s, FINISHED)
             elif self._closed or self._refused(kv_id, now) is not None:
                 return

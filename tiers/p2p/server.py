@@ -14,12 +14,15 @@ before their proof: `MAX_HANDSHAKING` of them arriving within one handshake of a
   (`ev`) as it happens, and a heartbeat (`hb`, with the last event number) whenever
   `heartbeat_s` passes without one, so the subscriber notices a silent or lost peer and any
   gap at the tail.
-- "data": a loop of `get(key, n)` → `chunk(key, n)` + n raw payload bytes + `end(sum)`, or
-  `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). A decode leg's
+- "data": a loop of `get(key, n)` → `chunk(key, n, 0)` + n raw payload bytes + `end(sum)`,
+  or `miss(why)`, or `busy` (more than `max_inflight` transfers in progress). A decode leg's
   `fetch(id, key, n, wait_ms)` first waits (at most `wait_ms`) until the prefill leg parked
-  the chunk under `id` (`parking.py`), then is answered as a `get`, or `miss(why)` at once
-  when the id or the chunk is refused; `done(id)` (the decoder is finished with `id`: its
-  parked chunks are released) is answered `ok`. The chunk is held
+  the chunk under `id` (`parking.py`), then is answered as a `get` whose `chunk` carries the
+  parked record's generation, or `miss(why)` at once when the id or the chunk is refused;
+  `done(id, gen)` (the decoder is finished with `id`, having fetched last from generation
+  `gen`, 0 if none: that record's parked chunks are released) is answered `ok`; `probe(keys)`
+  is answered `held(keys)` with those of them the source holds now (readable; nothing pinned:
+  `probe.py`). The chunk is held
   (`Source.acquire`: host slot pinned) for the whole transfer and released after it; `sum` is
   the xxh3-128 digest the bytes had when stored (own store: bytes damaged since then fail the
   puller's check), or the digest of the pinned host slot taken at its first serve
@@ -56,6 +59,8 @@ class Source(Protocol):
     """Where served chunks come from (`source.HostSource` or `source.OwnStore`)."""
 
     def acquire(self, key: ChunkKey) -> Served | None: ...
+
+    def hold(self, key: ChunkKey) -> Callable[[], None] | None: ...
 
 
 class Server:
@@ -178,15 +183,21 @@ class Server:
 
     def _serve_data(self, conn: Connection) -> None:
         while not self._closed:
-            request = conn.recv(time.monotonic() + IDLE_S, "get", "fetch", "done")
+            request = conn.recv(time.monotonic() + IDLE_S, "get", "fetch", "done", "probe")
+            if request["t"] == "probe":
+                held = [key for key in request["keys"] if self._holds(key)]
+                self._count("probes_served")
+                conn.send(encode("held", keys=held), time.monotonic() + self._timeout_s)
+                continue
             if request["t"] == "done":
-                self._parking.finish(request["id"])
+                self._parking.finish(request["id"], request["gen"])
                 conn.send(encode("ok"), time.monotonic() + self._timeout_s)
                 continue
+            gen = 0
             if request["t"] == "fetch":
-                status = self._parking.wait(request["id"], request["key"],
-                                            time.monotonic() + request["wait_ms"] / 1e3,
-                                            alive=lambda: not conn.peer_closed())
+                status, gen = self._parking.wait(request["id"], request["key"],
+                                                 time.monotonic() + request["wait_ms"] / 1e3,
+                                                 alive=lambda: not conn.peer_closed())
                 if status != HELD:
                     self._count("fetch_refused")
                     conn.send(encode("miss", why=status),
@@ -198,15 +209,24 @@ class Server:
                 conn.send(encode("busy"), deadline)
                 continue
             try:
-                sent = self._serve_chunk(conn, request["key"], request["n"], deadline)
+                sent = self._serve_chunk(conn, request["key"], request["n"], deadline, gen)
             finally:
                 self._slots.release()
             if sent and request["t"] == "fetch":
-                self._parking.fetched(request["id"], request["key"])
+                self._parking.fetched(request["id"], request["key"], gen)
+
+    def _holds(self, key: ChunkKey) -> bool:
+        """Whether the source holds `key` readable now (held and let go at once)."""
+        release = self.source.hold(key)
+        if release is None:
+            return False
+        release()
+        return True
 
     def _serve_chunk(self, conn: Connection, key: ChunkKey, nbytes: int,
-                     deadline: float) -> bool:
-        """Send `key` (held for the transfer) or a miss; True if the chunk was sent."""
+                     deadline: float, gen: int) -> bool:
+        """Send `key` (held for the transfer; `gen`: the parked record's generation a fetch
+        is served from, 0 for a get) or a miss; True if the chunk was sent."""
         served = self.source.acquire(key)
         if served is None:
             self._count("serve_missing")
@@ -216,7 +236,7 @@ class Server:
             if len(served.payload) != nbytes:
                 conn.send(encode("miss", why=f"holds {len(served.payload)} bytes"), deadline)
                 return False
-            conn.send_parts((encode("chunk", key=key, n=nbytes), served.payload,
+            conn.send_parts((encode("chunk", key=key, n=nbytes, gen=gen), served.payload,
                              encode("end", sum=served.checksum)), deadline)
             self._count("chunks_served")
             return True

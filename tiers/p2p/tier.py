@@ -11,10 +11,11 @@ from kvhal.keys import ChunkKey
 from ..base import HostAccess, Lookup, TierError, TierJob, job_problem
 from ..jobs import BoardedTier, JobBoard, JobPool
 from .client import FeedLink, Puller, PullError, format_peer
-from .config import parse_address, parse_config
+from .config import listen_port, parse_address, parse_config
 from .directory import Directory
 from .orchestration import Orchestration, parse
 from .parking import ID_REFUSALS, Parking
+from .probe import Probes
 from .server import Server
 from .source import Feed, HostSource, OwnStore
 from .transport import TcpTransport, Transport
@@ -39,12 +40,18 @@ class P2PTier(BoardedTier):
         host: Writable, C-contiguous memoryview (format "B") of the host region.
         namespace: 16-byte namespace digest; only keys of it are stored or loaded.
         transport: How bytes move (default plain TCP).
+        data_parallel_index: The serving engine's data-parallel index (vLLM's
+            `parallel_config.data_parallel_index`, passed by `kvhal.config.build_tiers`):
+            the listener binds `port` + it, as vLLM's p2p tier does, so each DP engine of a
+            server has its own port (a `port` of 0 stays ephemeral).
 
     Attributes:
-        identity: "host:port" peers name this instance by (the bound port if `port` is 0).
+        identity: "host:port" peers name this instance by: the bound port, i.e. `port` +
+            `data_parallel_index` (an ephemeral one if `port` is 0).
 
     Raises:
-        TierError: bad config, or the listener cannot bind (`port: ...`).
+        TierError: bad config, a negative `data_parallel_index` or one that puts the port
+            past 65535, or the listener cannot bind (`port: ...`).
     """
 
     name = "p2p"
@@ -53,10 +60,11 @@ class P2PTier(BoardedTier):
     hit_source = "p2p"
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes, *,
-                 transport: Transport | None = None):
+                 transport: Transport | None = None, data_parallel_index: int = 0):
         cfg = parse_config(config)
         if not host.contiguous or host.itemsize != 1:
             raise TierError("host: the host region must be a C-contiguous byte memoryview")
+        port = listen_port(cfg.port, data_parallel_index)
         self.config = cfg
         self.namespace = bytes(namespace)
         self._host = host
@@ -70,17 +78,21 @@ class P2PTier(BoardedTier):
         # request context -> its orchestration (manager's thread; read by pull threads)
         self._requests: dict[Hashable, Orchestration] = {}
         self._refused: set[Hashable] = set()  # decode legs whose prefiller refused the id
+        # decode leg -> latest generation of its parked record it fetched from (`parking.py`)
+        self._fetched_gen: dict[Hashable, int] = {}
+        # prefill leg -> generation of the record it opened (`parking.py`)
+        self._park_gen: dict[Hashable, int] = {}
         self._lock = threading.Lock()
         transport = transport or TcpTransport()
         beat = heartbeat_s(cfg.timeout_s)
         try:
-            self._server = Server(transport, cfg.host, cfg.port, cfg.auth_key, self._feed,
+            self._server = Server(transport, cfg.host, port, cfg.auth_key, self._feed,
                                   self._source, timeout_s=cfg.timeout_s, heartbeat_s=beat,
                                   max_inflight=cfg.max_inflight, count=self._jobs.count,
                                   parking=self._parking)
         except OSError as exc:
             self._parking.close()
-            raise TierError(f"port: cannot listen on {cfg.host}:{cfg.port} "
+            raise TierError(f"port: cannot listen on {cfg.host}:{port} "
                             f"({exc.strerror or exc})") from None
         self._self_peer = (cfg.advertise_host, self._server.address[1])
         self.identity = format_peer(self._self_peer)
@@ -89,6 +101,8 @@ class P2PTier(BoardedTier):
         self._directory.replace(self._self_peer, self._feed.epoch, seq, keys)
         self._attached = False
         self._puller = Puller(transport, cfg.auth_key, self.identity, self._jobs.count)
+        self._probes = Probes(self._puller.probe, timeout_s=cfg.timeout_s,
+                              threads=cfg.num_threads, count=self._jobs.count)
         self._pullers = JobPool(cfg.num_threads, "kvhal-p2p-pull")
         self._storers = JobPool(1, "kvhal-p2p-store")
         self._links = [FeedLink(peer, transport, cfg.auth_key, self.identity,
@@ -122,49 +136,63 @@ class P2PTier(BoardedTier):
         """Take part in a request whose `kv_transfer_params` carry p2p orchestration
         (`orchestration.py`): a prefill leg opens its parking record now (a reaped id, or one
         its decoder already gave up, parks nothing: logged); a decode leg or a
-        `remote_kv_source` pulls from the named peer."""
+        `remote_kv_source` pulls from the named peer (the latter after asking it,
+        `probe.py`)."""
         orch = parse(params, request)
         if orch is None or self._jobs.closed:
             return False
+        if orch.source is not None and not orch.parked:
+            self._probes.open(request)
+        gen = 0
         if orch.park_id is not None:
-            why = self._parking.open(orch.park_id)
+            gen, why = self._parking.open(orch.park_id)
             if why is not None:
                 logger.warning("request %s: kv_transfer_params.remote_decoder.kv_request_id "
                                "%r is %s; its chunks are not parked (the decoder recomputes)",
                                request, orch.park_id, why)
         with self._lock:
             self._requests[request] = orch
+            self._park_gen[request] = gen
         return True
 
     def lookup_for(self, key: ChunkKey, request: Hashable) -> Lookup:
-        """A pulling request: HIT while its peer has not refused its id (the pull says
-        whether the chunk comes; vLLM's tier answers a decode leg the same way); else as
-        `lookup`."""
+        """A decode leg (`remote_prefiller`): HIT while its prefiller has not refused its id
+        (the pull waits for the chunk and says whether it comes; vLLM's tier answers a decode
+        leg the same way). A `remote_kv_source` request: the named peer is asked first, RETRY
+        until it answered, then HIT if it holds `key`, else MISS (`probe.py`; vLLM's tier
+        probes too). Other requests: as `lookup`. No I/O."""
         orch = self._requests.get(request)
         if orch is None or orch.source is None:
             return self.lookup(key)
-        return Lookup.MISS if self._jobs.closed or request in self._refused else Lookup.HIT
+        if self._jobs.closed or request in self._refused:
+            return Lookup.MISS
+        return Lookup.HIT if orch.parked else self._probes.lookup(request, orch.source, key)
 
     def close_request(self, request: Hashable) -> None:
         """A prefill leg's record is sealed (the decoder is refused chunks it lacks at once);
-        a decode leg tells its prefiller it is done (its parked chunks are released)."""
+        a decode leg tells its prefiller it is done, naming the latest generation of the
+        parked record it fetched from: that record's chunks are released, never those of a
+        newer leg under a reused id (`parking.py`)."""
         with self._lock:
             orch = self._requests.pop(request, None)
+            gen = self._fetched_gen.pop(request, 0)
+            park_gen = self._park_gen.pop(request, 0)
         self._refused.discard(request)
+        self._probes.close_request(request)
         if orch is None:
             return
         if orch.park_id is not None:
-            self._parking.seal(orch.park_id)
+            self._parking.seal(orch.park_id, park_gen)
         if orch.parked and not self._jobs.closed:
             deadline = time.monotonic() + self.config.timeout_s
             try:
-                self._pullers.submit(self._finish_remote, orch, deadline)
+                self._pullers.submit(self._finish_remote, orch, gen, deadline)
             except RuntimeError:
                 pass  # closing: the prefiller reaps the id
 
-    def _finish_remote(self, orch: Orchestration, deadline: float) -> None:
+    def _finish_remote(self, orch: Orchestration, gen: int, deadline: float) -> None:
         try:
-            self._puller.finish(orch.source, orch.fetch_id, deadline)
+            self._puller.finish(orch.source, orch.fetch_id, gen, deadline)
         except PullError as exc:
             logger.info("p2p: could not tell %s that kv_request_id %r is done (%s); it "
                         "releases the chunks when it reaps the id", format_peer(orch.source),
@@ -173,20 +201,28 @@ class P2PTier(BoardedTier):
     def submit_store(self, job: TierJob) -> None:
         """Make the chunk available to peers (see `SecondaryTier.submit_store`). Attached to a
         host tier the chunk is served from its slot already: the job ends here, at once. A
-        prefill leg's chunk is also parked under its id (pinned until its decoder is done)."""
+        prefill leg's chunk is also parked under its id (pinned until its decoder is done);
+        the store of a request whose `remote_decoder` block is malformed fails at once with
+        `Orchestration.park_error`, storing nothing (vLLM's p2p tier fails it too)."""
         orch = self._requests.get(job.request) if job.request is not None else None
-        park_id = orch.park_id if orch is not None else None
+        if orch is not None and orch.park_error is not None:
+            self._jobs.finish(job, orch.park_error)
+            return
+        park = None
+        if orch is not None and orch.park_id is not None:
+            park = (orch.park_id, self._park_gen.get(job.request, 0))
         if self._attached:
             problem = job_problem(job, len(self._host), self.namespace)
-            if problem is None and park_id is not None:
-                problem = self._park(park_id, job.key)
+            if problem is None and park is not None:
+                problem = self._park(park, job.key)
             self._jobs.finish(job, problem)
         else:
-            self._jobs.submit(self._storers, lambda j: self._store(j, park_id), job)
+            self._jobs.submit(self._storers, lambda j: self._store(j, park), job)
 
-    def _park(self, park_id: str, key: ChunkKey) -> str | None:
-        why = self._parking.park(park_id, key)
-        return None if why is None else f"kv_request_id {park_id!r}: {why}"
+    def _park(self, park: tuple[str, int], key: ChunkKey) -> str | None:
+        """Park `key` under (kv_request_id, generation of the record the leg opened)."""
+        why = self._parking.park(park[0], park[1], key)
+        return None if why is None else f"kv_request_id {park[0]!r}: {why}"
 
     def submit_load(self, job: TierJob) -> None:
         """Pull the chunk, within `timeout_s` of this call: from the peer a request names
@@ -213,6 +249,7 @@ class P2PTier(BoardedTier):
             return
         self._pullers.shutdown(wait=True)
         self._storers.shutdown(wait=True)
+        self._probes.close()
         for link in self._links:
             link.close()
         self._feed.close()
@@ -226,8 +263,11 @@ class P2PTier(BoardedTier):
         checksum_mismatch, malformed, auth_failed, connections_refused, handshakes_dropped,
         handshake_timeouts, peer_lost, feed_resyncs, parked_chunks, park_reused, park_reaped,
         park_late (prefill legs opened after their decoder gave up: nothing parked),
-        fetch_refused; plus served_chunks, directory_chunks, peers, peers_synced, connections
-        (served + pooled data connections), attached (bool), parked_ids and parked_held (P/D
+        done_stale (a decoder's late `done` of an earlier use of a reused id: ignored),
+        fetch_refused, probed_keys / probe_failed (keys this instance asked named peers about,
+        and those of them that got no answer: `probe.py`), probes_served; plus served_chunks,
+        directory_chunks, peers, peers_synced, connections (served + pooled data
+        connections), attached (bool), parked_ids and parked_held (P/D
         records and the chunks they pin now), fetches_waiting (decoders' fetches waiting here
         now for a chunk or for their prefill leg)."""
         served = self._feed.snapshot()[1]
@@ -258,14 +298,14 @@ class P2PTier(BoardedTier):
         return self._directory.position(holder) == peer.feed_position()
 
     # -- jobs ---------------------------------------------------------------------------------
-    def _store(self, job: TierJob, park_id: str | None) -> str | None:
+    def _store(self, job: TierJob, park: tuple[str, int] | None) -> str | None:
         if (problem := job_problem(job, len(self._host), self.namespace)) is not None:
             return problem
         error = self._source.put(job.key, self._host[job.offset:job.offset + job.nbytes])
         if error is None:
             self._jobs.count("bytes_stored", job.nbytes)
-            if park_id is not None:
-                error = self._park(park_id, job.key)
+            if park is not None:
+                error = self._park(park, job.key)
         return error
 
     def _load(self, job: TierJob, deadline: float, orch: Orchestration | None
@@ -299,11 +339,19 @@ class P2PTier(BoardedTier):
             parked = (orch.fetch_id, max(0.0, deadline - time.monotonic()
                                          - self.config.timeout_s))
         try:
-            self._puller.pull(orch.source, job.key,
-                              self._host[job.offset:job.offset + job.nbytes], deadline, parked)
+            gen = self._puller.pull(orch.source, job.key,
+                                    self._host[job.offset:job.offset + job.nbytes], deadline,
+                                    parked)
         except PullError as exc:
             if exc.why in ID_REFUSALS:
                 self._refused.add(job.request)
+            if not orch.parked:       # the peer lost it since it said it held it
+                self._probes.failed(job.request, job.key)
             return str(exc)
+        if orch.parked:
+            with self._lock:
+                if job.request in self._requests:   # its `done` not sent yet
+                    self._fetched_gen[job.request] = max(
+                        gen, self._fetched_gen.get(job.request, 0))
         self._jobs.count("bytes_loaded", job.nbytes)
         return None

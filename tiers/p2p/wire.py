@@ -12,8 +12,11 @@ digest.
 Messages (`t`, fields) — handshake in `auth.py`, feed and pulls in `server.py` / `client.py`:
     hello(v, role, nonce, id)   challenge(nonce, mac)   auth(mac)   ok()
     snap(epoch, seq, keys, last)        ev(epoch, seq, gain, lose)
-    hb(epoch, seq)              get(key, n)     chunk(key, n)    end(sum)    miss(why)   busy()
-    fetch(id, key, n, wait_ms)  done(id)  (P/D: `parking.py`; `done` is answered `ok`)
+    hb(epoch, seq)              get(key, n)     chunk(key, n, gen)    end(sum)    miss(why)
+    busy()      fetch(id, key, n, wait_ms)      done(id, gen)   probe(keys)     held(keys)
+    (P/D: `parking.py`; `gen` is a parked record's generation, 0 for a `get` / a decoder that
+    fetched nothing; `done` is answered `ok`; `probe` is answered `held` with the keys of it
+    the peer holds, `probe.py`)
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ import msgpack
 
 from kvhal.keys import ChunkKey, KeyFormatError
 
-PROTOCOL_VERSION = 1
+#: Version 2: `chunk` and `done` carry a parked record's generation (`parking.py`);
+#: `probe` / `held` ask a peer which chunks it holds (`probe.py`).
+PROTOCOL_VERSION = 2
 #: Largest control frame body: a feed page of `MAX_KEYS_PER_FRAME` keys fits with room.
 MAX_FRAME_BYTES = 1 << 20
 #: Keys per `snap` / `ev` frame (each serialised key is at most 83 bytes).
@@ -56,13 +61,15 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
            "gain": ("keys",), "lose": ("keys",)},
     "hb": {"epoch": ("bin", EPOCH_BYTES, EPOCH_BYTES), "seq": ("int", 0, _MAX_SEQ)},
     "get": {"key": ("key",), "n": ("int", 1, MAX_CHUNK_BYTES)},
-    "chunk": {"key": ("key",), "n": ("int", 1, MAX_CHUNK_BYTES)},
+    "chunk": {"key": ("key",), "n": ("int", 1, MAX_CHUNK_BYTES), "gen": ("int", 0, _MAX_SEQ)},
     "end": {"sum": ("bin", 16, 16)},
     "miss": {"why": ("str", 200)},
     "busy": {},
     "fetch": {"id": ("str", MAX_ID_CHARS), "key": ("key",), "n": ("int", 1, MAX_CHUNK_BYTES),
               "wait_ms": ("int", 0, MAX_WAIT_MS)},
-    "done": {"id": ("str", MAX_ID_CHARS)},
+    "done": {"id": ("str", MAX_ID_CHARS), "gen": ("int", 0, _MAX_SEQ)},
+    "probe": {"keys": ("keys",)},
+    "held": {"keys": ("keys",)},
 }
 
 
