@@ -125,25 +125,28 @@ def _prefill(manager, tier, region: np.ndarray, stored: np.ndarray, offsets: lis
     if kv_id is not None:
         context = f"prefill-{batch}"
         manager.open_request(context, {"remote_decoder": {"kv_request_id": kv_id}})
-    deadline = time.monotonic() + PULLS_WAIT_S
-    while tier.stats()["fetches_waiting"] < pulls:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{pulls} pulls of the decode leg did not reach the prefiller "
-                               f"within {PULLS_WAIT_S:.0f} s")
-        time.sleep(0.001)
-    start = time.monotonic()
-    for i in range(len(offsets)):
-        time.sleep(max(0.0, start + (i + 1) * pace_s - time.monotonic()))
-        plan = manager.prepare_store([chunk_key(i, batch)], context)
-        if plan is None or len(plan.slots) != 1:
-            raise RuntimeError(f"chunk {i} of batch {batch}: no free host slot")
-        offsets[i] = int(plan.slots[0]) * chunk
-        region[offsets[i]:offsets[i] + chunk] = stored[i * chunk:(i + 1) * chunk]
-        manager.complete_store(plan.job_id)
-    last = time.monotonic()
-    manager.close_request(context)
-    manager.poll()
-    return start, last
+    try:
+        deadline = time.monotonic() + PULLS_WAIT_S
+        while tier.stats()["fetches_waiting"] < pulls:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{pulls} pulls of the decode leg did not reach the "
+                                   f"prefiller within {PULLS_WAIT_S:.0f} s")
+            time.sleep(0.001)
+        start = time.monotonic()
+        for i in range(len(offsets)):
+            time.sleep(max(0.0, start + (i + 1) * pace_s - time.monotonic()))
+            plan = manager.prepare_store([chunk_key(i, batch)], context)
+            if plan is None or len(plan.slots) != 1:
+                if plan is not None:
+                    manager.complete_store(plan.job_id, 0)  # an open job defers the seal
+                raise RuntimeError(f"chunk {i} of batch {batch}: no free host slot")
+            offsets[i] = int(plan.slots[0]) * chunk
+            region[offsets[i]:offsets[i] + chunk] = stored[i * chunk:(i + 1) * chunk]
+            manager.complete_store(plan.job_id)
+        return start, time.monotonic()
+    finally:  # sealed even when failed: the decoder's waiting pulls are refused at once
+        manager.close_request(context)
+        manager.poll()
 
 
 class _Decoder:
@@ -179,9 +182,11 @@ class _Decoder:
             self.tier.open_request(context, params)
             submit_pulls(self.tier, keys, self.chunk, context)
             self.pipe.send((batch, kv_id, min(self.count, self.concurrency)))
-            finish_pulls(self.tier, self.count)
-            end = time.monotonic()
-            start, last = recv_answer(self.pipe, "prefill")
+            try:
+                finish_pulls(self.tier, self.count)
+                end = time.monotonic()
+            finally:  # a failed prefill fails the pulls too: its own error is the one raised
+                start, last = recv_answer(self.pipe, "prefill")
         else:
             self.pipe.send((batch, kv_id if kind == "after" else None, 0))
             start, last = recv_answer(self.pipe, "prefill")
