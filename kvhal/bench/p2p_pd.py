@@ -23,8 +23,9 @@ Per pass, in milliseconds: `prefill_ms`, from the first chunk's compute start to
 chunk stored, and `tail_ms`, from the last chunk stored to the decoder holding every chunk:
 what P/D adds to the time to first token; and their sum, `end_to_end_ms` (the first chunk's
 compute start to the decoder holding every chunk), which also counts a prefill slowed by the
-transfers it overlaps (here they share the CPU with its stores). Stamps are `time.monotonic()` (CLOCK_MONOTONIC,
-one clock for every process of a Linux machine), taken by the prefiller and the decoder.
+transfers it overlaps (here they share the CPU with its stores). Stamps are
+`time.monotonic()` (CLOCK_MONOTONIC, one clock for every process of a Linux machine), taken
+by the prefiller and the decoder.
 Ratios are geometric means over the repeats of the ratio of passes of one repeat:
 `tail_vs_raw` = pd tail / raw tail, and `overlap` = 1 − pd tail / after tail, the share of
 the p2p transfer hidden behind the prefill (negative if streaming made the tail longer than
