@@ -18,16 +18,17 @@ costs, less noisy than wall time. The p2p per-chunk latency
 (p50, p99) is the job wall time over all p2p passes; next to it, the wall time of one xxh3-128
 digest of a chunk, which the serving side takes per pull of a host slot (host slots keep no
 digest). Target: p2p >= 0.9 x raw TCP.
+
+A second row, P/D (`p2p_pd.py`), times prefill/decode disaggregation over the p2p tier: from
+a simulated chunked prefill's last chunk (`--prefill-ms-per-chunk` of compute each) to the
+decoder holding every chunk, against the raw TCP loop moving the same bytes after the prefill,
+and the share of the transfer hidden behind the prefill.
 """
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
-import queue
-import socket
 import statistics
-import struct
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -35,15 +36,15 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import xxhash
 
-from kvhal.argtypes import positive_int
-from kvhal.keys import ChunkKey
+from kvhal.argtypes import non_negative_float, positive_int
 from kvhal.report import print_json, print_table, progress
 
+from . import p2p_pd
 from .copy import _size
+from .p2p_loops import (AUTH_KEY, INDEX, NAMESPACE, RawTcp, chunk_key, connected, cpu_s,
+                        finish_pulls, payload, run_threads, serve_raw_tcp, serving,
+                        submit_pulls)
 
-_NAMESPACE = b"kvhal-bench-p2p!"
-_KEY = "kvhal-bench-p2p-shared-key"
-_INDEX = struct.Struct("<Q")
 TARGET_RATIO = 0.9
 
 
@@ -74,31 +75,6 @@ class P2PBenchResult:
     hash_ms_per_chunk: float
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (/proc/PID/stat fields 14, 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _payload(count: int, chunk: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, count * chunk, dtype=np.uint8)
-
-
-def _key(i: int) -> ChunkKey:
-    return ChunkKey(_NAMESPACE, 0, i.to_bytes(8, "big"))
-
-
-def _serve_raw(conn: socket.socket, data: memoryview, offsets: list[int], chunk: int) -> None:
-    with conn:
-        while True:
-            header = conn.recv(_INDEX.size, socket.MSG_WAITALL)
-            if len(header) < _INDEX.size:
-                return
-            (i,) = _INDEX.unpack(header)
-            conn.sendall(data[offsets[i]:offsets[i] + chunk])
-
-
 def _serve_zmq(sock, data: memoryview, offsets: list[int], chunk: int) -> None:
     import zmq
     while True:
@@ -106,7 +82,7 @@ def _serve_zmq(sock, data: memoryview, offsets: list[int], chunk: int) -> None:
             ident, index = sock.recv_multipart()
         except zmq.ZMQError:
             return
-        (i,) = _INDEX.unpack(index)
+        (i,) = INDEX.unpack(index)
         sock.send_multipart([ident, data[offsets[i]:offsets[i] + chunk]], copy=False)
 
 
@@ -121,88 +97,24 @@ def _server(pipe, count: int, chunk: int) -> None:
     from kvhal.tiers.p2p import P2PTier
     region = np.empty(count * chunk, dtype=np.uint8)
     data = memoryview(region)
-    tier = P2PTier({"auth_key": _KEY, "max_inflight": 64}, data, _NAMESPACE)
+    tier = P2PTier({"auth_key": AUTH_KEY, "max_inflight": 64}, data, NAMESPACE)
     manager = Manager(SlotTable(count, LRUPolicy(count)), slot_bytes=chunk, chunk_nbytes=chunk,
                       tiers=[tier], emit_events=False)
-    plan = manager.prepare_store([_key(i) for i in range(count)])
-    payload = _payload(count, chunk)
+    plan = manager.prepare_store([chunk_key(i) for i in range(count)])
+    served = payload(count, chunk)
     offsets = [int(slot) * chunk for slot in plan.slots]
     for i, offset in enumerate(offsets):
-        region[offset:offset + chunk] = payload[i * chunk:(i + 1) * chunk]
+        region[offset:offset + chunk] = served[i * chunk:(i + 1) * chunk]
     manager.complete_store(plan.job_id)
     manager.drain(600)
-    listener = socket.create_server(("127.0.0.1", 0))
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     zmq_port = router.bind_to_random_port("tcp://127.0.0.1")
     threading.Thread(target=_serve_zmq, args=(router, data, offsets, chunk),
                      daemon=True).start()
-
-    def accept():
-        while True:
-            conn, _ = listener.accept()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=_serve_raw, args=(conn, data, offsets, chunk),
-                             daemon=True).start()
-    threading.Thread(target=accept, daemon=True).start()
-    pipe.send((tier.identity, listener.getsockname()[1], zmq_port))
+    pipe.send((tier.identity, serve_raw_tcp(data, offsets, chunk), zmq_port))
     pipe.recv()  # stop
     manager.close()
-
-
-def _run_threads(concurrency: int, count: int, work) -> float:
-    """Run `work(i)` for i < count on `concurrency` threads (each set up by `work.setup`);
-    return the wall seconds."""
-    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for i in range(count):
-        todo.put(i)
-    states = [work.setup() for _ in range(concurrency)]
-    errors: list[BaseException] = []
-
-    def loop(state):
-        try:
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
-                    return
-                work(state, i)
-        except BaseException as exc:  # reported after the pass
-            errors.append(exc)
-    threads = [threading.Thread(target=loop, args=(s,)) for s in states]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
-    for s in states:
-        work.teardown(s)
-    if errors:
-        raise RuntimeError(f"raw pull failed: {errors[0]!r}")
-    return elapsed
-
-
-class _RawTcp:
-    def __init__(self, port: int, out: memoryview, chunk: int):
-        self.port, self.out, self.chunk = port, out, chunk
-
-    def setup(self):
-        s = socket.create_connection(("127.0.0.1", self.port))
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return s
-
-    def __call__(self, s, i):
-        s.sendall(_INDEX.pack(i))
-        view, done = self.out[i * self.chunk:(i + 1) * self.chunk], 0
-        while done < self.chunk:
-            n = s.recv_into(view[done:], self.chunk - done)
-            if n == 0:
-                raise ConnectionError("raw server closed")
-            done += n
-
-    def teardown(self, s):
-        s.close()
 
 
 class _Zmq:
@@ -217,7 +129,7 @@ class _Zmq:
         return s
 
     def __call__(self, s, i):
-        s.send(_INDEX.pack(i))
+        s.send(INDEX.pack(i))
         if s.recv_into(self.out[i * self.chunk:(i + 1) * self.chunk]) != self.chunk:
             raise ConnectionError("zmq frame of another size")
 
@@ -233,18 +145,19 @@ def _hash_s(data: memoryview, count: int, chunk: int) -> float:
     return time.perf_counter() - t0
 
 
+def _threads_pass(concurrency: int, count: int, work) -> float:
+    """Wall seconds of `work`'s pulls of `count` chunks on `concurrency` connections made
+    for the pass (untimed)."""
+    with connected(work, concurrency) as states:
+        return run_threads(states, count, work)
+
+
 def _p2p_pass(tier, count: int, chunk: int) -> tuple[float, list[float]]:
-    from kvhal.tiers.base import JobKind, TierJob
+    """Pull every chunk through `tier`: (wall seconds, each pull's job seconds)."""
     t0 = time.perf_counter()
-    for i in range(count):
-        tier.submit_load(TierJob(i, JobKind.LOAD, _key(i), i * chunk, chunk))
-    tier.drain(600)
-    elapsed = time.perf_counter() - t0
-    results = tier.get_finished_jobs()
-    failed = [r for r in results if not r.ok]
-    if failed:
-        raise RuntimeError(f"{len(failed)} p2p pulls failed, first: {failed[0].error}")
-    return elapsed, [r.seconds for r in results]
+    submit_pulls(tier, [chunk_key(i) for i in range(count)], chunk)
+    results = finish_pulls(tier, count)
+    return time.perf_counter() - t0, [r.seconds for r in results]
 
 
 def measure(chunk: int, count: int, concurrency: int, repeats: int,
@@ -255,26 +168,19 @@ def measure(chunk: int, count: int, concurrency: int, repeats: int,
         RuntimeError: a pull failed or pulled bytes differ from the served ones.
     """
     from kvhal.tiers.p2p import P2PTier
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(target=_server, args=(child, count, chunk), daemon=True)
-    server.start()
     seconds: dict[str, list[float]] = {"p2p": [], "raw": [], "zmq": []}
     cpu: dict[str, list[tuple[float, float]]] = {"p2p": [], "raw": [], "zmq": []}
     latencies: list[float] = []
     hashing: list[float] = []
-    try:
-        if not parent.poll(600):
-            raise RuntimeError("the serving process did not start")
-        identity, raw_port, zmq_port = parent.recv()
+    with serving(_server, count, chunk) as (_, (identity, raw_port, zmq_port), server):
         out = np.zeros(count * chunk, dtype=np.uint8)
         view = memoryview(out)
-        reference = _payload(count, chunk)
-        tier = P2PTier({"auth_key": _KEY, "peers": [identity], "num_threads": concurrency,
-                        "timeout_s": 60.0}, view, _NAMESPACE)
-        raw, zmq_pull = _RawTcp(raw_port, view, chunk), _Zmq(zmq_port, view, chunk)
-        runs = {"raw": lambda: (_run_threads(concurrency, count, raw), None),
-                "zmq": lambda: (_run_threads(concurrency, count, zmq_pull), None),
+        reference = payload(count, chunk)
+        tier = P2PTier({"auth_key": AUTH_KEY, "peers": [identity], "num_threads": concurrency,
+                        "timeout_s": 60.0}, view, NAMESPACE)
+        raw, zmq_pull = RawTcp(raw_port, view, chunk), _Zmq(zmq_port, view, chunk)
+        runs = {"raw": lambda: (_threads_pass(concurrency, count, raw), None),
+                "zmq": lambda: (_threads_pass(concurrency, count, zmq_pull), None),
                 "p2p": lambda: _p2p_pass(tier, count, chunk)}
         task = bar.add_task("bench p2p", total=repeats) if bar else None
         try:
@@ -283,10 +189,10 @@ def measure(chunk: int, count: int, concurrency: int, repeats: int,
             for r in range(repeats):
                 for name in ("raw", "p2p", "zmq") if r % 2 == 0 else ("p2p", "raw", "zmq"):
                     out[:] = 0
-                    before = _cpu_s(os.getpid()), _cpu_s(server.pid)
+                    before = cpu_s(os.getpid()), cpu_s(server.pid)
                     elapsed, lat = runs[name]()
-                    cpu[name].append((_cpu_s(os.getpid()) - before[0],
-                                      _cpu_s(server.pid) - before[1]))
+                    cpu[name].append((cpu_s(os.getpid()) - before[0],
+                                      cpu_s(server.pid) - before[1]))
                     if not np.array_equal(out, reference):
                         raise RuntimeError(f"{name} pass delivered wrong bytes")
                     seconds[name].append(elapsed)
@@ -296,11 +202,6 @@ def measure(chunk: int, count: int, concurrency: int, repeats: int,
                     bar.advance(task)
         finally:
             tier.close()
-    finally:
-        parent.send("stop")
-        server.join(30)
-        if server.is_alive():
-            server.kill()
     total = chunk * count
     gbps = {name: total / statistics.median(s) / 1e9 for name, s in seconds.items()}
     ratio = statistics.median(raw / p2p for raw, p2p in zip(seconds["raw"], seconds["p2p"]))
@@ -315,13 +216,26 @@ def measure(chunk: int, count: int, concurrency: int, repeats: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `kvhal bench p2p` and print the table (or JSON); exit 1 below the target ratio."""
+    """Run `kvhal bench p2p` and print the tables (or JSON); exit 1 below the target ratio.
+
+    Raises:
+        ValueError: the prefill of `--count` chunks at `--prefill-ms-per-chunk` would outlast
+            half of the decoder's wait for a chunk (`p2p_pd.FETCH_WAIT_S`).
+    """
+    prefill_s = args.count * args.prefill_ms_per_chunk / 1e3
+    if prefill_s > p2p_pd.FETCH_WAIT_S / 2:
+        raise ValueError(f"--prefill-ms-per-chunk {args.prefill_ms_per_chunk:g} x --count "
+                         f"{args.count}: a prefill of {prefill_s:.0f} s, over the "
+                         f"{p2p_pd.FETCH_WAIT_S / 2:.0f} s the P/D row allows")
     with progress(disable=args.json) as bar:
         result = measure(args.chunk_bytes, args.count, args.concurrency, args.repeats, bar)
+        pd = p2p_pd.measure(args.chunk_bytes, args.count, args.concurrency, args.repeats,
+                            args.prefill_ms_per_chunk, bar)
     ok = result.ratio >= TARGET_RATIO
     if args.json:
         print_json(asdict(result) | {"target_ratio": TARGET_RATIO,
-                                     "zmq_ratio": result.zmq_gbps / result.raw_tcp_gbps})
+                                     "zmq_ratio": result.zmq_gbps / result.raw_tcp_gbps,
+                                     "pd": asdict(pd)})
     else:
         cpu = result.cpu_ms_per_chunk
         print_table(f"kvhal bench p2p — {result.count} × {result.chunk_bytes} B chunks, "
@@ -340,6 +254,15 @@ def run(args: argparse.Namespace) -> int:
               f"(median of per-repeat ratios): {'met' if ok else 'NOT met'}")
         print(f"xxh3-128 of one chunk (the serving side's digest of a host slot per pull): "
               f"{result.hash_ms_per_chunk:.3f} ms")
+        print_table(f"P/D — prefill of {result.count} chunks at {pd.prefill_ms_per_chunk:g} ms "
+                    f"of compute each, medians of {result.repeats} alternating passes",
+                    ["path", "prefill ms", "tail ms (last chunk stored → decoder has all)",
+                     "prefill + tail ms", "× raw TCP tail"], p2p_pd.table_rows(pd))
+        print(f"overlap: {pd.overlap:.2f} of the p2p transfer hidden behind the prefill "
+              f"(1 − decode-leg-first tail / prefill-leg-first tail, per-repeat geometric "
+              f"mean); the streamed prefill took {pd.prefill_ms['pd']:.1f} ms, "
+              f"{pd.prefill_ms['after']:.1f} ms with the prefill leg first (the transfers it "
+              f"overlaps share this machine's CPU): 'prefill + tail' is the whole cost")
     return 0 if ok else 1
 
 
@@ -352,5 +275,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="pull threads and connections (default 4)")
     p.add_argument("--repeats", type=positive_int, default=7,
                    help="alternating passes of each kind; medians are reported (default 7)")
+    p.add_argument("--prefill-ms-per-chunk", type=non_negative_float, default=2.0,
+                   help="P/D row: simulated prefill compute per chunk, ms (default 2): your "
+                        "model's prefill ms per token x tokens per chunk")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

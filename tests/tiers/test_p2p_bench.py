@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from ..cli import memcpy_gbps, timed_kvhal
+from ..cli import kvhal, memcpy_gbps, timed_kvhal
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +22,10 @@ HASH_SLACK = 100
 #: /proc counts CPU time in 10 ms ticks: each pass's reading of each side may be one tick
 #: more than it used.
 TICK_S = 0.01
+#: The P/D test's simulated compute per chunk (ms): ~20 x the time this machine takes to move a
+#: 1 MiB chunk over loopback, so a decode leg opened first has each chunk before the next one
+#: is stored.
+PD_PACE_MS = 25
 
 
 def _own_hash_ms(nbytes: int) -> float:
@@ -69,3 +73,48 @@ def test_bench_p2p_json_figures_are_measurements_of_the_pulls():
     assert own / SLACK <= result["hash_ms_per_chunk"] <= own * HASH_SLACK, \
         f"hash_ms_per_chunk {result['hash_ms_per_chunk']:.2g} outside {own:.2g} / {SLACK} .. " \
         f"{own:.2g} x {HASH_SLACK}"
+
+
+def test_bench_p2p_pd_row_pulls_every_chunk_once_and_hides_the_transfer():
+    """The P/D row, held against what the test knows: the tiers' own counters say every chunk
+    of the two p2p kinds of pass was parked, served and loaded exactly once (3 repeats x 8
+    chunks x 2 kinds, no refused fetch, no failed load); every pass's prefill took at least
+    the 8 x PD_PACE_MS of compute asked for, and all passes' prefills and tails fit inside the
+    command's wall time; at this pace the transfer is hidden: overlap in (0, 1]. Seen failing
+    with the decode leg's pulls submitted only after the prefill ended (overlap -0.25) and
+    with the pace read as microseconds (prefill_ms 11.3 < 8 x 25)."""
+    count, chunk, repeats = 8, 1 << 20, 3
+    out, wall_s, _ = timed_kvhal("bench", "p2p", "--count", str(count), "--chunk-bytes", "1MiB",
+                                 "--repeats", str(repeats), "--prefill-ms-per-chunk",
+                                 str(PD_PACE_MS), "--json")
+    result = json.loads(out.stdout)
+    pd = result["pd"]
+
+    assert out.returncode == (0 if result["ratio"] >= 0.9 else 1), out.stderr
+    p2p_chunks = count * repeats * 2
+    prefiller, decoder = pd["prefiller"], pd["decoder"]
+    assert (prefiller["parked_chunks"], prefiller["chunks_served"],
+            prefiller.get("fetch_refused", 0), prefiller["parked_held"]) == (
+        p2p_chunks, p2p_chunks, 0, 0)
+    assert (decoder["bytes_loaded"], decoder.get("load_failed", 0)) == (p2p_chunks * chunk, 0)
+    passes = pd["passes"]
+    assert sorted(p["kind"] for p in passes) == ["after"] * 3 + ["pd"] * 3 + ["raw"] * 3
+    for p in passes:
+        assert p["prefill_ms"] >= count * PD_PACE_MS, p
+        assert p["tail_ms"] > 0, p
+    passes_s = sum(p["prefill_ms"] + p["tail_ms"] for p in passes) / 1e3
+    assert passes_s < wall_s, f"P/D passes took {passes_s:.3f} s of a {wall_s:.3f} s command"
+    assert 0 < pd["overlap"] <= 1, pd["passes"]
+
+
+def test_bench_p2p_bad_prefill_pace_is_one_line_naming_the_flag():
+    out = kvhal("bench", "p2p", "--prefill-ms-per-chunk", "-1")
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1] == ("kvhal bench p2p: error: argument "
+                                           "--prefill-ms-per-chunk: must be a finite number "
+                                           "≥ 0, got '-1'")
+    out = kvhal("bench", "p2p", "--prefill-ms-per-chunk", "10000", "--count", "64")
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr.splitlines() == [
+        "kvhal bench: error: --prefill-ms-per-chunk 10000 x --count 64: a prefill of 640 s, "
+        "over the 300 s the P/D row allows"]
