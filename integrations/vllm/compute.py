@@ -44,6 +44,12 @@ class ComputeStream:
         self.backend.record_event(self._event, self.current())
         return self._event
 
+    @property
+    def streamed(self) -> bool:
+        """True where the forward runs on a stream (`wait_job` queues a wait and returns at
+        once); False on vLLM-CPU (`wait_job` blocks the host)."""
+        return self.current is not None
+
     def wait_job(self, worker: Worker, job_id: int) -> None:
         """Make the forward's later work (attention) run after the copies of `worker`'s job
         `job_id`: a wait queued on the compute stream (the host does not block), or, without a

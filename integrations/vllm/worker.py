@@ -166,7 +166,15 @@ class WorkerSide:
         since freed and handed to these loads) runs before a load overwrites them. Chunks of
         a synchronous load the scheduler could not hold (slot -1) and every chunk after them
         fail at once: their blocks are reported as load errors. Asynchronous loads are issued
-        without being waited for."""
+        without being waited for.
+
+        Where the forward runs on a stream, the compute stream is made to wait for the
+        synchronous loads here, before vLLM queues the forward, not first in
+        `wait_for_layer_load`: vLLM's full CUDA graphs (its default FULL_AND_PIECEWISE mode
+        replays one for a batch of 1-token steps, e.g. a request whose every full chunk hit)
+        replay without the per-layer calls (`KVConnectorBase_V1.requires_piecewise_for_cudagraph`,
+        vLLM 0.33), so attention would read the blocks before their copies landed. Without a
+        stream (vLLM-CPU: no graphs) the host blocks in `wait_for_layer_load`, as before."""
         workers = self._attach(meta.region)
         self._report.update(meta.report_sending)
         after = self.compute.record() if meta.async_loads or meta.loads else None
@@ -185,12 +193,15 @@ class WorkerSide:
             workers[job.group].submit_load(job.job_id, job.block_ids[:valid], local,
                                            after=after)
             self._loads_waiting.append((job.group, job.job_id))
+        if self.compute.streamed:
+            self.wait_for_layer_load()
 
     def wait_for_layer_load(self) -> None:
         """Before attention reads this step's synchronously loaded blocks: order the forward's
         later work after their copies (`ComputeStream.wait_job`: a wait on the compute stream,
-        or on vLLM-CPU the host blocks until they have landed). The first layer's call covers
-        every layer: one plan moves every layer of a chunk."""
+        already queued by `start_load_kv`, or on vLLM-CPU the host blocks until they have
+        landed). The first layer's call covers every layer: one plan moves every layer of a
+        chunk."""
         while self._loads_waiting:
             group, job_id = self._loads_waiting.pop()
             self.compute.wait_job(self.workers[group], job_id)

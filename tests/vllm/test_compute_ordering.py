@@ -66,11 +66,13 @@ class Rank:
         after the forward."""
         self.side.wait_for_save(self.meta(stores=[_job(job_id, blocks)]))
 
-    def start_load(self, job_id: int, blocks: np.ndarray) -> None:
-        """Issue a synchronous load of slots 0..n-1 into `blocks` (n, BLOCKS_PER_CHUNK) and
-        order attention after it."""
+    def start_load(self, job_id: int, blocks: np.ndarray, layer_waits: bool = True) -> None:
+        """Issue a synchronous load of slots 0..n-1 into `blocks` (n, BLOCKS_PER_CHUNK) and,
+        with `layer_waits`, order attention after it as vLLM's attention layers do; without,
+        as a full CUDA graph replays the forward (no per-layer connector calls)."""
         self.side.start_load_kv(self.meta(loads=[_job(job_id, blocks)]))
-        self.side.wait_for_layer_load()
+        if layer_waits:
+            self.side.wait_for_layer_load()
 
     def ended(self, job_id: int, timeout_s: float = 10.0) -> int:
         """Poll `get_finished` until job `job_id` has ended on this rank; its `num_ok`."""
@@ -262,9 +264,10 @@ def store_after_late_forward(monkeypatch, seed: int) -> Outcome:
         rank.close()
 
 
-def attention_after_late_load(monkeypatch, seed: int) -> Outcome:
+def attention_after_late_load(monkeypatch, seed: int, layer_waits: bool = True) -> Outcome:
     """A load's copies are held; attention's read of the loaded blocks is queued on the
-    compute stream after `wait_for_layer_load`, then the load may run."""
+    compute stream after `wait_for_layer_load` (without `layer_waits`: right after
+    `start_load_kv`, as in a full CUDA graph), then the load may run."""
     rank, backend, sim = _cpu_rank(monkeypatch, seed, late=lambda s, sim: not _is(s, sim))
     out = backend.alloc_pinned(len(rank.blocks(DST_BLOCKS)))
     try:
@@ -277,7 +280,7 @@ def attention_after_late_load(monkeypatch, seed: int) -> Outcome:
             t.view(torch.int16)[_index(DST_BLOCKS)] = -1
         stale = rank.blocks(DST_BLOCKS)
         backend.hold()
-        rank.start_load(2, DST_BLOCKS)
+        rank.start_load(2, DST_BLOCKS, layer_waits)
         offset = 0
         for name in LAYERS:              # attention reads the loaded blocks, on the stream
             first = rank.kv[name][int(DST_BLOCKS[0, 0])]
@@ -347,6 +350,16 @@ def test_attention_on_the_compute_stream_reads_the_loaded_kv(monkeypatch, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+def test_attention_in_a_full_cuda_graph_reads_the_loaded_kv(monkeypatch, seed):
+    """As above, with `wait_for_layer_load` never called: vLLM's full CUDA graphs (its
+    default mode replays one for a batch of 1-token steps) replay without the per-layer
+    connector calls, so `start_load_kv` itself must queue the compute stream's wait. Seen
+    failing (the stale 0xFF bytes, every seed) with the wait left to `wait_for_layer_load`."""
+    outcome = attention_after_late_load(monkeypatch, seed, layer_waits=False)
+    np.testing.assert_array_equal(outcome.got, outcome.want)
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
 def test_a_load_lands_after_earlier_compute_reading_its_blocks(monkeypatch, seed):
     """Work queued on the compute stream before a load (the last step's attention, late,
     still reading blocks now handed to the load) reads the blocks' old bytes: the load waits
@@ -410,12 +423,14 @@ def test_cuda_store_waits_for_the_forward_on_the_current_stream():
 
 
 @needs_gpu
-def test_cuda_attention_on_the_current_stream_reads_the_loaded_kv():
+@pytest.mark.parametrize("layer_waits", [True, False], ids=["layer-waits", "full-graph"])
+def test_cuda_attention_on_the_current_stream_reads_the_loaded_kv(layer_waits):
     """As `test_attention_on_the_compute_stream_reads_the_loaded_kv` on torch's current
     stream: a 64 MiB load (256 chunks of 8 heads × 128) takes milliseconds on the load
     stream, while the read of its blocks is queued on the current stream microseconds after
-    `wait_for_layer_load`. Not run without a GPU; without the stream wait the read would see
-    the stale bytes of most blocks."""
+    `wait_for_layer_load` (full-graph: after `start_load_kv` alone, as a full CUDA graph
+    replays). Not run without a GPU; without the stream wait the read would see the stale
+    bytes of most blocks."""
     num_chunks = 256
     src = np.arange(num_chunks * BLOCKS_PER_CHUNK).reshape(num_chunks, BLOCKS_PER_CHUNK)
     dst = src + src.size
@@ -428,7 +443,7 @@ def test_cuda_attention_on_the_current_stream_reads_the_loaded_kv():
         rank.store(1, src)
         assert rank.ended(1) == num_chunks
         expected = rank.blocks(src)
-        rank.start_load(2, dst)
+        rank.start_load(2, dst, layer_waits)
         read = [rank.kv[name][_index(dst).cuda()] for name in LAYERS]   # attention's read
         rank.side.wait_for_save(rank.meta())
         torch.cuda.synchronize()
