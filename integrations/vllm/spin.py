@@ -20,7 +20,7 @@ worker shares them with the forward passes that matter.
 each reader as it is made; `bound_reader_spin` (from `KVHalConnector`, in the engine core and
 in each worker) caps the spin of the readers of that process, made before or after, at
 `READER_SPIN_S`. Engines without kvhal's connector keep vLLM's spin. Only on vLLM's CPU
-platform; a vLLM without `SpinCondition` is left alone.
+platform; a vLLM without `SpinCondition` or its `busy_loop_s` is left alone.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def track_readers() -> bool:
     @functools.wraps(init)
     def tracked(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        if getattr(self, "is_reader", False):
+        if getattr(self, "is_reader", False) and hasattr(self, "busy_loop_s"):
             _readers.add(self)
             if _bound:
                 self.busy_loop_s = min(self.busy_loop_s, _bound[0])
