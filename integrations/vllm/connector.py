@@ -27,6 +27,7 @@ from kvhal.config import parse_config
 from .geometry import check_kv_scales, deployment
 from .metadata import KVHalMetadata, KVHalWorkerMetadata
 from .scheduler import SchedulerSide
+from .spin import bound_reader_spin
 from .stats import KVHalPromMetrics, KVHalStats
 from .worker import WorkerSide
 
@@ -53,6 +54,7 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
+        bound_reader_spin()   # a waiting engine's idle steps must not keep a core (spin.py)
         transfer = vllm_config.kv_transfer_config
         config = parse_config(dict(transfer.kv_connector_extra_config or {}))
         groups = kv_cache_config.kv_cache_groups

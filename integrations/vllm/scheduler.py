@@ -527,9 +527,10 @@ class SchedulerSide:
         row up to `IDLE_WAIT_MAX_S`, and back to `IDLE_WAIT_S` once a step computes or an
         asynchronous load ships chunks. A short load (a promotion from a local tier) is seen
         within a fraction of a millisecond; a decode leg waiting seconds for its prefiller no
-        longer takes a core from it (a 0.5 ms wait gave ~2,700 lookups/s on one waiting
-        request, and a prefiller sharing the 2 cores answered a P/D leg ~20 s late). Adds
-        at most `IDLE_WAIT_MAX_S` to noticing a chunk or a new request during a long wait."""
+        longer runs ~2,700 lookups/s (a 0.5 ms wait). Each step still reaches the workers,
+        whose queue readers would spin between such steps: `spin.bound_reader_spin` keeps
+        them asleep. Adds at most `IDLE_WAIT_MAX_S` to noticing a chunk or a new request
+        during a long wait."""
         if scheduler_output.total_num_scheduled_tokens == 0 and (self._deciding or any(
                 not load.final for load in self._recving.values())):
             time.sleep(min(IDLE_WAIT_S * 2 ** self._idle_steps, IDLE_WAIT_MAX_S))

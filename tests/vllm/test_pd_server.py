@@ -4,12 +4,15 @@ decoder, both as `kv_transfer_params` in `/v1/completions` bodies sent over HTTP
 answer equals vLLM's own prefix-cache hit at the same boundary (the prefiller asked the same
 prompt again), token for token and logprob for logprob, and its
 `usage.prompt_tokens_details.cached_tokens` counts the 896 pulled tokens; legs sent one after
-the other and at once.
+the other, at once, and the decode leg first (the prefill leg only once vLLM counts the decode
+leg's KV fetch in progress and the decoder's worker was watched waiting for `WAIT_WINDOW_S`).
 """
 from __future__ import annotations
 
 import secrets
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -20,11 +23,14 @@ from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
 
 from ..tiers.p2p_helpers import KEY, fixed_port  # noqa: E402
 from .conftest import FULL_HIT, prompt  # noqa: E402
-from .server import Server  # noqa: E402
+from .server import Server, metric, scrape  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-P1, P2 = prompt(41), prompt(42)
+P1, P2, P3 = prompt(41), prompt(42), prompt(43)
+#: Seconds the decoder's worker is watched while its decode leg waits (the decoder waits up to
+#: its `fetch_wait_s`, 30 s).
+WAIT_WINDOW_S = 5.0
 
 
 def complete(server: Server, model: str, tokens: list[int], max_tokens: int,
@@ -37,6 +43,26 @@ def complete(server: Server, model: str, tokens: list[int], max_tokens: int,
                         timeout=600)
     assert answer.status_code == 200, answer.text[:2000]
     return answer.json()
+
+
+def wait_fetching(server: Server, timeout_s: float = 120.0) -> None:
+    """Wait until vLLM counts one request's asynchronous KV fetch in progress on `server`."""
+    deadline = time.monotonic() + timeout_s
+    while metric(scrape(server.url), "vllm:num_requests_kv_fetch_by_stage",
+                 stage="in_progress") != 1:
+        assert time.monotonic() < deadline, "the decode leg's KV fetch never started"
+        time.sleep(0.1)
+
+
+def runnable_share(pid: int, window_s: float) -> float:
+    """Share of `window_s` seconds (from now) in which process `pid`'s main thread ran or
+    waited to run (`/proc/PID/schedstat`: ns on the CPU, ns in the run queue)."""
+    def runnable() -> float:
+        on_cpu, queued, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+        return (int(on_cpu) + int(queued)) / 1e9
+    before, start = runnable(), time.monotonic()
+    time.sleep(window_s)
+    return (runnable() - before) / (time.monotonic() - start)
 
 
 def completion(answer: dict) -> dict:
@@ -79,6 +105,19 @@ def legs(module_tmp):
         prefill.join(600)
         out["concurrent"] = both["decode"]
         out["reference2"] = complete(prefiller, model, P2, 8)
+        # decode leg first: the prefill leg goes once the decoder was seen waiting
+        kv_id = f"pd-{secrets.token_hex(16)}"
+        first: dict = {}
+        decode = threading.Thread(target=lambda: first.update(decode=complete(
+            decoder, model, P3, 8, {"remote_prefiller": source | {"kv_request_id": kv_id}})))
+        decode.start()
+        wait_fetching(decoder)
+        worker = next(p for p in decoder.processes() if p.name().startswith("VLLM::Worker"))
+        out["waiting worker"] = runnable_share(worker.pid, WAIT_WINDOW_S), decode.is_alive()
+        complete(prefiller, model, P3, 1, {"remote_decoder": {"kv_request_id": kv_id}})
+        decode.join(600)
+        out["decode-first"] = first["decode"]
+        out["reference3"] = complete(prefiller, model, P3, 8)
     finally:
         for server in (prefiller, decoder):
             server.stop_all()
@@ -94,11 +133,6 @@ def test_decode_leg_equals_vllms_own_prefix_hit(legs):
     assert decoded == reference
 
 
-@pytest.mark.skip(reason="issue 27 open: with both legs at once on a loaded 2-core machine the "
-                  "prefill leg reached the prefiller's engine ~18 s late (no request running "
-                  "there meanwhile) and its chunks landed after the decoder's 30 s fetch_wait_s "
-                  "('timed out waiting for the chunk'; cached 0 instead of 896), in this "
-                  "session's clean-clone .ci/run and one of two loaded runs; cause not found")
 def test_concurrent_legs_equal_vllms_own_prefix_hit(legs):
     """Both legs sent at once: the decoder waits for the chunks as the prefill stores them.
     Fails as the test above, or when a fetch arriving before its prefill leg is refused: with
@@ -107,3 +141,24 @@ def test_concurrent_legs_equal_vllms_own_prefix_hit(legs):
     scheduler had seen the leg."""
     assert completion(legs["concurrent"]) == completion(legs["reference2"])
     assert completion(legs["reference2"])["cached"] == FULL_HIT
+
+
+def test_decode_first_equals_vllms_own_prefix_hit(legs):
+    """The decode leg sent first, its prefill leg only after the decoder waited
+    `WAIT_WINDOW_S`: the decoder pulls the chunks once they are parked. Fails as the tests
+    above."""
+    assert completion(legs["decode-first"]) == completion(legs["reference3"])
+    assert completion(legs["reference3"])["cached"] == FULL_HIT
+
+
+def test_a_waiting_decoder_leaves_the_cores_to_its_prefiller(legs):
+    """While the decode leg waits for its prefill leg, the decoder's worker sleeps between the
+    engine's idle steps: its main thread is runnable under half the window (0.12 measured with
+    two busy loops on the 2 cores). Fails with vLLM-CPU's 1 s queue-reader spin left on
+    (`KVHalConnector` not calling `spin.bound_reader_spin`): runnable 0.99-1.00 of the window,
+    on a CPU 0.84-0.98 of it, never sleeping. A decoder spinning so (with the scheduler's old
+    fixed 0.5 ms idle wait) kept the prefiller's 0.12 s prefill waiting 16.7 s for a core,
+    until the decoder gave up its 30 s wait (cached 0: issue 27)."""
+    share, still_waiting = legs["waiting worker"]
+    assert still_waiting, "the decode leg ended before the window did: no wait was measured"
+    assert share < 0.5

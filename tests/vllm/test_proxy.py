@@ -29,16 +29,6 @@ from .server import Server, free_port, p2p_key_file, readme_proxy  # noqa: E402
 pytestmark = pytest.mark.slow
 
 ORDERS = ("prefill-first", "concurrent", "decode-first")
-#: Open in issue 27: with both legs at once or the decode leg first, the prefiller has
-#: sometimes counted no request when the client's answer arrives (concurrent and decode-first
-#: each failed in one of two full runs). The decoder's fetch is no longer refused before the
-#: prefill leg registers its id (it waits up to `fetch_wait_s`; tests/tiers/test_p2p_pd.py),
-#: and this module passes run alone with these skips removed; but in a later full run the
-#: concurrent prefill leg never reached the prefiller's engine in the 150 s the test waited
-#: (no engine activity, no POST answered; the decoder recomputed after its 30 s wait), a
-#: stall the arrival fix does not explain.
-PD_ORDER_RACE = ("issue 27 open: concurrent/decode-first prefill leg sometimes not served by "
-                 "the prefiller before the client's answer (full runs only)")
 MAX_TOKENS = 8
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
             "vllm:request_success_total")
@@ -150,8 +140,7 @@ def test_every_order_answers_with_the_decoders_completion(runs, order):
     assert len(_tokens(run["answer"])) == MAX_TOKENS
 
 
-@pytest.mark.parametrize("order", [o if o == "prefill-first" else pytest.param(
-    o, marks=pytest.mark.skip(reason=PD_ORDER_RACE)) for o in ORDERS])
+@pytest.mark.parametrize("order", ORDERS)
 def test_every_order_prefills_one_token_on_the_prefiller_and_decodes_on_the_decoder(runs,
                                                                                    order):
     """vLLM's own counters: one request each, the prompt on both, 1 generated token on the
@@ -168,13 +157,14 @@ def test_every_order_prefills_one_token_on_the_prefiller_and_decodes_on_the_deco
 
 def test_a_streamed_answer_equals_the_unstreamed_one(runs):
     """Both after the same warm-up request (the decoder's own prefix cache holds the prompt
-    for both): the SSE events, one per token, carry the same tokens (logprobs need a
-    tokenizer, which the test model lacks). Fails when the stream is cut or altered on its
-    way."""
+    for both): the SSE events together carry the same tokens (logprobs need a tokenizer,
+    which the test model lacks), in more than one event. Not one event per token: vLLM merges
+    the tokens of steps its API server has not sent yet (`RequestOutputCollector`; under load
+    8 tokens came in 7 events). Fails when the stream is cut or altered on its way."""
     events = runs["streamed"]
     status, unstreamed = runs["unstreamed"]
     assert status == 200 and runs["warm"][0] == 200
-    assert len(events) >= MAX_TOKENS
+    assert len(events) >= 2
     tokens = [t for e in events for t in e["choices"][0].get("token_ids") or []]
     assert tokens == _tokens(unstreamed)
 
