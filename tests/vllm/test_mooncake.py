@@ -68,7 +68,7 @@ def test_instance_a_stores_every_full_chunk_of_its_cold_run(runs):
     chunks vLLM computed. Seen failing with the manager answering a tier's RETRY as RETRY
     (as before issue 27.1): vLLM was told of a hit that failed late (cut back to chunk 0),
     `(1, 7, 0) == (0, 7, 0)`. The stored-chunk cursor following vLLM back after such a cut
-    is tested in `test_late_failure_store.py`."""
+    is tested in `test_fs_and_tp.py`."""
     (cold, _), _ = runs
     counters = cold["p"]["counters"]
     assert (counters["load_late_failures"], counters["store_chunks"],
