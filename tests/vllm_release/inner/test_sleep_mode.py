@@ -57,6 +57,21 @@ def rig(backends):
     rig.close()
 
 
+def _sleep_and_wake(rig, backends=()) -> int:
+    """vLLM's sleep and wake-up as the connector sees them: `unregister_kv_caches`, the device
+    KV discarded (zeroed), every stream of `backends` flushed (a copy still queued lands now),
+    `restore_kv_caches`. Returns the KV elements non-zero after the flush."""
+    rig.worker.unregister_kv_caches()
+    for tensor in rig.kv_caches.values():
+        tensor.zero_()
+    for backend in backends:
+        for stream in list(backend._workers):
+            stream.synchronize()
+    written = sum(int(t.count_nonzero()) for t in rig.kv_caches.values())
+    rig.worker.restore_kv_caches()
+    return written
+
+
 def test_connector_declares_sleep_mode():
     from kvhal.integrations.vllm.connector import KVHalConnector
 
@@ -69,10 +84,7 @@ def test_stores_in_flight_at_sleep_finish_before_the_kv_is_discarded(rig):
 
     def sleep(meta) -> None:        # right after a's stores were issued
         if meta.stores and not slept:
-            rig.worker.unregister_kv_caches()
-            for tensor in rig.kv_caches.values():
-                tensor.zero_()      # sleep discards the device KV
-            rig.worker.restore_kv_caches()
+            _sleep_and_wake(rig)
             slept.append(len(meta.stores))
 
     rig.add("a", tokens)
@@ -106,14 +118,7 @@ def test_loads_in_flight_at_sleep_land_before_the_kv_is_discarded(rig, backends)
 
     def sleep(meta) -> None:        # right after b's loads were issued
         if meta.loads and not late:
-            rig.worker.unregister_kv_caches()
-            for tensor in rig.kv_caches.values():
-                tensor.zero_()      # sleep discards the device KV
-            for backend in backends:    # any copy still queued lands now
-                for stream in list(backend._workers):
-                    stream.synchronize()
-            late.append(sum(int(t.count_nonzero()) for t in rig.kv_caches.values()))
-            rig.worker.restore_kv_caches()
+            late.append(_sleep_and_wake(rig, backends))
 
     rig.add("b", tokens)
     rig.run(after_load=sleep)
