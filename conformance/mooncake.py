@@ -71,7 +71,7 @@ def config(tmp: str, max_bytes: int) -> dict:
     lent by the instance (`max_bytes` unused: the pool's master evicts)."""
     import hashlib
     return shared_master().tier_config(
-        global_segment_size=0, refresh_interval_s=0.02, timeout_s=10.0,
+        global_segment_size=0, refresh_interval_s=0.02, sweep_interval_s=0.02, timeout_s=10.0,
         prefix="conformance/" + hashlib.sha256(tmp.encode()).hexdigest()[:16])
 
 

@@ -33,7 +33,10 @@ def open_tier(mooncake_master):
     opened = []
 
     def make(host=None, **extra) -> MooncakeTier:
-        config = mooncake_master.tier_config(refresh_interval_s=0.05, timeout_s=2.0) | extra
+        # sweeps every 50 ms: removals show at once (no test here fills the pool past its
+        # watermark, where sweeps that often would keep the master from evicting)
+        config = mooncake_master.tier_config(refresh_interval_s=0.05, sweep_interval_s=0.05,
+                                             timeout_s=2.0) | extra
         opened.append(MooncakeTier(config, host if host is not None else host_region()[0],
                                    NAMESPACE))
         return opened[-1]
@@ -163,7 +166,7 @@ def test_two_processes_on_one_master_see_each_others_chunks(mooncake_master, ope
 
 
 def test_an_object_that_vanished_is_a_miss_and_a_removal(open_tier):
-    """Fails when indexed keys are never re-checked: e.g. with `Prober._refresh` not called
+    """Fails when indexed keys are never re-checked: e.g. with `Prober._sweep` not called
     (the lookup stays a HIT and no removal is reported)."""
     host, array = host_region()
     tier = open_tier(host)
@@ -289,7 +292,8 @@ def test_chunks_the_pool_evicts_become_misses_and_removals(mooncake_master):
              "eviction_high_watermark_ratio": "0.5", "eviction_ratio": "0.2"}
     with LocalMaster(flags) as master:
         host, array = host_region(4 << 20)
-        tier = MooncakeTier(master.tier_config(refresh_interval_s=0.05), host, NAMESPACE)
+        tier = MooncakeTier(master.tier_config(refresh_interval_s=0.05, sweep_interval_s=1.0),
+                            host, NAMESPACE)
         try:
             keys, results, removed = [], [], set()
             deadline = time.monotonic() + 60.0
@@ -314,6 +318,41 @@ def test_chunks_the_pool_evicts_become_misses_and_removals(mooncake_master):
     assert all(outcomes[keys.index(k)] == "miss" for k in removed), (outcomes, removed)
 
 
+def test_the_tiers_sweeps_leave_its_chunks_evictable(mooncake_master):
+    """The master evicts no leased object and every existence check leases one: chunks the
+    tier stored, then swept once (all leased for 200 ms), must still be evicted once the pool
+    passes its watermark and more chunks come. Fails when the sweep runs every
+    `refresh_interval_s` (50 ms here, under the lease: what the tier did): the swept chunks
+    stay leased for good, only the newer ones go, and then every put fails (pool_full)."""
+    mooncake_master.kill()
+    flags = {"client_ttl": "10", "default_kv_lease_ttl": "200",
+             "eviction_high_watermark_ratio": "0.5", "eviction_ratio": "0.2"}
+    size = 2 << 20
+    with LocalMaster(flags) as master:
+        host, array = host_region(size)
+        tier = MooncakeTier(master.tier_config(refresh_interval_s=0.05, sweep_interval_s=1.0),
+                            host, NAMESPACE)
+        try:
+            swept = [chunk_key(NAMESPACE, 300 + i) for i in range(3)]   # 6 MiB: no eviction
+            for i, key in enumerate(swept):
+                array[:] = payload(300 + i, size)
+                assert store(tier, key, 0, size).ok
+            wait_for(lambda: tier.stats().get("sweeps", 0) >= 1, 10.0, "a sweep")
+            removed: set = set()
+            i = 3
+            deadline = time.monotonic() + 20.0
+            while not removed & set(swept) and time.monotonic() < deadline:
+                array[:] = payload(300 + i, size)
+                store(tier, chunk_key(NAMESPACE, 300 + i), 0, size)
+                i += 1
+                removed.update(tier.take_removed())
+            stats = tier.stats()
+        finally:
+            tier.close()
+
+    assert removed & set(swept), (i, len(removed), stats)
+
+
 def test_loads_racing_the_pools_eviction_are_exact_or_misses(mooncake_master):
     """A second client loads the stored chunks oldest first, over and over, on its own thread
     while the first stores on into a 16 MiB pool that evicts above half full: gets run against
@@ -321,7 +360,12 @@ def test_loads_racing_the_pools_eviction_are_exact_or_misses(mooncake_master):
     exactly the stored bytes or as a miss, never wrong bytes, and the race happened (misses of
     evicted chunks among exact loads; the chunks a load just read stay, as the pool evicts
     the least recently used). Seen failing with `_check_loaded`
-    answering a GONE code as a loaded chunk: 'WRONG' outcomes."""
+    answering a GONE code as a loaded chunk: 'WRONG' outcomes.
+
+    The master evicts no object under a lease (`default_kv_lease_ttl`): a reader cycling
+    through the few chunks the pool holds faster than the lease can keep them all leased, and
+    every put then fails for want of space (seen in CI, 60 s of NO_AVAILABLE_HANDLE). The
+    reader therefore holds off while a put fails and reads on once one succeeds."""
     mooncake_master.kill()
     flags = {"client_ttl": "2", "default_kv_lease_ttl": "200",
              "eviction_high_watermark_ratio": "0.5", "eviction_ratio": "0.2"}
@@ -329,18 +373,21 @@ def test_loads_racing_the_pools_eviction_are_exact_or_misses(mooncake_master):
     with LocalMaster(flags) as master:
         host, array = host_region(4 << 20)
         other_host, other = host_region(size)
-        writer = MooncakeTier(master.tier_config(refresh_interval_s=0.05), host, NAMESPACE)
+        writer = MooncakeTier(master.tier_config(refresh_interval_s=0.05, sweep_interval_s=1.0),
+                              host, NAMESPACE)
         reader = MooncakeTier(master.tier_config(global_segment_size=0, timeout_s=2.0),
                               other_host, NAMESPACE)
         keys: list = []
         expected: dict = {}
         outcomes: dict = {}
         slowest = [0.0]
-        stop = threading.Event()
+        stop, reading = threading.Event(), threading.Event()
+        reading.set()
 
         def read_oldest_first():
             while not stop.is_set():
                 for key in list(keys):
+                    reading.wait()
                     t0 = time.monotonic()
                     r = load(reader, key, 0, size)
                     slowest[0] = max(slowest[0], time.monotonic() - t0)
@@ -359,11 +406,15 @@ def test_loads_racing_the_pools_eviction_are_exact_or_misses(mooncake_master):
                 array[:size] = expected[key]
                 if store(writer, key, 0, size).ok:
                     keys.append(key)
+                    reading.set()
+                else:       # the pool is full of leased chunks: let their leases lapse
+                    reading.clear()
                 if i == 1:
                     thread.start()
                 removed.update(writer.take_removed())
         finally:
             stop.set()
+            reading.set()
             if thread.is_alive():
                 thread.join(30)
             reader.close()
@@ -389,6 +440,7 @@ def test_loads_racing_the_pools_eviction_are_exact_or_misses(mooncake_master):
     ({"replica_num": 0}, "replica_num: must be an integer in [1, 16], got 0"),
     ({"timeout_s": 0.1}, "timeout_s: must be a number in [1.0, 3600.0], got 0.1"),
     ({"refresh_interval_s": True}, "refresh_interval_s: must be a number"),
+    ({"sweep_interval_s": 0}, "sweep_interval_s: must be a number in [0.001, 86400.0], got 0"),
     ({"io_threads": 2.5}, "io_threads: must be an integer in [1, 64], got 2.5"),
     ({"local_hostname": ""}, "local_hostname: must be a host name or address"),
     ({"prefix": "a/../b"}, "prefix: segments between \"/\" must be non-empty"),
@@ -459,12 +511,12 @@ def test_a_killed_segment_owner_takes_its_chunks_and_they_become_misses(mooncake
     """The chunks live in a `mooncake_client` process's segment (the tier lends none); once it
     is SIGKILLed they load as misses, never wrong bytes, and reach `take_removed` when the
     master drops the dead client (client_ttl 2 s). Fails when a failed get is reported ok or
-    re-checks keep the keys (e.g. `Prober._refresh` not called)."""
+    re-checks keep the keys (e.g. `Prober._sweep` not called)."""
     from kvhal.tiers.mooncake.local_master import SegmentKeeper
     keeper = SegmentKeeper(mooncake_master, 64 << 20).start()
     host, array = host_region()
-    tier = MooncakeTier(mooncake_master.tier_config(global_segment_size=0,
-                                                    refresh_interval_s=0.05), host, NAMESPACE)
+    tier = MooncakeTier(mooncake_master.tier_config(global_segment_size=0, refresh_interval_s=0.05,
+                                                    sweep_interval_s=0.05), host, NAMESPACE)
     try:
         keys = [chunk_key(NAMESPACE, 200 + i) for i in range(4)]
         for i, key in enumerate(keys):

@@ -20,9 +20,14 @@ kvhal's own keys:
     prefix (str): object names start with `<prefix>/` (default "kvhal"): pools shared by
         several deployments keep them apart.
     io_threads (int in [1, 64]): threads per direction (loads and stores each; default 2).
-    refresh_interval_s (number in [0.001, 86400]): how often indexed chunks are re-checked with
-        one `batch_is_exist` per 1,024 keys (evicted or lost chunks become misses and
-        removals), and how long a chunk found absent stays a miss (default 1 s).
+    refresh_interval_s (number in [0.001, 86400]): how long a chunk found absent stays a miss
+        before a lookup checks it again (default 1 s).
+    sweep_interval_s (number in [0.001, 86400]): how often every indexed chunk is re-checked
+        with one `batch_is_exist` per 1,024 keys, so that chunks the pool evicted or lost
+        become misses and removals (default 300 s). Each check leases the chunk for the
+        master's `default_kv_lease_ttl` (10 s by default) and the master evicts no leased
+        chunk: keep it well above that lease, or the tier keeps its chunks from ever being
+        evicted (`probe.py`).
     timeout_s (number in [1, 3600]): bound of a TCP transfer that makes no progress (a hung
         segment owner: Mooncake's `MC_TCP_PROGRESS_TIMEOUT_SEC` / `MC_TCP_STATUS_TIMEOUT_SEC`,
         whole seconds, set from it unless already set) and of the RETRY answers while an
@@ -48,6 +53,7 @@ MIN_POOL_BYTES = 1 << 20
 MAX_POOL_BYTES = 1 << 40
 DEFAULT_IO_THREADS = 2
 DEFAULT_REFRESH_INTERVAL_S = 1.0
+DEFAULT_SWEEP_INTERVAL_S = 300.0
 DEFAULT_TIMEOUT_S = 10.0
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 3600.0
 PROTOCOLS = ("tcp", "rdma")
@@ -57,7 +63,8 @@ _METADATA_RE = re.compile(r"^(?:https?|etcd)://[A-Za-z0-9.\[\]:-]+(?::\d{1,5})?(
 _DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$")
 _KEYS = frozenset({"master_server_address", "metadata_server", "local_hostname", "protocol",
                    "device_name", "global_segment_size", "local_buffer_size", "replica_num",
-                   "prefix", "io_threads", "refresh_interval_s", "timeout_s"})
+                   "prefix", "io_threads", "refresh_interval_s", "sweep_interval_s",
+                   "timeout_s"})
 _PASSTHROUGH = frozenset({"type", "module_path"})
 
 
@@ -76,6 +83,7 @@ class MooncakeConfig:
     prefix: str
     io_threads: int
     refresh_interval_s: float
+    sweep_interval_s: float
     timeout_s: float
 
 
@@ -149,5 +157,7 @@ def parse_config(config: Mapping[str, Any]) -> MooncakeConfig:
         refresh_interval_s=float(_number(config, "refresh_interval_s",
                                          DEFAULT_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S,
                                          MAX_REFRESH_INTERVAL_S)),
+        sweep_interval_s=float(_number(config, "sweep_interval_s", DEFAULT_SWEEP_INTERVAL_S,
+                                       MIN_REFRESH_INTERVAL_S, MAX_REFRESH_INTERVAL_S)),
         timeout_s=float(_number(config, "timeout_s", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S,
                                 MAX_TIMEOUT_S)))

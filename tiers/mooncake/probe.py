@@ -5,9 +5,18 @@ tier's own stores (added when the put returns) and `batch_is_exist` checks on on
 thread (`Prober`). A lookup of a key the index lacks queues it for the next check and answers
 RETRY; once checked, a present key is indexed (HIT) and an absent one stays a MISS for
 `refresh_interval_s` (then it is checked again); a check that does not answer within
-`timeout_s` is a MISS. Every `refresh_interval_s` the thread re-checks every indexed key: keys
+`timeout_s` is a MISS. Every `sweep_interval_s` the thread re-checks every indexed key: keys
 the store evicted, or lost with a restarted master or a dead segment owner, leave the index and
-reach `take_removed`.
+reach `take_removed`; a load that finds its object gone drops it at once (`mark_absent`).
+
+The sweep is rare on purpose: Mooncake's master grants a lease (`default_kv_lease_ttl`, 10 s
+by default) on every existence check, and evicts no leased object. A sweep every second (what
+this module did, with the negative-cache period) kept every chunk a tier had indexed leased for
+good: the pool could evict only chunks younger than one sweep, the newest, and once it missed
+them it filled and refused every put (seen in CI: 60 s of NO_AVAILABLE_HANDLE with nothing
+read). A sweep leases each chunk for one lease per `sweep_interval_s`, so the interval must be
+well above the master's lease (default 300 s: ~3% of the time at the default 10 s lease).
+Checks of looked-up keys lease too, as a get does: those chunks are in use.
 """
 from __future__ import annotations
 
@@ -32,15 +41,18 @@ class Prober:
         index: The tier's index (present keys are added with `nbytes_of(key)` bytes).
         exist: `exist(keys)` → one int per key (1 present, 0 absent, < 0 error): the store's
             `batch_is_exist` on the tier's object names.
-        refresh_interval_s: Period of re-checks; how long an absent key stays a miss.
+        refresh_interval_s: How long an absent key stays a miss.
+        sweep_interval_s: Period of the re-checks of every indexed key (module docstring).
         timeout_s: Longest a queued key answers RETRY.
         count: The tier's counter function (`JobBoard.count`).
     """
 
     def __init__(self, index: ChunkIndex, exist: Callable[[list[ChunkKey]], list[int]],
-                 refresh_interval_s: float, timeout_s: float, count: Callable[..., Any]):
+                 refresh_interval_s: float, sweep_interval_s: float, timeout_s: float,
+                 count: Callable[..., Any]):
         self._index, self._exist = index, exist
-        self._interval, self._timeout_s, self._count = refresh_interval_s, timeout_s, count
+        self._interval, self._sweep_s = refresh_interval_s, sweep_interval_s
+        self._timeout_s, self._count = timeout_s, count
         self._cond = threading.Condition()
         self._queued: dict[ChunkKey, float] = {}       # key → deadline of its RETRY answers
         self._absent: dict[ChunkKey, float] = {}       # key → time it may be checked again
@@ -94,19 +106,19 @@ class Prober:
         self._thread.join()
 
     def _run(self) -> None:
-        next_refresh = time.monotonic() + self._interval
+        next_sweep = time.monotonic() + self._sweep_s
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stop or self._queued,
-                                    max(0.0, next_refresh - time.monotonic()))
+                                    max(0.0, next_sweep - time.monotonic()))
                 if self._stop:
                     return
                 keys = list(self._queued)[:EXIST_BATCH]
             if keys:
                 self._check(keys)
-            if time.monotonic() >= next_refresh:
-                self._refresh()
-                next_refresh = time.monotonic() + self._interval
+            if time.monotonic() >= next_sweep:
+                self._sweep()
+                next_sweep = time.monotonic() + self._sweep_s
 
     def _check(self, keys: list[ChunkKey]) -> None:
         started = time.monotonic()
@@ -126,13 +138,14 @@ class Prober:
             self._marked = {k: t for k, t in self._marked.items() if t >= started}
         self._count("exist_checked", len(keys))
 
-    def _refresh(self) -> None:
+    def _sweep(self) -> None:
         """Re-check every indexed key; drop the ones the pool no longer holds (an error keeps
         a key: a failed check proves nothing)."""
         held, epoch = self._index.snapshot()
         keys = list(held)
         answers = self._ask(keys)
         self._index.reconcile({k: held[k] for k, a in zip(keys, answers) if a != 0}, epoch)
+        self._count("sweeps")
 
     def _ask(self, keys: list[ChunkKey]) -> list[int]:
         answers: list[int] = []

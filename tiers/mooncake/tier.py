@@ -100,8 +100,8 @@ class MooncakeTier(IndexedTier):
         self._replicate = replicate_config(cfg.replica_num)
         self._jobs = JobBoard("mooncake")
         self._index = ChunkIndex()
-        self._prober = Prober(self._index, self._exist, cfg.refresh_interval_s, cfg.timeout_s,
-                              self._jobs.count)
+        self._prober = Prober(self._index, self._exist, cfg.refresh_interval_s,
+                              cfg.sweep_interval_s, cfg.timeout_s, self._jobs.count)
         self._pool = LanePool((cfg.io_threads, cfg.io_threads), "kvhal-mooncake",
                               (partial(self._jobs.run_batch, self._load_batch),
                                partial(self._jobs.run_batch, self._store_batch)), MAX_BATCH)
