@@ -104,6 +104,12 @@ class ChunkIndex:
         with self._lock:
             self._add(key, nbytes)
 
+    def add_many(self, chunks: Iterable[tuple[ChunkKey, int]]) -> None:
+        """`add` each (key, stored bytes) of a batch, in order, under one lock."""
+        with self._lock:
+            for key, nbytes in chunks:
+                self._add(key, nbytes)
+
     def _add(self, key: ChunkKey, nbytes: int) -> None:
         if key in self._lru:
             self._lru.move_to_end(key)

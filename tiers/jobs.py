@@ -368,6 +368,11 @@ class JobBoard:
         with self._cond:
             self._counters[name] += n
 
+    def count_all(self, counts: "collections.Counter[str]") -> None:
+        """Add every counter of `counts` (a batch's tally: one lock for the batch)."""
+        with self._cond:
+            self._counters.update(counts)
+
     def counters(self) -> dict[str, int]:
         """A copy of the counters (those still 0 are absent)."""
         with self._cond:

@@ -117,8 +117,9 @@ def test_records_lie_contiguous_in_slots_with_a_header_tail(open_tier, nbytes):
         exact.append(np.array_equal(plain_array[:nbytes], payload(10 + s, nbytes)))
 
     assert all(r.ok for r in stored + [loaded] + elsewhere), (stored, loaded, elsewhere)
-    assert tier._contiguous(TierJob(0, JobKind.LOAD, keys[1], slot, nbytes))
-    assert not tier._contiguous(TierJob(0, JobKind.LOAD, keys[0], 0, nbytes))
+    assert tier._contiguous(TierJob(0, JobKind.LOAD, keys[1], slot, nbytes), record_nbytes(nbytes))
+    assert not tier._contiguous(TierJob(0, JobKind.LOAD, keys[0], 0, nbytes),
+                                record_nbytes(nbytes))
     for s in range(4):
         assert np.array_equal(array[s * slot:s * slot + nbytes],
                               before[s * slot:s * slot + nbytes])

@@ -93,10 +93,12 @@ class Prober:
             self._absent[key] = math.inf if hold else now + self._interval
             self._marked[key] = now
 
-    def forget_absent(self, key: ChunkKey) -> None:
-        """`key` was just stored by this tier: no longer a remembered absence."""
+    def forget_absent(self, keys: list[ChunkKey]) -> None:
+        """`keys` were just stored by this tier: no longer remembered absences."""
         with self._cond:
-            self._absent.pop(key, None)
+            if self._absent:
+                for key in keys:
+                    self._absent.pop(key, None)
 
     def close(self) -> None:
         """Stop the thread (waits for a check in flight, bounded by Mooncake's RPC timeout)."""

@@ -28,6 +28,7 @@ pool already holds succeed without a transfer. While the client finds the master
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from functools import partial
 from typing import Any, Mapping
 
@@ -178,29 +179,30 @@ class MooncakeTier(IndexedTier):
             base = self._local.base = slot * (MAX_BATCH * HEADER_BYTES + ALIGN)
         return base
 
-    def _contiguous(self, job: TierJob) -> bool:
-        """Whether job's record lies contiguous in the host region (module docstring)."""
+    def _contiguous(self, job: TierJob, record: int) -> bool:
+        """Whether job's record (`record` bytes) lies contiguous in the host region (module
+        docstring)."""
         stride = self._stride
         return (stride is not None and job.offset >= stride and job.offset % stride == 0
-                and record_nbytes(job.nbytes) <= stride)
+                and record <= stride)
 
-    def _header(self, job: TierJob, i: int, base: int) -> memoryview:
+    def _header(self, job: TierJob, i: int, base: int, contiguous: bool) -> memoryview:
         """Where job `i` of a batch keeps its record header (`_buffers`)."""
-        if self._contiguous(job):
+        if contiguous:
             return self._host[job.offset - HEADER_BYTES:job.offset]
         return self._scratch[base + i * HEADER_BYTES:][:HEADER_BYTES]
 
-    def _buffers(self, job: TierJob, i: int, base: int) -> tuple[list[int], list[int]]:
-        """(addresses, sizes) of job `i` of a batch: its whole record in the host region
-        (`_contiguous`, counted as `contiguous_records`), else its header, its slot, its
+    def _buffers(self, job: TierJob, i: int, base: int, record: int,
+                 contiguous: bool) -> tuple[list[int], list[int]]:
+        """(addresses, sizes) of job `i` of a batch, whose record is `record` bytes: the
+        whole record in the host region (`contiguous`), else its header, its slot, its
         padding."""
-        if self._contiguous(job):
-            self._jobs.count("contiguous_records")
-            return [self._host_addr + job.offset - HEADER_BYTES], [record_nbytes(job.nbytes)]
+        if contiguous:
+            return [self._host_addr + job.offset - HEADER_BYTES], [record]
         scratch = self._registered[1]
         ptrs = [scratch + base + i * HEADER_BYTES, self._host_addr + job.offset]
         sizes = [HEADER_BYTES, job.nbytes]
-        pad = record_nbytes(job.nbytes) - HEADER_BYTES - job.nbytes
+        pad = record - HEADER_BYTES - job.nbytes
         if pad:
             ptrs.append(scratch + base + MAX_BATCH * HEADER_BYTES)
             sizes.append(pad)
@@ -232,30 +234,40 @@ class MooncakeTier(IndexedTier):
         base = self._scratch_base()
         zeros = self._scratch[base + MAX_BATCH * HEADER_BYTES:][:ALIGN]
         zeros[:] = bytes(ALIGN)
-        names, ptrs, sizes = [], [], []
+        tally: Counter[str] = Counter()
+        names, ptrs, sizes, records = [], [], [], []
         for n, i in enumerate(todo):
             job = jobs[i]
+            record = record_nbytes(job.nbytes)
+            contiguous = self._contiguous(job, record)
             payload = self._host[job.offset:job.offset + job.nbytes]
-            encode_header(self._header(job, n, base), job.key, job.nbytes,
+            encode_header(self._header(job, n, base, contiguous), job.key, job.nbytes,
                           payload_checksum(payload))
-            if self._contiguous(job):   # the padding is the slot's own page rounding
-                end = job.offset - HEADER_BYTES + record_nbytes(job.nbytes)
-                self._host[job.offset + job.nbytes:end] = bytes(end - job.offset - job.nbytes)
-            p, s = self._buffers(job, n, base)
+            pad = record - HEADER_BYTES - job.nbytes
+            if contiguous and pad:   # the padding is the slot's own page rounding
+                self._host[job.offset + job.nbytes:job.offset + job.nbytes + pad] = bytes(pad)
+            tally["contiguous_records"] += contiguous
+            p, s = self._buffers(job, n, base, record, contiguous)
             names.append(self.object_name(job.key))
             ptrs.append(p)
             sizes.append(s)
+            records.append(record)
         codes = self._client.batch_put_from_multi_buffers(names, ptrs, sizes, self._replicate)
-        for i, code in zip(todo, codes):
+        stored = []
+        for i, code, record in zip(todo, codes, records):
             job = jobs[i]
             if code == 0 or code == OBJECT_ALREADY_EXISTS:
-                self._index.add(job.key, record_nbytes(job.nbytes))
-                self._prober.forget_absent(job.key)
-                self._jobs.count("bytes_stored" if code == 0 else "already_stored",
-                                 job.nbytes if code == 0 else 1)
+                stored.append((job.key, record))
+                if code == 0:
+                    tally["bytes_stored"] += job.nbytes
+                else:
+                    tally["already_stored"] += 1
                 continue
-            self._jobs.count("pool_full" if code == NO_AVAILABLE_HANDLE else "request_errors")
+            tally["pool_full" if code == NO_AVAILABLE_HANDLE else "request_errors"] += 1
             errors[i] = f"put: {error_name(code)}"
+        self._index.add_many(stored)
+        self._prober.forget_absent([key for key, _ in stored])
+        self._jobs.count_all(+tally)
         return errors
 
     def _load_batch(self, jobs: list[TierJob]) -> list[str | None]:
@@ -267,20 +279,33 @@ class MooncakeTier(IndexedTier):
         if self._master_down(todo, errors):
             return errors
         base = self._scratch_base()
-        names, ptrs, sizes = [], [], []
+        tally: Counter[str] = Counter()
+        names, ptrs, sizes, contiguous = [], [], [], []
         for n, i in enumerate(todo):
-            p, s = self._buffers(jobs[i], n, base)
-            names.append(self.object_name(jobs[i].key))
+            job = jobs[i]
+            record = record_nbytes(job.nbytes)
+            contiguous.append(self._contiguous(job, record))
+            tally["contiguous_records"] += contiguous[-1]
+            p, s = self._buffers(job, n, base, record, contiguous[-1])
+            names.append(self.object_name(job.key))
             ptrs.append(p)
             sizes.append(s)
         codes = self._client.batch_get_into_multi_buffers(names, ptrs, sizes)
+        loaded = []
         for n, (i, code) in enumerate(zip(todo, codes)):
-            errors[i] = self._check_loaded(jobs[i], code, self._header(jobs[i], n, base))
+            job = jobs[i]
+            errors[i] = self._check_loaded(job, code,
+                                           self._header(job, n, base, contiguous[n]))
+            if errors[i] is None:
+                loaded.append((job.key, code))
+                tally["bytes_loaded"] += job.nbytes
+        self._index.add_many(loaded)
+        self._jobs.count_all(+tally)
         return errors
 
     def _check_loaded(self, job: TierJob, code: int, header_view: memoryview) -> str | None:
         """The outcome of one get that returned `code` into `header_view` and the job's
-        slot."""
+        slot (None: verified; the caller indexes it and counts its bytes)."""
         if code < 0:
             if code in GONE:
                 self._index.discard(job.key)
@@ -309,8 +334,6 @@ class MooncakeTier(IndexedTier):
         except SizeMismatch as exc:
             self._jobs.count("size_mismatch")
             return str(exc)
-        self._index.add(job.key, code)
-        self._jobs.count("bytes_loaded", job.nbytes)
         return None
 
     def _remove_later(self, key: ChunkKey) -> None:
