@@ -162,8 +162,8 @@ class MooncakeTier(IndexedTier):
         buffer, module docstring), store_failed, load_failed, already_stored,
         corrupt, missing, size_mismatch, pool_full, request_errors, master_unreachable,
         removed, remove_errors, exist_checked, exist_errors, exist_timeouts, sweeps (re-checks
-        of every indexed chunk, `probe.py`) (absent while 0); plus chunks (indexed keys) and durability ("pool": chunks live in the pool's memory,
-        with `replica_num` copies)."""
+        of every indexed chunk, `probe.py`) (absent while 0); plus chunks (indexed keys) and
+        durability ("pool": chunks live in the pool's memory, with `replica_num` copies)."""
         return self._jobs.counters() | {"chunks": len(self._index), "durability": "pool"}
 
     # -- jobs ---------------------------------------------------------------------------------
