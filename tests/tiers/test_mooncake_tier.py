@@ -442,6 +442,7 @@ def test_loads_racing_the_pools_eviction_are_exact_or_misses(mooncake_master):
     ({"timeout_s": 0.1}, "timeout_s: must be a number in [1.0, 3600.0], got 0.1"),
     ({"refresh_interval_s": True}, "refresh_interval_s: must be a number"),
     ({"sweep_interval_s": 0}, "sweep_interval_s: must be a number in [0.001, 86400.0], got 0"),
+    ({"timeout_s": 10**400}, "timeout_s: must be a number in [1.0, 3600.0], got 1000000"),
     ({"io_threads": 2.5}, "io_threads: must be an integer in [1, 64], got 2.5"),
     ({"local_hostname": ""}, "local_hostname: must be a host name or address"),
     ({"prefix": "a/../b"}, "prefix: segments between \"/\" must be non-empty"),

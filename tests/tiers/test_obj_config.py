@@ -78,6 +78,8 @@ def test_endpoint_forms(endpoint, scheme, expected):
      "timeout_s: must be a number in [0.05, 3600.0], got nan"),
     ({"store_config": STORE, "refresh_interval_s": 0},
      "refresh_interval_s: must be a number in [0.001, 86400.0], got 0"),
+    ({"store_config": STORE, "max_bytes": 10**400},      # once an OverflowError from isfinite
+     f"max_bytes: must be an integer in [1, {1 << 62}], got {'1' + '0' * 36}..."),
 ], ids=lambda p: p if isinstance(p, str) and len(p) < 30 else None)
 def test_bad_values_name_the_key(config, message):
     with pytest.raises(TierError) as exc:

@@ -37,12 +37,12 @@ Errors name the key (`global_segment_size: ...`); the config loader prefixes the
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..base import TierError
+from ..config_values import number
 from ..fs.config import MAX_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S
 from ..prefix import normalize_prefix
 
@@ -105,18 +105,6 @@ def _port_ok(address: str) -> str:
     return address
 
 
-def _number(cfg: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *,
-            integer: bool = False, zero_ok: bool = False) -> Any:
-    value = cfg.get(name, default)
-    kinds = (int,) if integer else (int, float)
-    if (not isinstance(value, kinds) or isinstance(value, bool) or not math.isfinite(value)
-            or not (lo <= value <= hi or (zero_ok and value == 0))):
-        what = "an integer" if integer else "a number"
-        zero = " or 0" if zero_ok else ""
-        raise TierError(f"{name}: must be {what} in [{lo}, {hi}]{zero}, got {value!r}")
-    return value
-
-
 def parse_config(config: Mapping[str, Any]) -> MooncakeConfig:
     """Validate a mooncake tier config.
 
@@ -146,18 +134,18 @@ def parse_config(config: Mapping[str, Any]) -> MooncakeConfig:
         protocol=protocol,
         device_name=_string(config, "device_name", "", _DEVICES_RE,
                             "comma-separated RDMA device names (e.g. \"mlx5_0,mlx5_1\")"),
-        global_segment_size=_number(config, "global_segment_size", DEFAULT_SEGMENT_BYTES,
+        global_segment_size=number(config, "global_segment_size", DEFAULT_SEGMENT_BYTES,
                                     MIN_POOL_BYTES, MAX_POOL_BYTES, integer=True,
                                     zero_ok=True),
-        local_buffer_size=_number(config, "local_buffer_size", DEFAULT_BUFFER_BYTES,
+        local_buffer_size=number(config, "local_buffer_size", DEFAULT_BUFFER_BYTES,
                                   MIN_POOL_BYTES, MAX_POOL_BYTES, integer=True),
-        replica_num=_number(config, "replica_num", 1, 1, 16, integer=True),
+        replica_num=number(config, "replica_num", 1, 1, 16, integer=True),
         prefix=normalize_prefix(config.get("prefix", "kvhal")) or "kvhal",
-        io_threads=_number(config, "io_threads", DEFAULT_IO_THREADS, 1, 64, integer=True),
-        refresh_interval_s=float(_number(config, "refresh_interval_s",
+        io_threads=number(config, "io_threads", DEFAULT_IO_THREADS, 1, 64, integer=True),
+        refresh_interval_s=float(number(config, "refresh_interval_s",
                                          DEFAULT_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S,
                                          MAX_REFRESH_INTERVAL_S)),
-        sweep_interval_s=float(_number(config, "sweep_interval_s", DEFAULT_SWEEP_INTERVAL_S,
+        sweep_interval_s=float(number(config, "sweep_interval_s", DEFAULT_SWEEP_INTERVAL_S,
                                        MIN_REFRESH_INTERVAL_S, MAX_REFRESH_INTERVAL_S)),
-        timeout_s=float(_number(config, "timeout_s", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S,
+        timeout_s=float(number(config, "timeout_s", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S,
                                 MAX_TIMEOUT_S)))

@@ -29,12 +29,12 @@ position. Values of secret keys never appear in error messages.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..base import TierError
+from ..config_values import number
 from ..fs.config import MAX_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S
 from ..prefix import normalize_prefix
 
@@ -169,17 +169,6 @@ def _store_config(store: Any) -> StoreConfig:
                        _optional_str(store, "ca_bundle"))
 
 
-def _number(cfg: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *,
-            integer: bool = False) -> Any:
-    value = cfg.get(name, default)
-    kinds = (int,) if integer else (int, float)
-    if (not isinstance(value, kinds) or isinstance(value, bool)
-            or not (math.isfinite(value) and lo <= value <= hi)):
-        what = "an integer" if integer else "a number"
-        raise TierError(f"{name}: must be {what} in [{lo}, {hi}], got {value!r}")
-    return value
-
-
 def parse_config(config: Mapping[str, Any]) -> ObjConfig:
     """Validate an obj tier config.
 
@@ -195,10 +184,10 @@ def parse_config(config: Mapping[str, Any]) -> ObjConfig:
     return ObjConfig(
         store=_store_config(config.get("store_config")),
         prefix=normalize_prefix(config.get("prefix", "")),
-        io_threads=_number(config, "io_threads", DEFAULT_IO_THREADS, 1, 1024, integer=True),
-        max_bytes=_number(config, "max_bytes", DEFAULT_MAX_BYTES, 1, 1 << 62, integer=True),
-        refresh_interval_s=float(_number(config, "refresh_interval_s",
+        io_threads=number(config, "io_threads", DEFAULT_IO_THREADS, 1, 1024, integer=True),
+        max_bytes=number(config, "max_bytes", DEFAULT_MAX_BYTES, 1, 1 << 62, integer=True),
+        refresh_interval_s=float(number(config, "refresh_interval_s",
                                          DEFAULT_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S,
                                          MAX_REFRESH_INTERVAL_S)),
-        timeout_s=float(_number(config, "timeout_s", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S,
+        timeout_s=float(number(config, "timeout_s", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S,
                                 MAX_TIMEOUT_S)))

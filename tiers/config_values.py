@@ -1,0 +1,32 @@
+"""Validation of the numeric keys of tier configs, shared by the tiers that parse them."""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from .base import TierError
+
+
+def number(cfg: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *,
+           integer: bool = False, zero_ok: bool = False) -> Any:
+    """`cfg[name]` (or `default`), checked to be a number in [lo, hi] (or 0 with `zero_ok`).
+
+    Args:
+        integer: Accept ints only (bool is never a number here).
+
+    Raises:
+        TierError: "NAME: must be a number in [lo, hi], got VALUE" (an integer with
+            `integer`; "or 0" with `zero_ok`), for a value of another type, NaN, an infinity
+            or out of range, ints of any size included.
+    """
+    value = cfg.get(name, default)
+    kinds = (int,) if integer else (int, float)
+    if (not isinstance(value, kinds) or isinstance(value, bool)
+            or (isinstance(value, float) and not math.isfinite(value))
+            or not (lo <= value <= hi or (zero_ok and value == 0))):
+        what = "an integer" if integer else "a number"
+        zero = " or 0" if zero_ok else ""
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise TierError(f"{name}: must be {what} in [{lo}, {hi}]{zero}, got {shown}")
+    return value
