@@ -11,6 +11,7 @@ multiprocessing child that must shut down cleanly, uses `integrations.vllm.lifet
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import signal
 import socket
@@ -75,6 +76,42 @@ def bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` itself holds a listening TCP socket on `port` (Linux: the LISTEN
+    rows of /proc/net/tcp{,6} for that port, matched by inode to the process's open fds).
+
+    A connection to the port proves less: a service whose bind failed silently (Mooncake's
+    master logs nothing) can run while another process holds the port. False where /proc
+    cannot be read.
+    """
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if (len(fields) > 9 and fields[3] == "0A"
+                    and int(fields[1].rsplit(":", 1)[1], 16) == port):
+                inodes.add(fields[9])
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
 
 
 class LocalService:

@@ -578,3 +578,31 @@ def test_a_hung_segment_owner_fails_jobs_within_the_timeout_and_the_tier_recover
     assert elapsed < bound + 3.0, (elapsed, bound)
     assert tier.stats()["request_errors"] == 1
     assert again.ok and np.array_equal(array[2 * N:3 * N], payload(300, N))
+
+
+def test_a_local_master_and_keeper_whose_ports_were_taken_start_on_new_ones():
+    """Fails when a port taken between drawing and binding (another test worker's Mooncake
+    client binds ports in the same range) makes the local pool's start fail, as it did once
+    under `pytest -n 2` (a setup error), or when a restart moves the master's ports (clients
+    reconnect to the old ones)."""
+    import socket
+
+    from kvhal.tiers.mooncake.local_master import SegmentKeeper
+    require()
+    master = LocalMaster()
+    taken = [socket.create_server(("127.0.0.1", master.rpc_port))]
+    try:
+        with master:
+            assert master.rpc_port != taken[0].getsockname()[1]
+            keeper = SegmentKeeper(master, 16 << 20)
+            taken.append(socket.create_server(("127.0.0.1", keeper.port)))
+            keeper.start()
+            assert keeper.port != taken[1].getsockname()[1]
+            keeper.kill()
+            ports = (master.rpc_port, master.metadata_port)
+            master.kill()
+            master.start()
+            assert (master.rpc_port, master.metadata_port) == ports
+    finally:
+        for sock in taken:
+            sock.close()

@@ -16,10 +16,19 @@ import tempfile
 import time
 from typing import Any
 
-from kvhal.procs import LocalService, die_with_parent, free_port
+from kvhal.procs import LocalService, die_with_parent, free_port, listens
 
 #: Seconds to wait for a fresh master to accept connections.
 START_TIMEOUT_S = 30.0
+#: Seconds a master may answer on its RPC port without holding it before the port counts as
+#: taken by another process.
+TAKEN_S = 2.0
+#: Starts tried on fresh ports when a master or keeper exits at once (a port taken).
+START_TRIES = 3
+
+
+class _ExitedAtStart(RuntimeError):
+    """The process exited before it listened."""
 
 
 def master_binary() -> str | None:
@@ -44,6 +53,7 @@ class LocalMaster(LocalService):
         self._flags = dict(flags or {})
         self._proc: subprocess.Popen | None = None
         self._log = None
+        self._started = False
 
     def tier_config(self, **extra: Any) -> dict[str, Any]:
         """A mooncake tier config joining this pool over TCP on loopback (16 MiB segment)."""
@@ -53,7 +63,10 @@ class LocalMaster(LocalService):
                 "global_segment_size": 16 << 20, "local_buffer_size": 16 << 20} | extra
 
     def start(self) -> "LocalMaster":
-        """Start the master and wait until its RPC and metadata ports accept connections.
+        """Start the master and wait until its RPC and metadata ports accept connections. On
+        the first start, a master that exits at once (a port taken between drawing and binding:
+        another worker's Mooncake client binds ports in the same range) is started again on
+        new ports, up to `START_TRIES` times in all; a restart keeps its ports.
 
         Raises:
             RuntimeError: no `mooncake_master` binary, or it did not listen within
@@ -62,6 +75,19 @@ class LocalMaster(LocalService):
         binary = master_binary()
         if binary is None:
             raise RuntimeError("mooncake_master not found: pip install 'kvhal[mooncake]'")
+        for attempt in range(1 if self._started else START_TRIES):
+            if attempt:
+                self.rpc_port, self.metadata_port, self.metrics_port = (
+                    free_port(), free_port(), free_port())
+            try:
+                self._start_once(binary)
+                self._started = True
+                return self
+            except _ExitedAtStart as exc:
+                failure = exc
+        raise RuntimeError(str(failure))
+
+    def _start_once(self, binary: str) -> None:
         flags = {"rpc_port": str(self.rpc_port), "rpc_address": "127.0.0.1",
                  "enable_http_metadata_server": "true",
                  "http_metadata_server_host": "127.0.0.1",
@@ -72,14 +98,21 @@ class LocalMaster(LocalService):
         self._proc = subprocess.Popen([binary] + [f"-{k}={v}" for k, v in flags.items()],
                                       stdout=self._log, stderr=subprocess.STDOUT,
                                       preexec_fn=die_with_parent)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline, taken_since = time.monotonic() + START_TIMEOUT_S, None
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 self._log.seek(0)
-                raise RuntimeError(f"mooncake_master exited with {self._proc.returncode}: "
-                                   f"{self._log.read().decode(errors='replace')[-800:]}")
-            if all(_listening(p) for p in (self.rpc_port, self.metadata_port)):
-                return self
+                raise _ExitedAtStart(
+                    f"mooncake_master exited with {self._proc.returncode}: "
+                    f"{self._log.read().decode(errors='replace')[-800:]}")
+            if all(listens(self._proc.pid, p) for p in (self.rpc_port, self.metadata_port)):
+                return
+            if taken_since is None and _listening(self.rpc_port):
+                taken_since = time.monotonic()   # someone answers there: itself, or not
+            if taken_since is not None and time.monotonic() - taken_since > TAKEN_S:
+                self.kill()   # alive without its RPC port: its bind failed without a word
+                raise _ExitedAtStart(f"mooncake_master could not bind port {self.rpc_port}: "
+                                     "another process holds it")
             time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"mooncake_master did not listen on {self.rpc_port} within "
@@ -113,12 +146,14 @@ class SegmentKeeper:
         self.port = free_port()
         self._args = [f"-master_server_address=127.0.0.1:{master.rpc_port}",
                       f"-metadata_server=http://127.0.0.1:{master.metadata_port}/metadata",
-                      "-host=127.0.0.1", f"-port={self.port}", "-protocol=tcp",
+                      "-host=127.0.0.1", "-protocol=tcp",
                       f"-global_segment_size={segment_bytes}"]
         self._proc: subprocess.Popen | None = None
 
     def start(self) -> "SegmentKeeper":
-        """Start the client and wait until it serves (its segment is mounted by then).
+        """Start the client and wait until it serves (its segment is mounted by then); one
+        that exits at once, or finds its port held by another process (`TAKEN_S`), is started
+        again on a new port, up to `START_TRIES` times in all.
 
         Raises:
             RuntimeError: no `mooncake_client` binary, or it did not serve within
@@ -127,15 +162,28 @@ class SegmentKeeper:
         binary = os.path.join(os.path.dirname(master_binary() or ""), "mooncake_client")
         if not os.access(binary, os.X_OK):
             raise RuntimeError("mooncake_client not found: pip install 'kvhal[mooncake]'")
-        self._proc = subprocess.Popen([binary] + self._args, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _listening(self.port):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"mooncake_client did not serve on {self.port}")
-            time.sleep(0.02)
-        return self
+        for attempt in range(START_TRIES):
+            if attempt:
+                self.port = free_port()
+            self._proc = subprocess.Popen([binary, *self._args, f"-port={self.port}"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          preexec_fn=die_with_parent)
+            start = time.monotonic()
+            while not listens(self._proc.pid, self.port):
+                if self._proc.poll() is not None:
+                    break
+                if time.monotonic() - start > TAKEN_S and _listening(self.port):
+                    self.kill()   # another process holds its port: try a new one
+                    break
+                if time.monotonic() - start > START_TIMEOUT_S:
+                    self.kill()
+                    raise RuntimeError(f"mooncake_client did not serve on {self.port}")
+                time.sleep(0.02)
+            else:
+                return self
+        self.kill()
+        raise RuntimeError(f"mooncake_client exited at start {START_TRIES} times (last port "
+                           f"{self.port})")
 
     def kill(self) -> None:
         """SIGKILL the client (the pool loses its segment's objects). Idempotent."""
