@@ -364,6 +364,7 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
         server = stack.enter_context(
             ServerProcess(argv, port, workdir / f"server-{contender.name}.log", env))
         server.wait_ready()
+        cores = server.worker_cores()
         body = _warmup_body(str(model_dir), contender, shapes[-1].initial_tokens)
         asyncio.run(_warmup(server.base_url, body))
         if cache is not None:
@@ -384,7 +385,7 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
                 name_prefix=f"n{shape.conversations}-c", timeout_s=timeout_s,
                 extra_body=extra, report_progress=report_progress))
             bar.update(task, description=desc, completed=point["requests"])
-            points.append(point)
+            points.append(point | {"worker_cores": cores})
     bar.remove_task(task)
     return points
 
@@ -507,6 +508,11 @@ def print_report(report: dict, workdir: Path) -> None:
               f"{c['equal']} equal token for token, {c['differ']} differ; {c['other_prompt']} "
               f"not comparable (an earlier answer differed, so the prompt did), "
               f"{c['not_answered']} not answered by one side")
+    cores = {name: pts[0]["worker_cores"] for name, pts in points.items() if pts}
+    print("vLLM workers compute on cores: " + "; ".join(
+        f"{name} {','.join(map(str, c)) or '?'}" for name, c in cores.items())
+        + ("" if len({tuple(c) for c in cores.values()}) <= 1 else
+           "  (NOT THE SAME: throughput and answers are not comparable)"))
     for name, why in report["not_run"].items():
         print(f"{name} ({LABELS[name]}): {why}")
     print(f"report: {workdir / 'report.json'}  wall time {report['wall_s']:.0f} s")

@@ -20,9 +20,19 @@ CONNECTOR = "KVHalConnector"
 def engine_env(tp: int, in_process: bool = True) -> dict[str, str]:
     """Environment variables a vLLM-CPU engine of TP size `tp` needs (set before importing
     vLLM). `PYTHONHASHSEED` is fixed so block hashes (and so kvhal keys) match across
-    processes."""
+    processes. A multiprocess engine (`in_process` False) gets vLLM's core reservation
+    without a connector whether or not it has one, unless the environment sets
+    `VLLM_CPU_NUM_OF_RESERVED_CPU` itself."""
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0",
            "TOKENIZERS_PARALLELISM": "false"}
+    if not in_process and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+        # vLLM-CPU's own reservation without a connector (one core per local rank, for the
+        # engine core): with any `kv_transfer_config` it reserves one more per rank (for NIXL,
+        # `vllm/utils/ompmultiprocessing.py`), so an engine with kvhal's (or LMCache's)
+        # connector computed with one OpenMP thread fewer than vLLM alone on most machines
+        # and, on 2 cores, with one more (reserving 2 of 2 is refused, nothing is reserved):
+        # other speed, and greedy answers that part on near-ties (issue 28).
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(tp)
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     elif in_process:

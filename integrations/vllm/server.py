@@ -137,6 +137,28 @@ class ServerProcess:
         """
         return next(p for p in self.processes() if API_SERVER in " ".join(p.cmdline()))
 
+    def worker_cores(self) -> list[int]:
+        """The CPU cores vLLM-CPU's model workers compute on: the union of the affinities of
+        every thread of its `VLLM::Worker` processes (vLLM binds each OpenMP thread to one core
+        of its selection, the rest of a worker's threads to the first). Its count is the
+        worker's OpenMP thread count. Empty where no worker process is found.
+
+        vLLM-CPU reserves one core more per rank whenever a `kv_transfer_config` is set (for
+        NIXL, `OMPProcessManager`): servers with and without a connector compute with
+        different thread counts unless `VLLM_CPU_NUM_OF_RESERVED_CPU` pins the reservation
+        (`engine.engine_env`).
+        """
+        cores: set[int] = set()
+        for proc in self.processes():
+            try:
+                if not proc.name().startswith("VLLM::Worker"):
+                    continue
+                for thread in proc.threads():
+                    cores |= os.sched_getaffinity(thread.id)
+            except (psutil.Error, OSError):   # exited meanwhile
+                continue
+        return sorted(cores)
+
     def stop_all(self) -> None:
         """SIGKILL whatever is left of this server's process tree and wait for its root."""
         self.processes()

@@ -99,6 +99,16 @@ def test_kvhal_answers_equal_the_references_one_request_at_a_time(report):
                                                    "other_prompt": 0, "not_answered": 0}
 
 
+def test_every_contender_computes_on_the_same_cores(report):
+    """Fails when a server with a KV connector computes with another OpenMP thread count than
+    one without (vLLM-CPU reserves a core more for a connector): seen with `engine_env`'s
+    `VLLM_CPU_NUM_OF_RESERVED_CPU` left out, kvhal-host on cores [0, 1] and the others on
+    [0], which made kvhal's prefill faster than the reference's and parted greedy answers."""
+    cores = {name: _point(report, name)["worker_cores"] for name in report["points"]}
+    assert cores["vllm"], "no VLLM::Worker process found"
+    assert cores == {name: cores["vllm"] for name in cores}
+
+
 def test_contenders_that_cannot_run_say_why(report):
     """Fails when the log's last line is reported instead of vLLM's root cause (seen: a
     resource_tracker warning)."""
