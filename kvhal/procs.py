@@ -78,26 +78,29 @@ def bindable(port: int) -> bool:
     return True
 
 
-def listens(pid: int, port: int) -> bool:
+def listens(pid: int, port: int) -> bool | None:
     """Whether process `pid` itself holds a listening TCP socket on `port` (Linux: the LISTEN
-    rows of /proc/net/tcp{,6} for that port, matched by inode to the process's open fds).
+    rows of /proc/net/tcp{,6} for that port, matched by inode to the process's open fds);
+    None where /proc/net/tcp cannot be read (not Linux): the caller cannot tell.
 
     A connection to the port proves less: a service whose bind failed silently (Mooncake's
-    master logs nothing) can run while another process holds the port. False where /proc
-    cannot be read.
+    master logs nothing) can run while another process holds the port.
     """
-    inodes = set()
+    inodes, readable = set(), False
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
                 rows = f.read().splitlines()[1:]
         except OSError:
             continue
+        readable = True
         for row in rows:
             fields = row.split()
             if (len(fields) > 9 and fields[3] == "0A"
                     and int(fields[1].rsplit(":", 1)[1], 16) == port):
                 inodes.add(fields[9])
+    if not readable:
+        return None
     if not inodes:
         return False
     try:

@@ -42,3 +42,33 @@ def test_a_port_held_by_a_listener_is_not_handed_out(monkeypatch):
         monkeypatch.setattr(procs, "_draw", type("Drawn", (), {
             "randrange": staticmethod(lambda lo, hi: next(order))}))
         assert procs.free_port() == spare
+
+
+def test_listens_tells_the_process_holding_a_port_from_one_that_does_not(monkeypatch):
+    """Fails when `listens` answers for a port rather than for the process (a service whose
+    bind failed silently would pass as ready while another process holds its port), or
+    answers False instead of None where /proc cannot tell."""
+    import builtins
+    import os
+    import subprocess
+    import sys
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert procs.listens(os.getpid(), port) is True
+        assert procs.listens(other.pid, port) is False
+        server.close()
+        assert procs.listens(os.getpid(), port) is False
+        real_open = builtins.open
+
+        def no_proc_net(path, *args, **kwargs):
+            if str(path).startswith("/proc/net/tcp"):
+                raise PermissionError(path)
+            return real_open(path, *args, **kwargs)
+        monkeypatch.setattr(builtins, "open", no_proc_net)
+        assert procs.listens(os.getpid(), port) is None
+    finally:
+        other.kill()
+        other.wait()

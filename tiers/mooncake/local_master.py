@@ -105,10 +105,11 @@ class LocalMaster(LocalService):
                 raise _ExitedAtStart(
                     f"mooncake_master exited with {self._proc.returncode}: "
                     f"{self._log.read().decode(errors='replace')[-800:]}")
-            if all(listens(self._proc.pid, p) for p in (self.rpc_port, self.metadata_port)):
+            if all(_serves(self._proc.pid, p) for p in (self.rpc_port, self.metadata_port)):
                 return
-            if taken_since is None and _listening(self.rpc_port):
-                taken_since = time.monotonic()   # someone answers there: itself, or not
+            if taken_since is None and listens(self._proc.pid, self.rpc_port) is False and (
+                    _listening(self.rpc_port)):
+                taken_since = time.monotonic()   # another process answers on its port
             if taken_since is not None and time.monotonic() - taken_since > TAKEN_S:
                 self.kill()   # alive without its RPC port: its bind failed without a word
                 raise _ExitedAtStart(f"mooncake_master could not bind port {self.rpc_port}: "
@@ -123,6 +124,13 @@ class LocalMaster(LocalService):
 
     def __exit__(self, *exc) -> None:
         self.kill()
+
+
+def _serves(pid: int, port: int) -> bool:
+    """Whether process `pid` listens on `port` (`listens`; where /proc cannot tell, whether
+    anything answers there)."""
+    own = listens(pid, port)
+    return _listening(port) if own is None else own
 
 
 def _listening(port: int) -> bool:
@@ -169,10 +177,11 @@ class SegmentKeeper:
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           preexec_fn=die_with_parent)
             start = time.monotonic()
-            while not listens(self._proc.pid, self.port):
+            while not _serves(self._proc.pid, self.port):
                 if self._proc.poll() is not None:
                     break
-                if time.monotonic() - start > TAKEN_S and _listening(self.port):
+                if (time.monotonic() - start > TAKEN_S and listens(self._proc.pid, self.port)
+                        is False and _listening(self.port)):
                     self.kill()   # another process holds its port: try a new one
                     break
                 if time.monotonic() - start > START_TIMEOUT_S:
