@@ -81,7 +81,8 @@ def bindable(port: int) -> bool:
 def listens(pid: int, port: int) -> bool | None:
     """Whether process `pid` itself holds a listening TCP socket on `port` (Linux: the LISTEN
     rows of /proc/net/tcp{,6} for that port, matched by inode to the process's open fds);
-    None where /proc/net/tcp cannot be read (not Linux): the caller cannot tell.
+    None where /proc/net/tcp or the process's fds cannot be read (not Linux, another user's
+    process): the caller cannot tell.
 
     A connection to the port proves less: a service whose bind failed silently (Mooncake's
     master logs nothing) can run while another process holds the port.
@@ -105,8 +106,10 @@ def listens(pid: int, port: int) -> bool | None:
         return False
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
+    except FileNotFoundError:   # no such process (any more)
         return False
+    except OSError:             # not ours to read
+        return None
     for fd in fds:
         try:
             link = os.readlink(f"/proc/{pid}/fd/{fd}")

@@ -153,10 +153,14 @@ class ServerProcess:
             try:
                 if not proc.name().startswith("VLLM::Worker"):
                     continue
-                for thread in proc.threads():
-                    cores |= os.sched_getaffinity(thread.id)
-            except (psutil.Error, OSError):   # exited meanwhile
+                threads = proc.threads()
+            except psutil.Error:   # exited meanwhile
                 continue
+            for thread in threads:
+                try:
+                    cores |= os.sched_getaffinity(thread.id)
+                except OSError:    # this thread exited meanwhile
+                    continue
         return sorted(cores)
 
     def stop_all(self) -> None:

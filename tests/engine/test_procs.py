@@ -69,6 +69,16 @@ def test_listens_tells_the_process_holding_a_port_from_one_that_does_not(monkeyp
             return real_open(path, *args, **kwargs)
         monkeypatch.setattr(builtins, "open", no_proc_net)
         assert procs.listens(os.getpid(), port) is None
+        monkeypatch.undo()
+
+        def no_fds(path):
+            raise PermissionError(path)
+        monkeypatch.setattr(os, "listdir", no_fds)
+        held = socket.create_server(("127.0.0.1", 0))
+        try:
+            assert procs.listens(os.getpid(), held.getsockname()[1]) is None
+        finally:
+            held.close()
     finally:
         other.kill()
         other.wait()

@@ -85,6 +85,7 @@ class LocalMaster(LocalService):
                 return self
             except _ExitedAtStart as exc:
                 failure = exc
+                self.kill()   # reaps it and closes its log
         raise RuntimeError(str(failure))
 
     def _start_once(self, binary: str) -> None:
