@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..base import TierError
+from ..config_values import positive_int
 
 DEFAULT_THREADS = 16
 #: O_DIRECT for small chunks, the faster measured mode otherwise (see the module docstring's
@@ -104,15 +105,6 @@ class FsConfig:
     recycle_files: bool = True
 
 
-def _positive_int(config: Mapping[str, Any], name: str, default: int | None) -> int | None:
-    value = config.get(name, default)
-    if value is default:
-        return value
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise TierError(f"{name}: must be a positive integer, got {value!r}")
-    return value
-
-
 def parse_config(config: Mapping[str, Any]) -> FsConfig:
     """Validate an fs tier config.
 
@@ -148,7 +140,7 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
     recycle = config.get("recycle_files", True)
     if not isinstance(recycle, bool):
         raise TierError(f"recycle_files: must be true or false, got {recycle!r}")
-    return FsConfig(root_dir, _positive_int(config, "max_bytes", None),
-                    _positive_int(config, "n_read_threads", DEFAULT_THREADS),
-                    _positive_int(config, "n_write_threads", DEFAULT_THREADS),
+    return FsConfig(root_dir, positive_int(config, "max_bytes", None),
+                    positive_int(config, "n_read_threads", DEFAULT_THREADS),
+                    positive_int(config, "n_write_threads", DEFAULT_THREADS),
                     o_direct, float(interval), durability, recycle)

@@ -187,7 +187,7 @@ def parse_config(config: Mapping[str, Any]) -> ObjConfig:
         io_threads=number(config, "io_threads", DEFAULT_IO_THREADS, 1, 1024, integer=True),
         max_bytes=number(config, "max_bytes", DEFAULT_MAX_BYTES, 1, 1 << 62, integer=True),
         refresh_interval_s=float(number(config, "refresh_interval_s",
-                                         DEFAULT_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S,
-                                         MAX_REFRESH_INTERVAL_S)),
+                                        DEFAULT_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S,
+                                        MAX_REFRESH_INTERVAL_S)),
         timeout_s=float(number(config, "timeout_s", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S,
-                                MAX_TIMEOUT_S)))
+                               MAX_TIMEOUT_S)))

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..base import TierError
+from ..config_values import positive_int, seconds
 
 DEFAULT_THREADS = 4
 DEFAULT_TIMEOUT_S = 5.0
@@ -93,21 +94,6 @@ class P2PConfig:
     unbound_store_timeout_s: float = DEFAULT_UNBOUND_S
     fetch_wait_s: float = DEFAULT_FETCH_WAIT_S
     arrival_timeout_s: float | None = DEFAULT_ARRIVAL_S
-
-
-def _positive_int(config: Mapping[str, Any], name: str, default: int) -> int:
-    value = config.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise TierError(f"{name}: must be a positive integer, got {value!r}")
-    return value
-
-
-def _seconds(config: Mapping[str, Any], name: str, default: float, most: float) -> float:
-    value = config.get(name, default)
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not 0 < value <= most):
-        raise TierError(f"{name}: must be a number of seconds in (0, {most}], got {value!r}")
-    return float(value)
 
 
 def _host(value: Any, name: str) -> str:
@@ -209,13 +195,13 @@ def parse_config(config: Mapping[str, Any]) -> P2PConfig:
         raise TierError(f"peers: must be a list of \"host:port\" strings, got "
                         f"{type(peers).__name__}")
     parsed = tuple(parse_address(p, f"peers[{i}]") for i, p in enumerate(peers))
-    timeout = _seconds(config, "timeout_s", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S)
+    timeout = seconds(config, "timeout_s", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S)
     return P2PConfig(host, advertise, port, tuple(dict.fromkeys(parsed)),
-                     _positive_int(config, "num_threads", DEFAULT_THREADS), timeout,
-                     _positive_int(config, "max_inflight", DEFAULT_MAX_INFLIGHT),
-                     _positive_int(config, "max_bytes", DEFAULT_MAX_BYTES), _auth_key(config),
-                     _seconds(config, "unbound_store_timeout_s", DEFAULT_UNBOUND_S,
-                              MAX_UNBOUND_S),
-                     _seconds(config, "fetch_wait_s", DEFAULT_FETCH_WAIT_S, MAX_TIMEOUT_S),
+                     positive_int(config, "num_threads", DEFAULT_THREADS), timeout,
+                     positive_int(config, "max_inflight", DEFAULT_MAX_INFLIGHT),
+                     positive_int(config, "max_bytes", DEFAULT_MAX_BYTES), _auth_key(config),
+                     seconds(config, "unbound_store_timeout_s", DEFAULT_UNBOUND_S,
+                             MAX_UNBOUND_S),
+                     seconds(config, "fetch_wait_s", DEFAULT_FETCH_WAIT_S, MAX_TIMEOUT_S),
                      None if config.get("arrival_timeout_s") is None else
-                     _seconds(config, "arrival_timeout_s", 0.0, MAX_TIMEOUT_S))
+                     seconds(config, "arrival_timeout_s", 0.0, MAX_TIMEOUT_S))
