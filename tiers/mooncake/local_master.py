@@ -20,15 +20,13 @@ from kvhal.procs import LocalService, die_with_parent, free_port, listens
 
 #: Seconds to wait for a fresh master to accept connections.
 START_TIMEOUT_S = 30.0
-#: Seconds a master may answer on its RPC port without holding it before the port counts as
-#: taken by another process.
-TAKEN_S = 2.0
-#: Starts tried on fresh ports when a master or keeper exits at once (a port taken).
+#: Starts tried on fresh ports when a master or keeper exits at once or finds a port of its
+#: taken (`_await_serving`).
 START_TRIES = 3
 
 
-class _ExitedAtStart(RuntimeError):
-    """The process exited before it listened."""
+class _NotServing(RuntimeError):
+    """The process exited before it listened, or another process holds one of its ports."""
 
 
 def master_binary() -> str | None:
@@ -83,7 +81,7 @@ class LocalMaster(LocalService):
                 self._start_once(binary)
                 self._started = True
                 return self
-            except _ExitedAtStart as exc:
+            except _NotServing as exc:
                 failure = exc
                 self.kill()   # reaps it and closes its log
         raise RuntimeError(str(failure))
@@ -99,32 +97,45 @@ class LocalMaster(LocalService):
         self._proc = subprocess.Popen([binary] + [f"-{k}={v}" for k, v in flags.items()],
                                       stdout=self._log, stderr=subprocess.STDOUT,
                                       preexec_fn=die_with_parent)
-        deadline, taken_since = time.monotonic() + START_TIMEOUT_S, None
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                self._log.seek(0)
-                raise _ExitedAtStart(
-                    f"mooncake_master exited with {self._proc.returncode}: "
-                    f"{self._log.read().decode(errors='replace')[-800:]}")
-            if all(_serves(self._proc.pid, p) for p in (self.rpc_port, self.metadata_port)):
-                return
-            if taken_since is None and listens(self._proc.pid, self.rpc_port) is False and (
-                    _listening(self.rpc_port)):
-                taken_since = time.monotonic()   # another process answers on its port
-            if taken_since is not None and time.monotonic() - taken_since > TAKEN_S:
-                self.kill()   # alive without its RPC port: its bind failed without a word
-                raise _ExitedAtStart(f"mooncake_master could not bind port {self.rpc_port}: "
-                                     "another process holds it")
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"mooncake_master did not listen on {self.rpc_port} within "
-                           f"{START_TIMEOUT_S} s")
+        try:
+            _await_serving(self._proc, (self.rpc_port, self.metadata_port), "mooncake_master")
+        except _NotServing as exc:
+            self._log.seek(0)
+            tail = self._log.read().decode(errors="replace")[-800:].strip()
+            raise _NotServing(f"{exc}: {tail}" if tail else str(exc)) from None
+        except RuntimeError:
+            self.kill()
+            raise
 
     def __enter__(self) -> "LocalMaster":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.kill()
+
+
+def _await_serving(proc: subprocess.Popen, ports: tuple[int, ...], what: str) -> None:
+    """Wait until `proc` itself listens on every port of `ports`.
+
+    Raises:
+        _NotServing: it exited, or another process answers on one of its ports (a port taken
+            between drawing and binding: Mooncake's master then binds nothing, logs nothing
+            and runs on).
+        RuntimeError: neither within `START_TIMEOUT_S`.
+    """
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise _NotServing(f"{what} exited with {proc.returncode}")
+        if all(_serves(proc.pid, p) for p in ports):
+            return
+        taken = [p for p in ports if listens(proc.pid, p) is False and _listening(p)]
+        if taken:
+            raise _NotServing(f"{what}: another process holds its port {taken[0]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not listen on {', '.join(map(str, ports))} "
+                               f"within {START_TIMEOUT_S} s")
+        time.sleep(0.02)
 
 
 def _serves(pid: int, port: int) -> bool:
@@ -142,9 +153,10 @@ def _listening(port: int) -> bool:
         return False
 
 
-class SegmentKeeper:
+class SegmentKeeper(LocalService):
     """A `mooncake_client` process lending `segment_bytes` of memory to a pool: chunks stored
-    by clients that lend none (`global_segment_size` 0) land there and outlive them.
+    by clients that lend none (`global_segment_size` 0) land there and outlive them. `kill`
+    SIGKILLs it: the pool loses its segment's objects.
 
     Args:
         master: The pool's master (running).
@@ -161,12 +173,12 @@ class SegmentKeeper:
 
     def start(self) -> "SegmentKeeper":
         """Start the client and wait until it serves (its segment is mounted by then); one
-        that exits at once, or finds its port held by another process (`TAKEN_S`), is started
-        again on a new port, up to `START_TRIES` times in all.
+        that exits at once, or finds its port held by another process, is started again on a
+        new port, up to `START_TRIES` times in all.
 
         Raises:
             RuntimeError: no `mooncake_client` binary, or it did not serve within
-                `START_TIMEOUT_S`.
+                `START_TIMEOUT_S`, or not on any of the ports tried.
         """
         binary = os.path.join(os.path.dirname(master_binary() or ""), "mooncake_client")
         if not os.access(binary, os.X_OK):
@@ -177,28 +189,13 @@ class SegmentKeeper:
             self._proc = subprocess.Popen([binary, *self._args, f"-port={self.port}"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           preexec_fn=die_with_parent)
-            start = time.monotonic()
-            while not _serves(self._proc.pid, self.port):
-                if self._proc.poll() is not None:
-                    break
-                if (time.monotonic() - start > TAKEN_S and listens(self._proc.pid, self.port)
-                        is False and _listening(self.port)):
-                    self.kill()   # another process holds its port: try a new one
-                    break
-                if time.monotonic() - start > START_TIMEOUT_S:
-                    self.kill()
-                    raise RuntimeError(f"mooncake_client did not serve on {self.port}")
-                time.sleep(0.02)
-            else:
+            try:
+                _await_serving(self._proc, (self.port,), "mooncake_client")
                 return self
-        self.kill()
-        raise RuntimeError(f"mooncake_client exited at start {START_TRIES} times (last port "
-                           f"{self.port})")
-
-    def kill(self) -> None:
-        """SIGKILL the client (the pool loses its segment's objects). Idempotent."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-        if self._proc is not None:
-            self._proc.wait()
-            self._proc = None
+            except _NotServing as exc:
+                failure = exc
+                self.kill()
+            except RuntimeError:
+                self.kill()
+                raise
+        raise RuntimeError(f"{failure} ({START_TRIES} ports tried)")
