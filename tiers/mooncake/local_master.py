@@ -129,7 +129,9 @@ def _await_serving(proc: subprocess.Popen, ports: tuple[int, ...], what: str) ->
             raise _NotServing(f"{what} exited with {proc.returncode}")
         if all(_serves(proc.pid, p) for p in ports):
             return
-        taken = [p for p in ports if listens(proc.pid, p) is False and _listening(p)]
+        # someone answers first, and the process still does not hold the port after: taken
+        # (asked the other way round, a bind between the two questions looks like one)
+        taken = [p for p in ports if _listening(p) and listens(proc.pid, p) is False]
         if taken:
             raise _NotServing(f"{what}: another process holds its port {taken[0]}")
         if time.monotonic() > deadline:
