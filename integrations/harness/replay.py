@@ -202,7 +202,7 @@ def replay_namespace(options: ReplayOptions) -> bytes:
     """The namespace digest of replay chunks with this geometry and chunking (stable across
     runs, so a persistent tier is reused by the next replay of the same geometry)."""
     g = options.geometry
-    return namespace_digest(model=g.model_id, revision="payload-v1", kv_dtype=g.dtype,
+    return namespace_digest(weights=f"{g.model_id} payload-v1", kv_dtype=g.dtype,
                             format_id=FORMAT_ID,
                             tokens_per_chunk=options.chunk_tokens, hash_name=HASH_NAME,
                             hash_seed=HASH_SEED)

@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvhal.config import parse_config
 
 from .geometry import check_kv_scales, deployment
+from .identity import cache_namespace
 from .metadata import KVHalMetadata, KVHalWorkerMetadata
 from .scheduler import SchedulerSide
 from .spin import bound_reader_spin
@@ -66,7 +67,7 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             kv_events = vllm_config.kv_events_config
             self.scheduler_side = SchedulerSide(
-                dep, config, transfer.engine_id,
+                dep, config, transfer.engine_id, cache_namespace(vllm_config, dep, config),
                 kv_events=bool(kv_events and kv_events.enable_kv_cache_events),
                 data_parallel_index=vllm_config.parallel_config.data_parallel_index)
         else:

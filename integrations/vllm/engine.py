@@ -57,7 +57,8 @@ def kv_transfer_config(kvhal_config: Mapping[str, Any], module_path: str | None 
 def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | None = None,
              connector_module_path: str | None = None, num_blocks: int | None = None,
              max_model_len: int = 4096, enable_prefix_caching: bool = True,
-             kv_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto") -> Any:
+             kv_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
+             served_model_name: str | None = None, max_lora_rank: int | None = None) -> Any:
     """A `vllm.LLM` on `model_dir`, with kvhal when `kvhal_config` is given.
 
     Args:
@@ -72,11 +73,17 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
             kernels): for the tiny hybrid a state of 68,608 bytes per layer instead of 35,840,
             and 256-token blocks instead of 128. "bfloat16" gives both kinds of CPU the same
             geometry.
+        served_model_name: The name vLLM serves the model under (None: its path).
+        max_lora_rank: Enable LoRA adapters up to this rank (one at a time); None: no LoRA.
     """
     from vllm import LLM
 
     extra = {} if kvhal_config is None else {
         "kv_transfer_config": kv_transfer_config(kvhal_config, connector_module_path)}
+    if served_model_name is not None:
+        extra["served_model_name"] = served_model_name
+    if max_lora_rank is not None:
+        extra.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
     return LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                tensor_parallel_size=tp, max_model_len=max_model_len,
                enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks,
@@ -110,13 +117,16 @@ class Completion:
 
 def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
              cache_salt: str | None = None,
-             kv_transfer_params: Mapping[str, Any] | None = None) -> list[Completion]:
+             kv_transfer_params: Mapping[str, Any] | None = None,
+             lora: Mapping[str, Any] | None = None) -> list[Completion]:
     """Greedy-generate `max_tokens` tokens for each prompt (token ids), in one batch.
 
     Args:
         cache_salt: vLLM's per-request cache salt (enters the first block's hash, so a salted
             prompt shares no cached KV with the unsalted one).
         kv_transfer_params: Per-request connector parameters, e.g. `{"max_offload_tokens": 0}`.
+        lora: The LoRA adapter every prompt runs with, `{"name", "id", "path"}` (vLLM's
+            `LoRARequest` fields; the engine needs `max_lora_rank`), or None.
     """
     from vllm import SamplingParams
 
@@ -125,7 +135,13 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
                             detokenize=False, ignore_eos=True, extra_args=extra)
     inputs = [{"prompt_token_ids": list(p), **({"cache_salt": cache_salt} if cache_salt else {})}
               for p in prompts]
-    return [_completion(o) for o in llm.generate(inputs, params, use_tqdm=False)]
+    adapter = None
+    if lora is not None:
+        from vllm.lora.request import LoRARequest
+
+        adapter = LoRARequest(lora["name"], lora["id"], lora["path"])
+    return [_completion(o) for o in llm.generate(inputs, params, use_tqdm=False,
+                                                 lora_request=adapter)]
 
 
 def _completion(output: Any) -> Completion:

@@ -1,4 +1,4 @@
-"""What kvhal needs to know about a vLLM deployment: KV cache groups, geometry, namespace.
+"""What kvhal needs to know about a vLLM deployment: KV cache groups, geometry, hashing.
 
 Read from vLLM's `VllmConfig` and `KVCacheConfig` (vLLM 0.32: `ModelConfig.get_head_size`,
 `get_total_num_kv_heads`; `KVCacheConfig.kv_cache_groups[i]` has `layer_names` and a
@@ -16,13 +16,12 @@ Group g of vLLM is kvhal's group g everywhere: `ChunkKey.group`, host pool g
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvhal.config import ConfigError
-from kvhal.keys import HASH_SEED_ENV, namespace_digest, resolve_hash_seed
-from kvhal.layout import FORMAT_ID, Kind, KVCacheSpec, LayerGroup, LayoutError, chunk_layout
+from kvhal.keys import HASH_SEED_ENV, resolve_hash_seed
+from kvhal.layout import Kind, KVCacheSpec, LayerGroup, LayoutError, chunk_layout
 
 
 class UnsupportedModelError(ValueError):
@@ -81,7 +80,9 @@ class Deployment:
             equal for every group.
         blocks_per_chunk: vLLM blocks per kvhal chunk.
         tp_size: Tensor-parallel size.
-        namespace: 16-byte namespace digest of this cache (`kvhal.keys.namespace_digest`).
+        kv_dtype: The KV bytes' element formats, "+"-joined over the groups (e.g.
+            "bfloat16", "bfloat16+state[(3, 512) bfloat16]"): part of the namespace
+            (`identity.cache_namespace`).
         hash_name: vLLM's `prefix_caching_hash_algo`.
         hash_seed: The NONE_HASH seed vLLM uses (`kvhal.keys.resolve_hash_seed`), or None when
             vLLM seeds randomly per process (xxhash forms without PYTHONHASHSEED): then the
@@ -95,7 +96,7 @@ class Deployment:
     block_size: int
     blocks_per_chunk: int
     tp_size: int
-    namespace: bytes
+    kv_dtype: str
     hash_name: str
     hash_seed: str | None
     vllm_layout: str | None = None
@@ -368,24 +369,18 @@ def deployment(vllm_config: Any, kv_cache_config: Any, blocks_per_chunk: int) ->
         raise UnsupportedModelError(f"kv_cache_config.hash_block_size: {hash_block} tokens per "
                                     f"block hash, but blocks hold {block_size}; kvhal keys a "
                                     "chunk by the hash of its last block")
-    tokens = block_size * blocks_per_chunk
     dtypes = sorted({state_format(g.kv_cache_spec) if s.kind is Kind.MAMBA else s.dtype
                      for g, s in zip(groups, specs)})
     hash_name = vllm_config.cache_config.prefix_caching_hash_algo
     seed = resolve_hash_seed(hash_name)
-    namespace = namespace_digest(
-        model=str(model.served_model_name or model.model), revision=str(model.revision or ""),
-        kv_dtype="+".join(dtypes), format_id=FORMAT_ID, tokens_per_chunk=tokens,
-        hash_name=hash_name,
-        # vLLM's seed is random and unknowable here: a namespace no other process can have.
-        hash_seed=seed if seed is not None else f"per-process:{os.urandom(16).hex()}")
     infos = []
     for gi, (group, spec) in enumerate(zip(groups, specs)):
         cache = KVCacheSpec((spec,))
         infos.append(GroupInfo(gi, cache, tuple(group.layer_names),
                                chunk_layout(cache, blocks_per_chunk).chunk_bytes))
     return Deployment(tuple(infos), block_size, blocks_per_chunk,
-                      vllm_config.parallel_config.tensor_parallel_size, namespace, hash_name,
+                      vllm_config.parallel_config.tensor_parallel_size, "+".join(dtypes),
+                      hash_name,
                       seed, resolved_layout(kv_cache_config, vllm_config))
 
 

@@ -6,13 +6,15 @@ then runs steps sent as JSON lines on stdin and answers each on stdout. Two engi
 alive at once, so the demo alternates their requests and both see the same machine load.
 
 Scenario (`run_scenario`): {"tp": int, "model": "tiny" | "demo" | "tiny-swa" | "tiny-mla" |
-           "tiny-hybrid", "num_blocks": int | null, "kv_cache_dtype"?: str (vLLM's, "auto"),
+           "tiny-hybrid", "model_dir"?: checkpoint folder (instead of "model"),
+           "served_model_name"?: str, "max_lora_rank"?: int (enables LoRA),
+           "num_blocks": int | null, "kv_cache_dtype"?: str (vLLM's, "auto"),
            "mamba_ssm_cache_dtype"?: str (vLLM's, "auto"),
            "max_model_len": int, "engines": [{"kvhal": null | {kvhal config},
            "connector_module_path"?: str, "steps": [...]}]}
 Steps ("op"):
     "generate": {"prompts": {name: [token ids]}, "max_tokens": int, "cache_salt"?: str,
-                 "kv_transfer_params"?: {...}}
+                 "kv_transfer_params"?: {...}, "lora"?: {"name", "id", "path"}}
         → {name: `engine.Completion` fields, "wall_s": seconds of the whole call}
     "reset": vLLM's `reset_prefix_cache()`; kvhal keeps its tiers → null
     "drop_page_cache": {"root": folder}: evict every file under it from the OS page cache
@@ -49,7 +51,7 @@ def _generate(llm: Any, step: dict) -> dict:
     names = list(step["prompts"])
     start = time.perf_counter()
     done = generate(llm, [step["prompts"][n] for n in names], step["max_tokens"],
-                    step.get("cache_salt"), step.get("kv_transfer_params"))
+                    step.get("cache_salt"), step.get("kv_transfer_params"), step.get("lora"))
     wall = time.perf_counter() - start
     return {**{n: dataclasses.asdict(c) for n, c in zip(names, done)}, "wall_s": wall}
 
@@ -75,16 +77,19 @@ RESULT = "KVHAL-RESULT "
 
 
 def serve(spec: dict) -> None:
-    """Start one engine from `spec` ({"tp", "model", "num_blocks", "max_model_len", "kvhal",
-    "connector_module_path"?, "kv_cache_dtype"?, "mamba_ssm_cache_dtype"?}), then run steps
+    """Start one engine from `spec` ({"tp", "model" or "model_dir", "num_blocks",
+    "max_model_len", "kvhal", "connector_module_path"?, "kv_cache_dtype"?,
+    "mamba_ssm_cache_dtype"?, "served_model_name"?, "max_lora_rank"?}), then run steps
     read as JSON lines from stdin, answering each with one `RESULT` line on stdout, until stdin
     closes."""
-    model = build_model(MODELS[spec.get("model", "tiny")])
+    model = spec.get("model_dir") or build_model(MODELS[spec.get("model", "tiny")])
     llm = make_llm(model, tp=spec["tp"], kvhal_config=spec["kvhal"],
                    connector_module_path=spec.get("connector_module_path"),
                    num_blocks=spec.get("num_blocks"), max_model_len=spec.get("max_model_len", 4096),
                    kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
-                   mamba_ssm_cache_dtype=spec.get("mamba_ssm_cache_dtype", "auto"))
+                   mamba_ssm_cache_dtype=spec.get("mamba_ssm_cache_dtype", "auto"),
+                   served_model_name=spec.get("served_model_name"),
+                   max_lora_rank=spec.get("max_lora_rank"))
     print(RESULT + json.dumps({"ready": True}), flush=True)
     try:
         for line in sys.stdin:

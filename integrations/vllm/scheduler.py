@@ -72,10 +72,12 @@ from kvhal.engine import build_manager, chunks_to_store, needed_chunks
 from kvhal.host import HostRegion, host_layout
 from kvhal.keys import chunk_keys
 from kvhal.layout import Kind
+from kvhal.weights import WeightsError
 from kvhal.tiers.base import Lookup
 
 from .events import ChunkEvents
 from .geometry import Deployment, check_shareable, check_vllm_hash_seed
+from .identity import AdapterIdentities
 from .lifetime import exit_with_parent
 from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo, TransferJob
 
@@ -116,6 +118,10 @@ class _Request:
 
     request: Any
     max_offload_tokens: int | None
+    # Identity of the request's LoRA adapter (its keys' scope), None for the base model.
+    adapter: bytes | None = None
+    # False: the request's KV is neither looked up nor stored (its adapter is unknown).
+    reuse: bool = True
     num_stored_chunks: int = 0      # chunks handed to prepare_store (`_plan_store`)
     store_jobs: set[int] = field(default_factory=set)
     # Chunk range of the hit found by the last get_num_new_matched_tokens.
@@ -185,6 +191,7 @@ class SchedulerSide:
         deployment: Geometry and namespace (`geometry.deployment`).
         config: The validated `kv_connector_extra_config`.
         engine_id: vLLM's `kv_transfer_config.engine_id` (names the shared host region).
+        namespace: 16-byte namespace of the engine's chunks (`identity.cache_namespace`).
         kv_events: Whether vLLM publishes KV events (`kv_events_config.enable_kv_cache_events`);
             chunks are described for them only then.
         data_parallel_index: This engine's data-parallel index (vLLM's
@@ -202,9 +209,11 @@ class SchedulerSide:
     """
 
     def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str,
-                 kv_events: bool = False, data_parallel_index: int = 0):
+                 namespace: bytes, kv_events: bool = False, data_parallel_index: int = 0):
         self.deployment = deployment
         self.config = config
+        self.namespace = namespace
+        self.adapters = AdapterIdentities()
         check_shareable(deployment, len(config.secondary_tiers))
         self._seed_checked = False
         self.layout = host_layout(deployment.chunk_nbytes, config.cpu_bytes_to_use,
@@ -214,8 +223,7 @@ class SchedulerSide:
         self.region = HostRegion.create_shared(CpuBackend(), self.layout,
                                                f"{REGION_NAME_PREFIX}{engine_id}")
         self.region_info = RegionInfo(self.region.share_path, self.layout)
-        self.manager = build_manager(config, self.layout, self.region.view,
-                                     deployment.namespace,
+        self.manager = build_manager(config, self.layout, self.region.view, namespace,
                                      data_parallel_index=data_parallel_index)
         self.manager.metrics.keep_samples = True       # shipped each step (`stats.py`)
         self.kv_cache_manager: Any = None
@@ -259,8 +267,9 @@ class SchedulerSide:
 
     # -- keys --------------------------------------------------------------------------------
     def _keys(self, request: Any, group: int = 0) -> list:
+        state = self._requests.get(request.request_id)
         return chunk_keys(request.block_hashes, self.deployment.blocks_per_chunk,
-                          self.deployment.namespace, group)
+                          self.namespace, group, None if state is None else state.adapter)
 
     def _release(self, req_id: str) -> None:
         for g in self.deployment.groups:
@@ -277,10 +286,24 @@ class SchedulerSide:
                                "%r; nothing of it is offloaded", request.request_id,
                                MAX_OFFLOAD_TOKENS, cap)
                 cap = 0
-            state = self._requests[request.request_id] = _Request(request, cap)
+            adapter, reuse = self._adapter(request)
+            state = self._requests[request.request_id] = _Request(
+                request, cap if reuse else 0, adapter, reuse)
             if params:   # orchestration for the tiers (p2p: P/D legs), once per request
                 self.manager.open_request(request.request_id, params)
         return state
+
+    def _adapter(self, request: Any) -> tuple[bytes | None, bool]:
+        """(identity of the request's LoRA adapter or None, whether its KV may be reused and
+        stored): an adapter kvhal cannot fingerprint (`AdapterIdentities.of`) gets neither."""
+        lora = getattr(request, "lora_request", None)
+        try:
+            return self.adapters.of(lora), True
+        except WeightsError as exc:
+            logger.warning("request %s: LoRA adapter %r cannot be fingerprinted (%s); its KV "
+                           "is neither reused nor stored", request.request_id,
+                           getattr(lora, "lora_name", "?"), exc)
+            return None, False
 
     # -- vLLM scheduler hooks ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -308,7 +331,7 @@ class SchedulerSide:
         end = (request.num_tokens - 1) // tpc
         if state.max_hit_chunks is not None:
             end = min(end, state.max_hit_chunks)
-        if start * tpc != num_computed_tokens or start >= end:
+        if start * tpc != num_computed_tokens or start >= end or not state.reuse:
             return 0, False
         self._asked.add(request.request_id)
         found = self._hit_end(request, state, start, end)

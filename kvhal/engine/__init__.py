@@ -7,7 +7,7 @@ Setup (once)::
 
     cfg = kvhal.config.parse_config(extra_config)              # ConfigError names the key path
     tpc = block_size * cfg.blocks_per_chunk_for(block_size)   # tokens per chunk
-    ns = kvhal.keys.namespace_digest(model=..., revision=..., kv_dtype=..., format_id=...,
+    ns = kvhal.keys.namespace_digest(weights=..., kv_dtype=..., format_id=...,
                                      tokens_per_chunk=tpc, hash_name="sha256",
                                      hash_seed=os.environ["PYTHONHASHSEED"])
     geo = kvhal.host.host_geometry(chunk_nbytes, cfg.cpu_bytes_to_use,

@@ -25,7 +25,7 @@ SEED = "0"
 
 def namespace(**overrides: Any) -> bytes:
     """A namespace digest with test defaults, any field overridden."""
-    fields = dict(model="toy/model", revision="r1", kv_dtype="bfloat16", format_id="kvhal-hnd-v1",
+    fields = dict(weights="xxh3-128:toy-model-r1", kv_dtype="bfloat16", format_id="kvhal-hnd-v1",
                   tokens_per_chunk=256, hash_name="sha256", hash_seed=SEED, tenant_salt=None)
     fields.update(overrides)
     return namespace_digest(**fields)

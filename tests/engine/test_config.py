@@ -60,6 +60,8 @@ def test_block_size_in_tokens_resolves_to_blocks_per_chunk():
     ('{"cpu_bytes_to_use": 1, "state_slot_share": 1%s}' % ("0" * 400),
      f"state_slot_share: must be a number in (0, 1] (host slots of a state group per slot of "
      f"an attention group), got {10 ** 400!r}"),
+    *[({"cpu_bytes_to_use": 1, "model_identity": v}, "model_identity: must be a non-empty "
+       f"string that changes whenever the weights change, got {v!r}") for v in ("", "  ", 7)],
     ({"cpu_bytes_to_use": 1, "secondary_tiers": {"type": "memory"}},
      "secondary_tiers: must be a list, got dict"),
     ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "memory"}, {"type": "nfs"}]},

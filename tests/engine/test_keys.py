@@ -109,8 +109,8 @@ def test_chunk_key_is_last_block_of_each_full_chunk():
                                                    ChunkKey(ns, 2, hashes[5])]
 
 
-@pytest.mark.parametrize("field,value", [("kv_dtype", "fp8_e4m3"), ("revision", "r2"),
-                                         ("tenant_salt", "tenant-b"), ("model", "other"),
+@pytest.mark.parametrize("field,value", [("kv_dtype", "fp8_e4m3"), ("weights", "xxh3-128:other"),
+                                         ("tenant_salt", "tenant-b"),
                                          ("format_id", "other-v1"), ("tokens_per_chunk", 512),
                                          ("hash_name", "xxhash"), ("hash_seed", "1")])
 def test_namespace_covers_every_field(field, value):
@@ -120,15 +120,15 @@ def test_namespace_covers_every_field(field, value):
 
 def test_namespace_is_stable():
     """Pinned value: a change to the digest construction would orphan every stored cache."""
-    assert namespace_digest(model="m", revision="r", kv_dtype="bfloat16",
+    assert namespace_digest(weights="w", kv_dtype="bfloat16",
                             format_id="kvhal-hnd-v1", tokens_per_chunk=256, hash_name="sha256",
                             hash_seed="0").hex() == hashlib.blake2b(
         b'{"format_id":"kvhal-hnd-v1","hash_name":"sha256","hash_seed":"0","kv_dtype":"bfloat16",'
-        b'"model":"m","revision":"r","tenant_salt":null,"tokens_per_chunk":256}',
+        b'"tenant_salt":null,"tokens_per_chunk":256,"weights":"w"}',
         digest_size=16).hexdigest()
 
 
 def test_chunk_key_hash_and_equality_include_namespace():
-    a, b = ChunkKey(namespace(), 0, b"x" * 8), ChunkKey(namespace(revision="r2"), 0, b"x" * 8)
+    a, b = ChunkKey(namespace(), 0, b"x" * 8), ChunkKey(namespace(weights="other"), 0, b"x" * 8)
     assert a != b and len({a, b}) == 2
     assert ChunkKey.from_bytes(a.to_bytes()) == a

@@ -292,7 +292,7 @@ def test_max_offload_tokens_caps_what_is_stored(big_rig, cap, hit_tokens):
     assert leading_hits(big_rig.manager.lookup(keys)) * 256 == hit_tokens
 
 
-@pytest.mark.parametrize("field,value", [("kv_dtype", "fp8_e4m3"), ("revision", "r2"),
+@pytest.mark.parametrize("field,value", [("kv_dtype", "fp8_e4m3"), ("weights", "xxh3-128:other"),
                                          ("tenant_salt", "tenant-b")])
 def test_no_hits_across_namespaces(big_rig, field, value):
     tokens = list(range(1024))

@@ -185,7 +185,7 @@ def _hashes(side, tokens: list[int]) -> list[bytes]:
 def _chunk_key(llm, step: dict):
     side = _side(llm)
     hashes = _hashes(side, step["tokens"])
-    return side, ChunkKey(side.deployment.namespace, step["group"], hashes[step["chunk"]])
+    return side, ChunkKey(side.namespace, step["group"], hashes[step["chunk"]])
 
 
 def drain(llm, step: dict) -> None:
@@ -197,7 +197,7 @@ def await_tier(llm, step: dict) -> float:
     """See the module docstring."""
     side = _side(llm)
     (tier,) = [t for t in side.manager.tiers if t.name == step["tier"]]
-    keys = [ChunkKey(side.deployment.namespace, g.group_id, h)
+    keys = [ChunkKey(side.namespace, g.group_id, h)
             for g in side.deployment.groups for h in _hashes(side, step["tokens"])]
     start = time.monotonic()
     while any(tier.lookup(k) is not Lookup.HIT for k in keys):

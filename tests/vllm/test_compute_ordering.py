@@ -110,7 +110,7 @@ def _deployment(heads: int, head_size: int) -> Deployment:
     spec = attention_spec(num_layers=len(LAYERS), num_kv_heads=heads, head_size=head_size,
                           dtype="fp16", block_size=BLOCK_TOKENS)
     group = GroupInfo(0, spec, LAYERS, chunk_layout(spec, BLOCKS_PER_CHUNK).chunk_bytes)
-    return Deployment((group,), BLOCK_TOKENS, BLOCKS_PER_CHUNK, 1, b"\0" * 16, "sha256", "0",
+    return Deployment((group,), BLOCK_TOKENS, BLOCKS_PER_CHUNK, 1, "fp16", "sha256", "0",
                       "LBHNC")
 
 

@@ -80,7 +80,7 @@ def test_e5m2_never_hits_e4m3_chunks_and_reuses_its_own(engines):
 def _fp8_deployment() -> Deployment:
     spec = KVCacheSpec((LayerGroup(Kind.FULL, 2, 2, 64, "fp8_e4m3", 128),))
     return Deployment((GroupInfo(0, spec, ("l0", "l1"), FP8_CHUNK_BYTES // 2),), 128, 1, 1,
-                      bytes(16), "sha256", "0")
+                      "fp8_e4m3", "sha256", "0")
 
 
 @pytest.mark.parametrize("scales", [(0.5, 1.0), (1.0, 2.0)])

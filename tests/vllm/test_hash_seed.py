@@ -11,7 +11,7 @@ from kvhal.integrations.vllm.geometry import Deployment, check_shareable  # noqa
 
 def _deployment(hash_name: str, seed: str | None) -> Deployment:
     return Deployment(groups=(), block_size=16, blocks_per_chunk=1, tp_size=1,
-                      namespace=bytes(16), hash_name=hash_name, hash_seed=seed)
+                      kv_dtype="bfloat16", hash_name=hash_name, hash_seed=seed)
 
 
 def test_per_process_hashes_refuse_secondary_tiers():

@@ -30,7 +30,7 @@ def _deployment() -> Deployment:
     group = GroupInfo(0, spec, ("layer.0", "layer.1"), chunk_layout(spec, 1).chunk_bytes)
     assert group.chunk_nbytes == CHUNK
     # vLLM's default sha256 seed, as `get_none_hash_seed` reports it: the hash check passes
-    return Deployment((group,), BLOCK, 1, 1, NAMESPACE, "sha256", "vllm-none-hash", "LBHNC")
+    return Deployment((group,), BLOCK, 1, 1, "fp16", "sha256", "vllm-none-hash", "LBHNC")
 
 
 @pytest.fixture
@@ -52,7 +52,8 @@ def test_vllm_is_asked_to_wait_until_the_named_peer_answered_then_hits_what_it_h
     synchronous hit of chunks not in host memory)."""
     host, port = peer.address
     side = SchedulerSide(_deployment(), parse_config(
-        {"cpu_bytes_to_use": 16 * CHUNK, "secondary_tiers": [config()]}), "test-remote-source")
+        {"cpu_bytes_to_use": 16 * CHUNK, "secondary_tiers": [config()]}), "test-remote-source",
+        NAMESPACE)
     request = SimpleNamespace(
         request_id="r1", num_tokens=5 * BLOCK + 1,
         block_hashes=[hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(5)],

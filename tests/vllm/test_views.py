@@ -105,7 +105,7 @@ def test_a_group_whose_layers_read_their_views_differently_is_refused():
                           block_size=16)
     names = ("l0", "l1")
     group = GroupInfo(0, spec, names, chunk_layout(spec, 1).chunk_bytes)
-    dep = Deployment((group,), 16, 1, 1, b"\0" * 16, "sha256", "0", "LBHNC")
+    dep = Deployment((group,), 16, 1, 1, "bfloat16", "sha256", "0", "LBHNC")
     backends = {"l0": "FLASH_ATTN", "l1": "CPU_ATTN"}   # rows vs K-rows-then-V-rows tiles
     layers = {n: SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda b=b: b))
               for n, b in backends.items()}
