@@ -57,7 +57,8 @@ def kv_transfer_config(kvhal_config: Mapping[str, Any], module_path: str | None 
 def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | None = None,
              connector_module_path: str | None = None, num_blocks: int | None = None,
              max_model_len: int = 4096, enable_prefix_caching: bool = True,
-             kv_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto") -> Any:
+             kv_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
+             max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None) -> Any:
     """A `vllm.LLM` on `model_dir`, with kvhal when `kvhal_config` is given.
 
     Args:
@@ -72,6 +73,9 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
             kernels): for the tiny hybrid a state of 68,608 bytes per layer instead of 35,840,
             and 256-token blocks instead of 128. "bfloat16" gives both kinds of CPU the same
             geometry.
+        max_num_batched_tokens: vLLM's token budget of one step (a longer prompt is prefilled
+            in chunks of at most this many tokens); None: vLLM's default.
+        max_num_seqs: vLLM's most requests in one step; None: vLLM's default.
     """
     from vllm import LLM
 
@@ -81,7 +85,8 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
                tensor_parallel_size=tp, max_model_len=max_model_len,
                enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks,
                disable_log_stats=False, kv_cache_dtype=kv_cache_dtype,
-               mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, **extra)
+               mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, **extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +115,23 @@ class Completion:
 
 def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
              cache_salt: str | None = None,
-             kv_transfer_params: Mapping[str, Any] | None = None) -> list[Completion]:
+             kv_transfer_params: Mapping[str, Any] | None = None,
+             prompt_logprobs: int | None = None) -> list[Completion]:
     """Greedy-generate `max_tokens` tokens for each prompt (token ids), in one batch.
 
     Args:
         cache_salt: vLLM's per-request cache salt (enters the first block's hash, so a salted
             prompt shares no cached KV with the unsalted one).
         kv_transfer_params: Per-request connector parameters, e.g. `{"max_offload_tokens": 0}`.
+        prompt_logprobs: vLLM's prompt logprobs per prompt token (vLLM then computes the
+            whole prompt, reading no cached KV); None: none.
     """
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0,
-                            detokenize=False, ignore_eos=True, extra_args=extra)
+                            detokenize=False, ignore_eos=True, extra_args=extra,
+                            prompt_logprobs=prompt_logprobs)
     inputs = [{"prompt_token_ids": list(p), **({"cache_salt": cache_salt} if cache_salt else {})}
               for p in prompts]
     return [_completion(o) for o in llm.generate(inputs, params, use_tqdm=False)]

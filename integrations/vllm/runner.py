@@ -7,12 +7,13 @@ alive at once, so the demo alternates their requests and both see the same machi
 
 Scenario (`run_scenario`): {"tp": int, "model": "tiny" | "demo" | "tiny-swa" | "tiny-mla" |
            "tiny-hybrid", "num_blocks": int | null, "kv_cache_dtype"?: str (vLLM's, "auto"),
-           "mamba_ssm_cache_dtype"?: str (vLLM's, "auto"),
+           "mamba_ssm_cache_dtype"?: str (vLLM's, "auto"), "max_num_batched_tokens"?: int,
+           "max_num_seqs"?: int (vLLM's, its defaults),
            "max_model_len": int, "engines": [{"kvhal": null | {kvhal config},
            "connector_module_path"?: str, "steps": [...]}]}
 Steps ("op"):
     "generate": {"prompts": {name: [token ids]}, "max_tokens": int, "cache_salt"?: str,
-                 "kv_transfer_params"?: {...}}
+                 "kv_transfer_params"?: {...}, "prompt_logprobs"?: int}
         → {name: `engine.Completion` fields, "wall_s": seconds of the whole call}
     "reset": vLLM's `reset_prefix_cache()`; kvhal keeps its tiers → null
     "drop_page_cache": {"root": folder}: evict every file under it from the OS page cache
@@ -49,7 +50,8 @@ def _generate(llm: Any, step: dict) -> dict:
     names = list(step["prompts"])
     start = time.perf_counter()
     done = generate(llm, [step["prompts"][n] for n in names], step["max_tokens"],
-                    step.get("cache_salt"), step.get("kv_transfer_params"))
+                    step.get("cache_salt"), step.get("kv_transfer_params"),
+                    step.get("prompt_logprobs"))
     wall = time.perf_counter() - start
     return {**{n: dataclasses.asdict(c) for n, c in zip(names, done)}, "wall_s": wall}
 
@@ -76,7 +78,8 @@ RESULT = "KVHAL-RESULT "
 
 def serve(spec: dict) -> None:
     """Start one engine from `spec` ({"tp", "model", "num_blocks", "max_model_len", "kvhal",
-    "connector_module_path"?, "kv_cache_dtype"?, "mamba_ssm_cache_dtype"?}), then run steps
+    "connector_module_path"?, "kv_cache_dtype"?, "mamba_ssm_cache_dtype"?,
+    "max_num_batched_tokens"?, "max_num_seqs"?}), then run steps
     read as JSON lines from stdin, answering each with one `RESULT` line on stdout, until stdin
     closes."""
     model = build_model(MODELS[spec.get("model", "tiny")])
@@ -84,7 +87,9 @@ def serve(spec: dict) -> None:
                    connector_module_path=spec.get("connector_module_path"),
                    num_blocks=spec.get("num_blocks"), max_model_len=spec.get("max_model_len", 4096),
                    kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
-                   mamba_ssm_cache_dtype=spec.get("mamba_ssm_cache_dtype", "auto"))
+                   mamba_ssm_cache_dtype=spec.get("mamba_ssm_cache_dtype", "auto"),
+                   max_num_batched_tokens=spec.get("max_num_batched_tokens"),
+                   max_num_seqs=spec.get("max_num_seqs"))
     print(RESULT + json.dumps({"ready": True}), flush=True)
     try:
         for line in sys.stdin:
