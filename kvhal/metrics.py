@@ -54,6 +54,9 @@ METRICS: dict[str, MetricDef] = {
                                 "collected, discarded, found corrupt or missing)"),
     "failed_chunks": MetricDef("counter", ("kind",),
                                "Chunks whose transfer failed, by direction (store, load)"),
+    "skipped_chunks": MetricDef("counter", (), "Chunks due for storing that never got a slot "
+                                "before their request ended (the host tier is smaller than "
+                                "one step's stores)"),
     "store_bytes": MetricDef("counter", (), "Payload bytes stored into a tier"),
     "load_bytes": MetricDef("counter", (), "Payload bytes loaded from a tier"),
     "store_latency_seconds": MetricDef("histogram", (), "Wall time of one store job (host: "

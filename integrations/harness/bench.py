@@ -10,6 +10,7 @@ command's time, each as a share of the 5-minute target.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     requests = read_trace(args.trace, limit=args.limit)
     reference = reference_hits(requests, 512)
     options = ReplayOptions(PRESETS["tiny"], device_bytes=64 << 20)
-    root = tempfile.mkdtemp(prefix="kvhal-bench-replay-", dir=args.tmp_dir)
+    # absolute: the fs tier refuses a relative root_dir (a --tmp-dir may be one)
+    root = os.path.abspath(tempfile.mkdtemp(prefix="kvhal-bench-replay-", dir=args.tmp_dir))
     try:
         config = {"cpu_bytes_to_use": 2 << 30, "secondary_tiers": [
             {"type": "fs", "root_dir": root, "max_bytes": 8 << 30}]}

@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tmp-dir: not a directory: {args.tmp_dir}")
     check_vllm()
     with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
-        result = measure(args.context_tokens, args.samples, Path(tmp), not args.json,
+        # absolute: the fs tier refuses a relative root_dir (a --tmp-dir may be one)
+        result = measure(args.context_tokens, args.samples, Path(tmp).resolve(), not args.json,
                          not args.no_recompute)
     if args.json:
         print_json(result)

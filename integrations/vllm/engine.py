@@ -58,7 +58,8 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
              connector_module_path: str | None = None, num_blocks: int | None = None,
              max_model_len: int = 4096, enable_prefix_caching: bool = True,
              kv_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
-             served_model_name: str | None = None, max_lora_rank: int | None = None) -> Any:
+             served_model_name: str | None = None, max_lora_rank: int | None = None,
+             max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None) -> Any:
     """A `vllm.LLM` on `model_dir`, with kvhal when `kvhal_config` is given.
 
     Args:
@@ -75,6 +76,9 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
             geometry.
         served_model_name: The name vLLM serves the model under (None: its path).
         max_lora_rank: Enable LoRA adapters up to this rank (one at a time); None: no LoRA.
+        max_num_batched_tokens: vLLM's token budget of one step (a longer prompt is prefilled
+            in chunks of at most this many tokens); None: vLLM's default.
+        max_num_seqs: vLLM's most requests in one step; None: vLLM's default.
     """
     from vllm import LLM
 
@@ -88,7 +92,8 @@ def make_llm(model_dir: Path, *, tp: int = 1, kvhal_config: Mapping[str, Any] | 
                tensor_parallel_size=tp, max_model_len=max_model_len,
                enable_prefix_caching=enable_prefix_caching, num_gpu_blocks_override=num_blocks,
                disable_log_stats=False, kv_cache_dtype=kv_cache_dtype,
-               mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, **extra)
+               mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, **extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +123,8 @@ class Completion:
 def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
              cache_salt: str | None = None,
              kv_transfer_params: Mapping[str, Any] | None = None,
-             lora: Mapping[str, Any] | None = None) -> list[Completion]:
+             lora: Mapping[str, Any] | None = None,
+             prompt_logprobs: int | None = None) -> list[Completion]:
     """Greedy-generate `max_tokens` tokens for each prompt (token ids), in one batch.
 
     Args:
@@ -127,12 +133,15 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
         kv_transfer_params: Per-request connector parameters, e.g. `{"max_offload_tokens": 0}`.
         lora: The LoRA adapter every prompt runs with, `{"name", "id", "path"}` (vLLM's
             `LoRARequest` fields; the engine needs `max_lora_rank`), or None.
+        prompt_logprobs: vLLM's prompt logprobs per prompt token (vLLM then computes the
+            whole prompt, reading no cached KV); None: none.
     """
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0,
-                            detokenize=False, ignore_eos=True, extra_args=extra)
+                            detokenize=False, ignore_eos=True, extra_args=extra,
+                            prompt_logprobs=prompt_logprobs)
     inputs = [{"prompt_token_ids": list(p), **({"cache_salt": cache_salt} if cache_salt else {})}
               for p in prompts]
     adapter = None

@@ -9,12 +9,14 @@ Scenario (`run_scenario`): {"tp": int, "model": "tiny" | "demo" | "tiny-swa" | "
            "tiny-hybrid", "model_dir"?: checkpoint folder (instead of "model"),
            "served_model_name"?: str, "max_lora_rank"?: int (enables LoRA),
            "num_blocks": int | null, "kv_cache_dtype"?: str (vLLM's, "auto"),
-           "mamba_ssm_cache_dtype"?: str (vLLM's, "auto"),
+           "mamba_ssm_cache_dtype"?: str (vLLM's, "auto"), "max_num_batched_tokens"?: int,
+           "max_num_seqs"?: int (vLLM's, its defaults),
            "max_model_len": int, "engines": [{"kvhal": null | {kvhal config},
            "connector_module_path"?: str, "steps": [...]}]}
 Steps ("op"):
     "generate": {"prompts": {name: [token ids]}, "max_tokens": int, "cache_salt"?: str,
-                 "kv_transfer_params"?: {...}, "lora"?: {"name", "id", "path"}}
+                 "kv_transfer_params"?: {...}, "lora"?: {"name", "id", "path"},
+                 "prompt_logprobs"?: int}
         → {name: `engine.Completion` fields, "wall_s": seconds of the whole call}
     "reset": vLLM's `reset_prefix_cache()`; kvhal keeps its tiers → null
     "drop_page_cache": {"root": folder}: evict every file under it from the OS page cache
@@ -51,7 +53,8 @@ def _generate(llm: Any, step: dict) -> dict:
     names = list(step["prompts"])
     start = time.perf_counter()
     done = generate(llm, [step["prompts"][n] for n in names], step["max_tokens"],
-                    step.get("cache_salt"), step.get("kv_transfer_params"), step.get("lora"))
+                    step.get("cache_salt"), step.get("kv_transfer_params"), step.get("lora"),
+                    step.get("prompt_logprobs"))
     wall = time.perf_counter() - start
     return {**{n: dataclasses.asdict(c) for n, c in zip(names, done)}, "wall_s": wall}
 
@@ -79,7 +82,8 @@ RESULT = "KVHAL-RESULT "
 def serve(spec: dict) -> None:
     """Start one engine from `spec` ({"tp", "model" or "model_dir", "num_blocks",
     "max_model_len", "kvhal", "connector_module_path"?, "kv_cache_dtype"?,
-    "mamba_ssm_cache_dtype"?, "served_model_name"?, "max_lora_rank"?}), then run steps
+    "mamba_ssm_cache_dtype"?, "served_model_name"?, "max_lora_rank"?, "max_num_batched_tokens"?,
+    "max_num_seqs"?}), then run steps
     read as JSON lines from stdin, answering each with one `RESULT` line on stdout, until stdin
     closes."""
     model = spec.get("model_dir") or build_model(MODELS[spec.get("model", "tiny")])
@@ -89,7 +93,9 @@ def serve(spec: dict) -> None:
                    kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
                    mamba_ssm_cache_dtype=spec.get("mamba_ssm_cache_dtype", "auto"),
                    served_model_name=spec.get("served_model_name"),
-                   max_lora_rank=spec.get("max_lora_rank"))
+                   max_lora_rank=spec.get("max_lora_rank"),
+                   max_num_batched_tokens=spec.get("max_num_batched_tokens"),
+                   max_num_seqs=spec.get("max_num_seqs"))
     print(RESULT + json.dumps({"ready": True}), flush=True)
     try:
         for line in sys.stdin:

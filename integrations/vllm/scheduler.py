@@ -122,7 +122,7 @@ class _Request:
     adapter: bytes | None = None
     # False: the request's KV is neither looked up nor stored (its adapter is unknown).
     reuse: bool = True
-    num_stored_chunks: int = 0      # chunks handed to prepare_store (`_plan_store`)
+    num_stored_chunks: int = 0      # chunks stored or being stored, in order (`_plan_store`)
     store_jobs: set[int] = field(default_factory=set)
     # Chunk range of the hit found by the last get_num_new_matched_tokens.
     load_start: int = 0
@@ -251,13 +251,16 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._loads: list[TransferJob] = []
+        self._stores: list[TransferJob] = []   # planned by request_finished, for the next step
         self._recving: dict[str, _AsyncLoad] = {}
         self._asked: set[str] = set()         # looked up this step, not (yet) allocated
         self._deciding: set[str] = set()      # last lookup undecided: vLLM asks again
         self._idle_steps = 0                  # steps in a row `_idle_wait` waited in
         self._report_sending: list[str] = []
+        #: store_skipped_chunks: due for storing, never placed (no free host slot before the
+        #: request ended, `_skip`).
         self.counters = {"load_chunks": 0, "load_failed_chunks": 0, "store_chunks": 0,
-                         "store_failed_chunks": 0}
+                         "store_failed_chunks": 0, "store_skipped_chunks": 0}
         n = len(deployment.groups)
         self.group_counters = {k: [0] * n for k in self.counters}
         #: Asynchronous loads cut back after a chunk failed (module docstring).
@@ -320,18 +323,25 @@ class SchedulerSide:
 
         With blocks_per_chunk > 1, a local prefix hit that ends inside a chunk gets no external
         hit (loads start at chunk boundaries); vLLM-CPU's 128-token blocks make 1 the default.
+
+        (0, False) without looking anything up (nothing is promoted or pinned) for a request
+        vLLM computes in full whatever is cached (`Request.skip_reading_prefix_cache`, set for
+        prompt logprobs); its chunks are still stored. Likewise, storing nothing either, for a
+        request whose LoRA adapter kvhal cannot fingerprint (`_adapter`).
         """
         if not self._seed_checked:  # vLLM seeds its hashes after building the connector
             check_vllm_hash_seed(self.deployment)
             self._seed_checked = True
         state = self._state(request)
+        if request.skip_reading_prefix_cache or not state.reuse:
+            return 0, False
         state.times.setdefault("lookup", time.time())
         tpc = self.deployment.tokens_per_chunk
         start = -(-num_computed_tokens // tpc)
         end = (request.num_tokens - 1) // tpc
         if state.max_hit_chunks is not None:
             end = min(end, state.max_hit_chunks)
-        if start * tpc != num_computed_tokens or start >= end or not state.reuse:
+        if start * tpc != num_computed_tokens or start >= end:
             return 0, False
         self._asked.add(request.request_id)
         found = self._hit_end(request, state, start, end)
@@ -598,10 +608,11 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVHalMetadata:
         """This step's loads (synchronous ones queued by `update_state_after_alloc`, chunks of
-        asynchronous ones that landed), stores (full chunks this step completes), preemption
+        asynchronous ones that landed), stores (the full chunks due: this step's, and earlier
+        ones that found no free host slot then; those `request_finished` placed), preemption
         flush and delayed-free reports. Requests looked up but not scheduled this step hold
         no pins afterwards."""
-        stores = []
+        stores, self._stores = self._stores, []
         scheduled = scheduler_output.num_scheduled_tokens
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -613,7 +624,7 @@ class SchedulerSide:
             reads = self._sync_reads(req_id) if self._loads else []
             if reads is None:   # computed on a block whose load already failed: store nothing
                 continue
-            jobs = self._plan_store(state, computed[req_id], computed[req_id] + num_scheduled)
+            jobs, _ = self._plan_store(state, computed[req_id], computed[req_id] + num_scheduled)
             for job in jobs:
                 for load_id, need in reads:
                     self._sync_readers.setdefault(load_id, []).append((job.job_id, need))
@@ -677,35 +688,43 @@ class SchedulerSide:
         return reads
 
     def _plan_store(self, state: _Request, num_computed_tokens: int, num_done_tokens: int
-                    ) -> list[TransferJob]:
-        """Store jobs for the full chunks of `state`'s request this step completes: vLLM
-        held `num_computed_tokens` of its tokens before the step, `num_done_tokens` after it.
+                    ) -> tuple[list[TransferJob], dict[int, int]]:
+        """Store jobs for the full chunks of `state`'s request that are due: vLLM held
+        `num_computed_tokens` of its tokens before the step, `num_done_tokens` after it; and
+        per group, the due chunks it could not place (from the first that found no free host
+        slot on), {group: chunks}.
 
-        The stored-chunk cursor (`_Request.num_stored_chunks`) never stays ahead of what vLLM
-        holds: where vLLM goes back below it, it computes those chunks again and they are
-        due again. That happens after an asynchronous load was cut back to the chunk that
-        failed (`_settle`; the chunks before it were loaded, so they are in host memory and
-        stay behind the cursor), after vLLM rolled a failed synchronous load back to its first
-        invalid block (the step after the failure; the stores of the failing step that read
-        a failed chunk were not committed, `_sync_reads`), and when a preempted request is
-        admitted again with a shorter hit than it had stored. `Manager.prepare_store` skips
-        the due chunks kvhal still holds, those being stored included (they are in its
-        index): no chunk is stored twice at once.
+        A chunk is due from the step that completes it until it is placed (`prepare_store`
+        reserved its host slot) or kvhal holds it already: the stored-chunk cursor
+        (`_Request.num_stored_chunks`) moves only past those, and never past the first chunk
+        some group could not place (the host tier had no free slot), so that chunk and the
+        ones after it are due again in the next step that schedules the request (or in
+        `request_finished`), and the chunks kvhal stores of a prefix never have a gap. A chunk
+        a sliding window already dropped (a null block) is never stored.
+
+        The cursor never stays ahead of what vLLM holds: where vLLM goes back below it, it
+        computes those chunks again and they are due again. That happens after an asynchronous
+        load was cut back to the chunk that failed (`_settle`; the chunks before it were
+        loaded, so they are in host memory and stay behind the cursor), after vLLM rolled a
+        failed synchronous load back to its first invalid block (the step after the failure;
+        the stores of the failing step that read a failed chunk were not committed,
+        `_sync_reads`), and when a preempted request is admitted again with a shorter hit than
+        it had stored. `Manager.prepare_store` skips the due chunks kvhal still holds, those
+        being stored included (they are in its index): no chunk is stored twice at once.
         """
         request, dep = state.request, self.deployment
         state.num_stored_chunks = min(state.num_stored_chunks,
                                       num_computed_tokens // dep.tokens_per_chunk)
         if self.config.offload_prompt_only:
             num_done_tokens = min(num_done_tokens, request.num_prompt_tokens)
-        due = chunks_to_store(num_done_tokens, state.num_stored_chunks,
-                              dep.tokens_per_chunk, state.max_offload_tokens)
-        if not due:
-            return []
         bpc = dep.blocks_per_chunk
+        due = chunks_to_store(num_done_tokens, state.num_stored_chunks, dep.tokens_per_chunk,
+                              state.max_offload_tokens)
         due = range(due.start, min(due.stop, len(request.block_hashes) // bpc))
-        state.num_stored_chunks = due.stop
+        if not due:
+            return [], {}
         group_blocks = self.kv_cache_manager.get_block_ids(request.request_id)
-        jobs = []
+        jobs, unplaced, cursor = [], {}, due.stop
         for g in dep.groups:
             if g.group_id in self._state_groups:   # stored as vLLM hands states over
                 continue
@@ -715,8 +734,12 @@ class SchedulerSide:
             blocks = ids[(chunks[:, None] * bpc + np.arange(bpc)).ravel()].reshape(-1, bpc)
             held = (blocks != self.null_block_id).all(axis=1)  # a window may have dropped some
             chunks, blocks = chunks[held], blocks[held]
-            plan = self.manager.prepare_store([keys[c] for c in chunks],
-                                              context=request.request_id)
+            due_keys = [keys[c] for c in chunks]
+            plan = self.manager.prepare_store(due_keys, context=request.request_id)
+            placed = self.manager.num_held(due_keys)
+            if placed < len(chunks):               # no free slot for it: still due
+                cursor = min(cursor, int(chunks[placed]))
+                unplaced[g.group_id] = len(chunks) - placed
             if plan is None:
                 continue
             if self.chunk_events is not None:
@@ -727,14 +750,24 @@ class SchedulerSide:
             state.store_jobs.add(plan.job_id)
             jobs.append(TransferJob(plan.job_id, request.request_id, g.group_id, plan.slots,
                                     blocks[plan.indices]))
-        return jobs
+        state.num_stored_chunks = cursor
+        return jobs, unplaced
+
+    def _skip(self, group: int, num_chunks: int) -> None:
+        """Count `num_chunks` chunks of `group` that were due but will never be stored (their
+        request ended, or a state's block is gone, before a host slot was free)."""
+        self.counters["store_skipped_chunks"] += num_chunks
+        self.group_counters["store_skipped_chunks"][group] += num_chunks
+        self.manager.skip_store(num_chunks)
 
     def _plan_state_stores(self, state: _Request, entries: Sequence[tuple[int, int, int]]
                            ) -> list[TransferJob]:
         """Store jobs for the states vLLM handed over this step (`entries`: (group, block id,
         boundary tokens) from `boundary_state_offloads`): a state at a chunk boundary within
         what the request may offload (its prompt with `offload_prompt_only`, its
-        `max_offload_tokens`) becomes that chunk of its group; others are skipped."""
+        `max_offload_tokens`) becomes that chunk of its group; others are skipped. A state
+        that finds no free host slot is counted as skipped (`_skip`): its block leaves the
+        request's table, so it is never due again."""
         request, dep = state.request, self.deployment
         tpc = dep.tokens_per_chunk
         limit = (request.num_prompt_tokens if self.config.offload_prompt_only
@@ -751,6 +784,8 @@ class SchedulerSide:
             key = self._keys(request, group)[chunk]
             plan = self.manager.prepare_store([key], context=request.request_id)
             if plan is None:
+                if not self.manager.num_held([key]):
+                    self._skip(group, 1)
                 continue
             if self.chunk_events is not None:
                 self.chunk_events.record(key, request, chunk)
@@ -832,7 +867,13 @@ class SchedulerSide:
             load.fail(int(job.chunks[job.num_ok]))
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Release the request's pins; delay vLLM's free while a store still reads its blocks.
+        """Release the request's pins; store what is still due; delay vLLM's free while a store
+        still reads its blocks.
+
+        vLLM's blocks of the request still hold its KV here and stay allocated until the
+        workers report its stores finished (delay_free), so the chunks still due (they found
+        no free host slot in the request's last steps) get one more try: those placed are
+        stored in the next step, the rest are counted as skipped (`_skip`).
 
         Returns:
             (delay_free, kv_transfer_params): the params carry `{"kvhal": {"hit_tokens":
@@ -840,22 +881,29 @@ class SchedulerSide:
             request's output (tier "host" or a secondary tier's metrics label, e.g. "fs",
             "fs-2"; counters are this connector's totals so far).
         """
-        self._release(request.request_id)
-        self._asked.discard(request.request_id)
-        self._deciding.discard(request.request_id)
-        self.manager.close_request(request.request_id)
-        load = self._recving.get(request.request_id)
+        rid = request.request_id
+        self._release(rid)     # (its lookup pins: those slots may take what is due)
+        self._asked.discard(rid)
+        self._deciding.discard(rid)
+        state = self._requests.pop(rid, None)
+        if state is not None:
+            jobs, unplaced = self._plan_store(state, request.num_computed_tokens,
+                                              request.num_computed_tokens)
+            self._stores.extend(jobs)
+            for group, num_chunks in unplaced.items():
+                self._skip(group, num_chunks)
+        self.manager.close_request(rid)
+        load = self._recving.get(rid)
         if load is not None:
             # vLLM frees the blocks only after finished_recving: ship nothing more; the next
             # build_connector_meta tells the workers the load is final.
             load.stopped = True
-        state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
         params = {"kvhal": {"hit_tokens": dict(state.hit_tokens), "counters": self.stats(),
                             "timeline": timeline(state.times, request)}}
         if state.store_jobs:
-            self._report_sending.append(request.request_id)
+            self._report_sending.append(rid)
             return True, params
         return False, params
 

@@ -28,6 +28,7 @@ must restore every block exactly.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import threading
 import time
@@ -319,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
         bar.advance(task)
         busy = None
         if args.busy_fs:
-            with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp, BusyFsTier(tmp) as fs:
+            with (tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp,
+                  BusyFsTier(os.path.abspath(tmp)) as fs):   # fs refuses a relative root
                 start, before = time.perf_counter(), fs.bytes_moved()
                 busy, idle = bookkeeping_busy_idle(fs, args.chunks, repeats=args.repeats * 4)
                 seconds = time.perf_counter() - start

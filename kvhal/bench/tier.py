@@ -475,7 +475,8 @@ def run(args: argparse.Namespace) -> int:
     if args.root_dir is not None and os.path.isdir(args.root_dir) and os.listdir(args.root_dir):
         raise ValueError(f"--root-dir: {args.root_dir!r} is not empty; every contender writes "
                          "fresh files there: name a new or empty folder")
-    root = args.root_dir or tempfile.mkdtemp(prefix="kvhal-bench-tier-")
+    # absolute: the fs tier refuses a relative root_dir
+    root = os.path.abspath(args.root_dir or tempfile.mkdtemp(prefix="kvhal-bench-tier-"))
     os.makedirs(root, exist_ok=True)
     if args.tier == "fs":
         config.setdefault("root_dir", os.path.join(root, "tier"))

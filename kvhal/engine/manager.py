@@ -39,6 +39,8 @@ _HIT, _MISS, _RETRY, _UNDECIDED = Lookup.HIT, Lookup.MISS, Lookup.RETRY, Lookup.
 _HOST = metrics.HOST
 #: Owner of a promotion whose request was released before it landed.
 _RELEASED = object()
+#: Seconds between two warnings about skipped stores (`Manager.skip_store`).
+SKIP_WARNING_INTERVAL_S = 60.0
 
 
 def _locked(method):
@@ -118,6 +120,8 @@ class Manager:
         self._promoted: dict[ChunkKey, int] = {}
         self._started: dict[int, float] = {}      # host job id → time.monotonic() at prepare
         self._events: list = []
+        self._skip_warned_at: float | None = None   # time.monotonic() of the last warning
+        self._skipped_unwarned = 0                  # chunks skipped since that warning
         self.tier_labels = metrics.tier_labels([t.name for t in self.tiers])
         self.metrics = metrics.EngineMetrics(self.sizes)
         #: Guards slot state against tiers pinning slots from their threads (`access.py`).
@@ -296,6 +300,32 @@ class Manager:
         self._started[job_id] = time.monotonic()
         return StorePlan(job_id, placed, np.array(todo[:len(slots)], dtype=np.int64),
                          np.array(slots, dtype=np.int64))
+
+    @_locked
+    def num_held(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of `keys`, from the first on, are in host memory (readable, or reserved by
+        a store job: `prepare_store` placed them). After `prepare_store(keys)` the first key
+        past that prefix is the first one that did not fit."""
+        index = self.slots.index
+        return next((i for i, key in enumerate(keys) if key not in index), len(keys))
+
+    def skip_store(self, num_chunks: int) -> None:
+        """Record `num_chunks` (≥ 0) chunks that were due for storing but never got a host slot
+        before their request ended (every `prepare_store` found the host tier's slots busy):
+        counted as `skipped_chunks` of the host tier, and a warning, at most once every
+        `SKIP_WARNING_INTERVAL_S` seconds, that the host tier (`cpu_bytes_to_use`) is smaller
+        than one step's stores."""
+        if num_chunks <= 0:
+            return
+        self.metrics.count("skipped_chunks", _HOST, num_chunks)
+        self._skipped_unwarned += num_chunks
+        now = time.monotonic()
+        if self._skip_warned_at is None or now - self._skip_warned_at >= SKIP_WARNING_INTERVAL_S:
+            logger.warning("kvhal: %d chunks due for storing found no free host slot before "
+                           "their request ended and were not stored: the host tier (%d slots, "
+                           "cpu_bytes_to_use) is smaller than one step's stores",
+                           self._skipped_unwarned, self.slots.capacity)
+            self._skip_warned_at, self._skipped_unwarned = now, 0
 
     @_locked
     def complete_store(self, job_id: int, num_ok: int | None = None) -> None:

@@ -57,6 +57,33 @@ def test_prepare_store_skips_slots_with_readers_or_writers(rig):
 
 
 
+def test_num_held_counts_the_leading_chunks_resident_or_being_stored(rig):
+    """After a store that did not fit, `num_held` points at the first chunk left out: a, b
+    resident, c, d placed, e found no slot (4 slots, all busy)."""
+    a, b, c, d, e = synthetic_keys(5)
+    _fill(rig, [a, b])
+    reader = rig.manager.prepare_load([a, b])               # a, b: readers, not evictable
+    plan = rig.manager.prepare_store([a, b, c, d, e])
+    assert plan.keys == (c, d)
+    assert rig.manager.num_held([a, b, c, d, e]) == 4
+    assert rig.manager.num_held([e, a]) == 0
+    rig.manager.complete_store(plan.job_id)
+    rig.manager.complete_load(reader.job_id)
+
+
+def test_skip_store_counts_every_call_and_warns_once_an_interval(rig, caplog):
+    rig.manager.metrics.take_delta()
+    with caplog.at_level(logging.WARNING, logger="kvhal.engine.manager"):
+        rig.manager.skip_store(3)
+        rig.manager.skip_store(2)
+        rig.manager.skip_store(0)
+    assert rig.manager.metrics.take_delta()["counters"]["skipped_chunks"] == {"host": 5}
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvhal: 3 chunks due for storing found no free host slot before their request ended "
+        "and were not stored: the host tier (4 slots, cpu_bytes_to_use) is smaller than one "
+        "step's stores"]
+
+
 def test_a_key_repeated_in_one_store_batch_takes_one_slot(rig):
     a, b = synthetic_keys(2)
     plan = rig.manager.prepare_store([a, a, b])

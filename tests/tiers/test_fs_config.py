@@ -41,6 +41,10 @@ BAD = [
      "refresh_interval_s: must be a number of seconds in [0.001, 86400.0], got 1e-300"),
     ({"root_dir": "/x\0y"},
      "root_dir: required, a non-empty path string without NUL; got '/x\\x00y'"),
+    ({"root_dir": "kv-cache"},
+     "root_dir: must be an absolute path, got 'kv-cache' (a relative one would depend on "
+     "each process's working directory"),
+    ({"root_dir": "~/kv"}, "root_dir: must be an absolute path, got '~/kv'"),
     ({"root_dir": "/x", "durability": "fsync"},
      "durability: must be one of 'process', 'power-loss'; got 'fsync'"),
     ({"root_dir": "/x", "durability": True},
@@ -84,3 +88,19 @@ def test_default_max_bytes_is_most_of_the_free_space(tmp_path):
     free = os.statvfs(tmp_path)
     tier.close()
     assert abs(tier.max_bytes - 0.9 * free.f_bavail * free.f_frsize) < 0.01 * tier.max_bytes
+
+
+def test_relative_root_dir_is_refused_naming_the_key_path(tmp_path, monkeypatch):
+    """Launched from a folder where the relative root_dir could be created: still refused,
+    and nothing is created there."""
+    from kvhal.config import ConfigError, build_tiers, parse_config as parse_engine_config
+
+    monkeypatch.chdir(tmp_path)
+    config = parse_engine_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [
+        {"type": "fs", "root_dir": "kv-cache"}]})
+    view, _ = host_region()
+    with pytest.raises(ConfigError) as info:
+        build_tiers(config, view, NAMESPACE)
+    assert str(info.value).startswith("secondary_tiers[0].root_dir: must be an absolute path, "
+                                      "got 'kv-cache'")
+    assert os.listdir(tmp_path) == []

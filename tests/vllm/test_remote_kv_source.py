@@ -55,7 +55,8 @@ def test_vllm_is_asked_to_wait_until_the_named_peer_answered_then_hits_what_it_h
         {"cpu_bytes_to_use": 16 * CHUNK, "secondary_tiers": [config()]}), "test-remote-source",
         NAMESPACE)
     request = SimpleNamespace(
-        request_id="r1", num_tokens=5 * BLOCK + 1,
+        request_id="r1", num_tokens=5 * BLOCK + 1, num_prompt_tokens=5 * BLOCK + 1,
+        num_computed_tokens=0, skip_reading_prefix_cache=False,
         block_hashes=[hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(5)],
         kv_transfer_params={"remote_kv_source": {"kv_request_id": "lb-1", "remote_host": host,
                                                  "remote_port": port}})

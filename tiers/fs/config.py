@@ -1,7 +1,10 @@
 """Config of the fs tier: one entry of `secondary_tiers` with `"type": "fs"`.
 
 Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
-    root_dir (str, required): folder holding one sub-folder per namespace; created if absent.
+    root_dir (str, required): absolute path of the folder holding one sub-folder per
+        namespace; created if absent. A relative path is refused rather than resolved: it
+        would name another folder for each working directory, so launches from two folders
+        would silently use two caches.
     max_bytes (int > 0): capacity in file bytes (header and padding included); least recently
         used chunks are deleted to stay under it. Default: 90% of the space the filesystem
         has available at start plus what the namespace already holds.
@@ -62,6 +65,7 @@ Errors name the key (`root_dir: ...`); the config loader prefixes the list posit
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -120,6 +124,10 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
     if not isinstance(root_dir, str) or not root_dir or "\0" in root_dir:
         raise TierError(f"root_dir: required, a non-empty path string without NUL; "
                         f"got {root_dir!r}")
+    if not os.path.isabs(root_dir):
+        raise TierError(f"root_dir: must be an absolute path, got {root_dir!r} (a relative one "
+                        f"would depend on each process's working directory: two launches "
+                        f"from different folders would use two caches)")
     o_direct = config.get("o_direct", DEFAULT_O_DIRECT)
     # by type, not ==: 1.0 or numpy's True equal True but would not count as `true` (the
     # tier refuses to start without O_DIRECT only for `o_direct is True`), and an array's ==
