@@ -222,6 +222,20 @@ class SecondaryTier(abc.ABC):
         drops chunks on its own)."""
         return []
 
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """A load of `keys[0]` from this tier failed; `keys[1:]` are the later chunks of the
+        same prefix, in order. Called by the engine on the manager's thread once per failed
+        load, after its `JobResult` was collected. Whatever lost `keys[0]` (a dead segment
+        owner, a deleted folder, a peer that restarted) likely took the later chunks too, and
+        each would otherwise cost a promised hit that fails late: a tier that answers lookups
+        from an index of its own drops every key of `keys` it can no longer vouch for, so
+        that its lookups miss until it has checked the chunk again or stored it anew, and the
+        next `submit_store` of each really writes it (a record its store still lists but can
+        no longer serve is replaced, not counted as already stored). Keys that leave an
+        index this way are reported by `take_removed` as the tier's other removals are.
+        Must not block on I/O. Default: nothing (a tier whose lookups read the chunks
+        themselves, not an index, has no stale entry to drop)."""
+
     def open_request(self, request: Hashable, params: Mapping[str, Any]) -> bool:
         """Called by the engine when a request arrives with per-request parameters (vLLM:
         its `kv_transfer_params`, e.g. an orchestrator's P/D instructions), before any of its

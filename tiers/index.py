@@ -122,11 +122,22 @@ class ChunkIndex:
         """Forget `key` after its stored object was deleted or found unusable (a listing that
         saw it before that does not bring it back)."""
         with self._lock:
-            self._removed_epoch[key] = self._epoch
-            if key in self._lru:
-                self._indexed -= self._lru.pop(key)
-                self._added_epoch.pop(key, None)
-                self._gone.append(key)
+            self._discard(key)
+
+    def _discard(self, key: ChunkKey) -> None:
+        self._removed_epoch[key] = self._epoch
+        if key in self._lru:
+            self._indexed -= self._lru.pop(key)
+            self._added_epoch.pop(key, None)
+            self._gone.append(key)
+
+    def forget(self, keys: Iterable[ChunkKey]) -> None:
+        """`discard` each of `keys` under one lock: chunks a failed load put in doubt
+        (`SecondaryTier.forget`), whose stored objects may or may not still be there. A listing
+        that began before does not bring them back; a later one does if it finds them."""
+        with self._lock:
+            for key in keys:
+                self._discard(key)
 
     def hold(self, keys: Iterable[ChunkKey], until: float = math.inf) -> None:
         """Discard `keys` and keep listings from bringing them back before the monotonic time

@@ -12,7 +12,7 @@ import collections
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvhal.keys import ChunkKey
 
@@ -420,7 +420,14 @@ class IndexedTier(BoardedTier):
         """Queue a load on the load pool (see `SecondaryTier.submit_load`)."""
         self._jobs.submit(self._load_pool, self._load, job)
 
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop `keys` from the index (see `SecondaryTier.forget`): each is a miss and its next
+        store writes it again, until a listing of the store finds it again (then it is there:
+        a listing sees only what was stored whole). No I/O."""
+        self._index.forget(keys)
+
     def take_removed(self) -> list[ChunkKey]:
         """Keys that left the index since the last call, each once: evicted, found corrupt or
-        missing by a load, or gone from a listing (deleted by another process)."""
+        missing by a load, forgotten after a failed load (`forget`), or gone from a listing
+        (deleted by another process)."""
         return self._index.take_removed()

@@ -109,8 +109,11 @@ class Manager:
         self._closing: set[Hashable] = set()    # closed, waiting for their open stores
         self._loads: dict[int, list[int]] = {}
         self._pins: dict[Hashable, list[int]] = {}
-        # (tier index, tier job id) -> (kind, slot, key); LOAD = promotion, STORE = cascade.
-        self._tier_jobs: dict[tuple[int, int], tuple[JobKind, int, ChunkKey]] = {}
+        # (tier index, tier job id) -> (kind, slot, key, later keys); LOAD = promotion (later:
+        # the keys after `key` in the prefix looked up, which a failed load makes the tier
+        # forget), STORE = cascade (later: ()).
+        self._tier_jobs: dict[tuple[int, int],
+                              tuple[JobKind, int, ChunkKey, tuple[ChunkKey, ...]]] = {}
         # Slots held by promotions (in flight, or landed and pinned) -> the request that asked
         # (None: nobody asked; _RELEASED: its request went away, the chunk lands cold).
         self._promo: dict[int, Hashable | None] = {}
@@ -171,7 +174,7 @@ class Manager:
         out: list[Lookup] = []
         pins: list[int] = []
         protect: frozenset | None = None       # the prefix, never evicted for a promotion
-        for key in keys:
+        for i, key in enumerate(keys):
             slot = index.get(key)
             if slot is not None:
                 if state[slot] >= IDLE:
@@ -182,7 +185,7 @@ class Manager:
                 continue
             if protect is None and self.tiers:
                 protect = frozenset(keys)
-            answer = self._promote(key, protect, request_id, context)
+            answer = self._promote(keys, i, protect, request_id, context)
             out.append(answer)
             if answer is _MISS:
                 break
@@ -199,8 +202,11 @@ class Manager:
         count("chunk_lookups", _HOST, len(out) - len(pins) - retries, "miss")
         return out
 
-    def _promote(self, key: ChunkKey, protect: frozenset | None, owner: Hashable | None,
-                 context: Hashable | None = None) -> Lookup:
+    def _promote(self, keys: Sequence[ChunkKey], i: int, protect: frozenset | None,
+                 owner: Hashable | None, context: Hashable | None = None) -> Lookup:
+        """Answer for `keys[i]`, absent from host memory: start its promotion from the first
+        tier holding it (see `lookup`)."""
+        key = keys[i]
         if not self.tiers:
             return _MISS
         if key in self._failed_promotions:
@@ -223,7 +229,8 @@ class Manager:
                     return _MISS
                 job_id = next(self._ids)
                 self._promo[placed[0]] = owner
-                self._tier_jobs[(t, job_id)] = (JobKind.LOAD, placed[0], key)
+                self._tier_jobs[(t, job_id)] = (JobKind.LOAD, placed[0], key,
+                                                tuple(keys[i + 1:]))
                 tier.submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(placed[0]),
                                          request=context if t in taking else None))
                 return _RETRY
@@ -365,7 +372,7 @@ class Manager:
             for key, slot in stored:
                 self.slots.acquire(slot)
                 job_id = next(self._ids)
-                self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key)
+                self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key, ())
                 tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot),
                                           request=request))
 
@@ -459,7 +466,7 @@ class Manager:
         would say: the secondary tier promoting it (landed, in flight, or the first tier
         holding it while `max_promotions` defers it; asked for `context` as in `lookup`),
         else the host tier. Starts nothing."""
-        flying = {key: t for (t, _), (kind, _, key) in self._tier_jobs.items()
+        flying = {key: t for (t, _), (kind, _, key, _) in self._tier_jobs.items()
                   if kind is JobKind.LOAD}
         index, state, labels = self.slots.index, self.slots.state, self.tier_labels
         taking = self._contexts.get(context, ()) if context is not None else ()
@@ -505,7 +512,11 @@ class Manager:
     @_locked
     def poll(self) -> list[JobResult]:
         """Collect finished secondary-tier jobs: a promotion that succeeded makes its chunk a
-        HIT, one that failed frees its slot; a finished cascade releases its slot. Then collect
+        HIT; one that failed frees its slot, and its tier forgets the chunk and every later
+        chunk of the prefix whose lookup started it (`SecondaryTier.forget`: whatever lost one
+        likely took the rest, which would otherwise be promised hits that fail late, and
+        stores of them after a recompute write them again); a finished cascade releases its
+        slot. Then collect
         the chunks that left each tier (`take_removed`) as `BlockRemoved` events, after this
         poll's `BlockStored` events. A failed job is logged with its tier and reason (a load:
         warning, the request recomputes; a store: info).
@@ -522,7 +533,7 @@ class Manager:
                 job = self._tier_jobs.pop((t, result.job_id), None)
                 if job is None:
                     continue
-                kind, slot, key = job
+                kind, slot, key, later = job
                 results.append(result)
                 observe(f"{kind.value}_latency_seconds", label, result.seconds)
                 if not result.ok:
@@ -535,6 +546,7 @@ class Manager:
                     if not result.ok:
                         self.slots.abort(slot)
                         self._failed_promotions.add(key)
+                        tier.forget((key, *later))
                     else:
                         count("loaded_chunks", label)
                         count("load_bytes", label, self._span(slot)[1])

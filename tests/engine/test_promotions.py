@@ -1,13 +1,15 @@
 """Promotions from a secondary tier are bounded: a long waiting queue cannot flush the host tier."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from kvhal.tiers.base import Lookup
 
 from .rig import chunk_blocks, make_rig, synthetic_keys
 
-HIT, RETRY = Lookup.HIT, Lookup.RETRY
+HIT, MISS, RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
 
 
 def test_a_queue_of_100_requests_with_disk_hits_keeps_the_hot_chunks(tmp_path):
@@ -96,3 +98,76 @@ def test_a_promotion_landing_after_its_request_left_is_evicted_first(tmp_path):
         assert promoted not in m.slots.index
     finally:
         rig.close()
+
+
+def test_a_failed_promotion_makes_its_tier_forget_that_chunk_and_the_later_ones(tmp_path):
+    """A prefix of 6 chunks lives only in an fs tier; the file of chunk 2 is deleted. A lookup
+    promotes all 6; chunk 2's promotion fails: the fs index drops chunks 2-5 (the later ones
+    may be gone too: each would be a promise that fails late), keeps 0 and 1, and the next
+    store of the prefix writes 2-5 again (4 chunks' bytes), after which every chunk loads
+    exact. No refresh runs meanwhile (an hour apart), so only the forget moves the index.
+    Seen failing with the tier told to forget only the failing chunk: 3-5 stayed HIT."""
+    from kvhal.tiers.fs.format import chunk_path
+    rig = make_rig(capacity=16, blocks_per_chunk=1, block_bytes=1024, num_blocks=64,
+                   tiers=[{"type": "fs", "root_dir": str(tmp_path),
+                           "refresh_interval_s": 3600}])
+    m, fs = rig.manager, rig.manager.tiers[0]
+    try:
+        keys = synthetic_keys(6, tag=7)
+        rig.dev[:6] = np.arange(1, 7)[:, None]
+        rig.store(keys, chunk_blocks(0, 6, 1))
+        m.drain()
+        m.clear()
+        os.unlink(chunk_path(fs.ns_dir, keys[2]))
+        stored_before = fs.stats()["bytes_stored"]
+
+        assert m.lookup(keys, request_id="r") == [RETRY] * 6
+        m.drain()
+        retried = m.lookup(keys, request_id="r")      # the request learns of the failure
+        m.release("r")
+        after_failure = [fs.lookup(k) for k in keys]
+        m.clear()
+        rig.store(keys, chunk_blocks(0, 6, 1))
+        m.drain()
+        m.clear()
+        rewritten = fs.stats()["bytes_stored"] - stored_before
+        answers = m.lookup(keys, request_id="s")
+        m.drain()
+        loaded = rig.load(keys, chunk_blocks(10, 6, 1), request_id="s")
+        values = rig.dev[10:16, 0].tolist()
+    finally:
+        rig.close()
+
+    assert retried == [HIT, HIT, MISS, MISS, MISS, MISS]
+    assert after_failure == [HIT, HIT, MISS, MISS, MISS, MISS]
+    assert rewritten == 4 * 1024
+    assert answers == [RETRY] * 6
+    assert loaded.num_ok == 6
+    assert values == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_failed_promotion_leaves_the_chunks_before_it_alone(tmp_path):
+    """The lookup of a prefix whose first chunks are in host memory and whose later ones are
+    in the fs tier: the first tier chunk (chunk 2) fails to load; the tier forgets chunks 2-3,
+    and keeps chunks 0 and 1 (earlier in the prefix, never in doubt). Seen failing with the
+    tier told to forget every key of the prefix: chunks 0 and 1 became MISS."""
+    from kvhal.tiers.fs.format import chunk_path
+    rig = make_rig(capacity=16, blocks_per_chunk=1, block_bytes=1024, num_blocks=64,
+                   tiers=[{"type": "fs", "root_dir": str(tmp_path),
+                           "refresh_interval_s": 3600}])
+    m, fs = rig.manager, rig.manager.tiers[0]
+    try:
+        keys = synthetic_keys(4, tag=8)
+        rig.store(keys, chunk_blocks(0, 4, 1))
+        m.drain()
+        m.discard(keys[2:])
+        os.unlink(chunk_path(fs.ns_dir, keys[2]))
+
+        assert m.lookup(keys, request_id="r") == [HIT, HIT, RETRY, RETRY]
+        m.drain()
+        m.release("r")
+        after_failure = [fs.lookup(k) for k in keys]
+    finally:
+        rig.close()
+
+    assert after_failure == [HIT, HIT, MISS, MISS]

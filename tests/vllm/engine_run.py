@@ -27,6 +27,8 @@ Extra steps (TP=1 in-process engines):
     {"op": "unlink", "paths": [...]}: delete files (an fs chunk vanishing after the tier
         indexed it) → number deleted.
     {"op": "drain"}: wait for every secondary-tier job (stores cascaded to fs land) → null.
+    {"op": "clear_host"}: drop every chunk from kvhal's host tier (the next hit must come from
+        a secondary tier) → null.
     {"op": "await_tier", "tokens": [ids], "tier": name, "timeout_s": s}: poll that secondary
         tier's lookup until every full chunk of `tokens` in every group is a HIT (files another
         process wrote, picked up by the tier's refresh) → seconds waited; TimeoutError after
@@ -193,6 +195,11 @@ def drain(llm, step: dict) -> None:
     _side(llm).manager.drain(timeout_s=120)
 
 
+def clear_host(llm, step: dict) -> None:
+    """See the module docstring."""
+    _side(llm).manager.clear()
+
+
 def await_tier(llm, step: dict) -> float:
     """See the module docstring."""
     side = _side(llm)
@@ -264,6 +271,7 @@ if __name__ == "__main__":
     runner.OPS.update(noise=noise_host_region, track_preemptions=track_preemptions,
                       preempted=preempted, resumes=resumes, poison_report=poison_report,
                       fault_loads=fault_loads, heal_loads=heal_loads, drop_chunk=drop_chunk,
-                      share_blocks=share_blocks, unlink=unlink_files, drain=drain, await_tier=await_tier)
+                      share_blocks=share_blocks, unlink=unlink_files, drain=drain, await_tier=await_tier,
+                      clear_host=clear_host)
     worker.plugins.select_backend = _select_backend
     runner.main(sys.argv[1:])

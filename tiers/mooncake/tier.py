@@ -22,7 +22,9 @@ pool.
 Capacity and eviction are the pool's (`mooncake_master -eviction_high_watermark_ratio`, leases,
 soft pins); the tier evicts nothing itself. A full pool (`NO_AVAILABLE_HANDLE`) fails stores
 with the counter `pool_full`. Lookups answer from the index (`probe.py`); stores of a key the
-pool already holds succeed without a transfer. While the client finds the master unreachable
+pool already holds succeed without a transfer, except a key forgotten after a failed load
+(`forget`): its object is removed first, as the pool keeps listing the objects of a segment
+whose owner died until its master drops the owner, and a put of a listed name writes nothing. While the client finds the master unreachable
 (`health_check`), jobs fail at once (`master_unreachable`); the client reconnects by itself.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from functools import partial
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from kvhal.keys import ChunkKey
 
@@ -38,7 +40,7 @@ from ..base import Lookup, TierError, TierJob, job_problem
 from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)
-from ..index import ChunkIndex
+from ..index import MAX_REMEMBERED_REMOVALS, ChunkIndex
 from ..jobs import IndexedTier, JobBoard, JobPool, LanePool
 from .client import (GONE, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, connect,
                      error_name, register, replicate_config)
@@ -111,6 +113,12 @@ class MooncakeTier(IndexedTier):
         #: load while no store is queued (`LanePool`).
         self.io_threads = (2 * cfg.io_threads, cfg.io_threads)
         self._remover = JobPool(1, "kvhal-mooncake-remove")
+        #: Keys forgotten after a failed load (`forget`) and not stored since, oldest first:
+        #: their next store removes the object before its put. At most
+        #: `MAX_REMEMBERED_REMOVALS` (the oldest are dropped: such a key's store may then be
+        #: taken as done, which costs one more failed load and forget).
+        self._stale: dict[ChunkKey, None] = {}
+        self._stale_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"MooncakeTier(master={self.config.master_server_address}, "
@@ -131,6 +139,22 @@ class MooncakeTier(IndexedTier):
         """HIT if indexed; RETRY while its existence check is pending (≤ `timeout_s`); MISS
         otherwise (`probe.py`). No I/O."""
         return Lookup.MISS if self._jobs.closed else self._prober.lookup(key)
+
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop `keys` from the index (see `SecondaryTier.forget`); each stays a miss for
+        `refresh_interval_s` (an existence check meanwhile would still find an object whose
+        segment owner died: the master lists it until it drops the dead client, `client_ttl`),
+        and its next store removes the object before putting it (a put of a name the master
+        lists returns 0 without writing a byte). No I/O."""
+        self._index.forget(keys)
+        for key in keys:
+            self._prober.mark_absent(key)
+        with self._stale_lock:
+            for key in keys:
+                self._stale.pop(key, None)
+                self._stale[key] = None
+            while len(self._stale) > MAX_REMEMBERED_REMOVALS:
+                del self._stale[next(iter(self._stale))]
 
     def submit_store(self, job: TierJob) -> None:
         """Queue a store on the store lane (see `SecondaryTier.submit_store`)."""
@@ -161,8 +185,9 @@ class MooncakeTier(IndexedTier):
         """Counters: bytes_stored, bytes_loaded, contiguous_records (records moved as one
         buffer, module docstring), store_failed, load_failed, already_stored,
         corrupt, missing, size_mismatch, pool_full, request_errors, master_unreachable,
-        removed, remove_errors, exist_checked, exist_errors, exist_timeouts, sweeps (re-checks
-        of every indexed chunk, `probe.py`) (absent while 0); plus chunks (indexed keys) and
+        removed, remove_errors (objects removed: corrupt ones, and forgotten ones before their
+        store), exist_checked, exist_errors, exist_timeouts, sweeps (re-checks of every
+        indexed chunk, `probe.py`) (absent while 0); plus chunks (indexed keys) and
         durability ("pool": chunks live in the pool's memory, with `replica_num` copies)."""
         return self._jobs.counters() | {"chunks": len(self._index), "durability": "pool"}
 
@@ -231,6 +256,9 @@ class MooncakeTier(IndexedTier):
             return errors
         if self._master_down(todo, errors):
             return errors
+        todo = self._remove_stale(jobs, todo, errors)
+        if not todo:
+            return errors
         base = self._scratch_base()
         zeros = self._scratch[base + MAX_BATCH * HEADER_BYTES:][:ALIGN]
         zeros[:] = bytes(ALIGN)
@@ -267,8 +295,31 @@ class MooncakeTier(IndexedTier):
             errors[i] = f"put: {error_name(code)}"
         self._index.add_many(stored)
         self._prober.forget_absent([key for key, _ in stored])
+        with self._stale_lock:
+            for key, _ in stored:
+                self._stale.pop(key, None)
         self._jobs.count_all(+tally)
         return errors
+
+    def _remove_stale(self, jobs: list[TierJob], todo: list[int],
+                      errors: list[str | None]) -> list[int]:
+        """Remove the objects of the stores of `todo` whose keys were forgotten (`forget`),
+        so that their puts write; returns `todo` less the stores whose removal failed (their
+        error set in `errors`, counted as `remove_errors`; they stay forgotten)."""
+        with self._stale_lock:
+            stale = [i for i in todo if jobs[i].key in self._stale]
+        if not stale:
+            return todo
+        codes = self._client.batch_remove([self.object_name(jobs[i].key) for i in stale], True)
+        failed = set()
+        for i, code in zip(stale, codes):
+            if code == 0 or code in GONE:
+                continue
+            failed.add(i)
+            errors[i] = f"remove before put: {error_name(code)}"
+        self._jobs.count_all(+Counter(removed=len(stale) - len(failed),
+                                      remove_errors=len(failed)))
+        return [i for i in todo if i not in failed]
 
     def _load_batch(self, jobs: list[TierJob]) -> list[str | None]:
         errors: list[str | None] = [job_problem(j, len(self._host), self.namespace)

@@ -6,7 +6,8 @@ directory applies an event only if it is the next one of the peer's current epoc
 else is a gap, and the subscriber asks for a fresh snapshot, which replaces every entry of
 that peer. A peer that goes away (feed connection lost, heartbeats missed) loses all its
 entries. A load that finds an entry stale (the peer answered "miss", or the pull failed)
-`forget`s it, so a stale entry costs one failed load and then a miss.
+`forget`s it, and with it the peer's entries of the later chunks of the prefix, so a peer that
+lost a prefix costs one failed load and then misses.
 
 Lookups are dictionary reads under one lock: no I/O, no waiting on the network.
 """
@@ -82,12 +83,15 @@ class Directory:
         with self._lock:
             return self._position.get(peer)
 
-    def forget(self, peer: Peer, key: ChunkKey) -> None:
-        """Drop one entry found stale by a load."""
+    def forget(self, peer: Peer, keys: Iterable[ChunkKey]) -> None:
+        """Drop `peer`'s entries of `keys`: one a load found stale, and the later chunks of its
+        prefix (`SecondaryTier.forget`). The peer announces them again only in a fresh
+        snapshot (a resync or its restart) or as a new gain."""
         with self._lock:
             held = self._keys.get(peer)
             if held is not None:
-                self._remove(peer, key, held)
+                for key in keys:
+                    self._remove(peer, key, held)
 
     def drop_peer(self, peer: Peer) -> None:
         """Forget every entry of `peer` (it went away); the next feed starts from a snapshot."""

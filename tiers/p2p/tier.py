@@ -4,15 +4,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
 from kvhal.keys import ChunkKey
 
 from ..base import HostAccess, Lookup, TierError, TierJob, job_problem
+from ..index import MAX_REMEMBERED_REMOVALS
 from ..jobs import BoardedTier, JobBoard, JobPool
 from .client import FeedLink, Puller, PullError, format_peer
 from .config import listen_port, parse_address, parse_config
-from .directory import Directory
+from .directory import Directory, Peer
 from .orchestration import Orchestration, parse
 from .parking import ID_REFUSALS, Parking
 from .probe import Probes
@@ -83,6 +84,9 @@ class P2PTier(BoardedTier):
         # prefill leg -> generation of the record it opened (`parking.py`)
         self._park_gen: dict[Hashable, int] = {}
         self._lock = threading.Lock()
+        #: key -> the peer whose pull of it failed as stale, until `forget` of it (oldest
+        #: first, at most `MAX_REMEMBERED_REMOVALS`; pull threads write, `forget` reads).
+        self._stale_from: dict[ChunkKey, Peer] = {}
         transport = transport or TcpTransport()
         beat = heartbeat_s(cfg.timeout_s)
         try:
@@ -237,6 +241,18 @@ class P2PTier(BoardedTier):
         self._jobs.submit(self._pullers, lambda j: self._load(j, deadline, orch), job)
 
 
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """If the pull of `keys[0]` failed because its peer no longer holds it (not merely
+        busy), drop that peer's directory entries of `keys[1:]` too (see
+        `SecondaryTier.forget`): the peer likely lost the whole prefix. Other peers' entries
+        stay: their announcements are not in doubt. No I/O."""
+        if not keys:
+            return
+        with self._lock:
+            peer = self._stale_from.pop(keys[0], None)
+        if peer is not None:
+            self._directory.forget(peer, keys[1:])
+
     def take_removed(self) -> list[ChunkKey]:
         """Keys this instance stopped serving since the last call (evicted from the own
         store, or lost by the attached host tier)."""
@@ -326,7 +342,11 @@ class P2PTier(BoardedTier):
                               deadline)
         except PullError as exc:
             if not str(exc).endswith(": busy"):
-                self._directory.forget(peer, job.key)
+                self._directory.forget(peer, [job.key])
+                with self._lock:
+                    self._stale_from[job.key] = peer
+                    while len(self._stale_from) > MAX_REMEMBERED_REMOVALS:
+                        del self._stale_from[next(iter(self._stale_from))]
             return str(exc)
         self._jobs.count("bytes_loaded", job.nbytes)
         return None
