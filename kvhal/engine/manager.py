@@ -118,7 +118,13 @@ class Manager:
         # (None: nobody asked; _RELEASED: its request went away, the chunk lands cold).
         self._promo: dict[int, Hashable | None] = {}
         self.promotions_deferred = 0
+        # Chunks whose promotion failed: the next lookup of each answers MISS (not a new
+        # promotion from a tier that may still claim it), unless it was stored since.
         self._failed_promotions: set[ChunkKey] = set()
+        # Chunks in host memory that a store job put there → that job's id (ids only grow,
+        # so a job of a larger id started later): a failed promotion of an earlier id must
+        # not make a tier forget them (`poll`).
+        self._stored_by: dict[ChunkKey, int] = {}
         # Chunks a promotion put into host memory and nobody has loaded since: key → tier.
         self._promoted: dict[ChunkKey, int] = {}
         self._started: dict[int, float] = {}      # host job id → time.monotonic() at prepare
@@ -310,11 +316,17 @@ class Manager:
 
     @_locked
     def num_held(self, keys: Sequence[ChunkKey]) -> int:
-        """How many of `keys`, from the first on, are in host memory (readable, or reserved by
-        a store job: `prepare_store` placed them). After `prepare_store(keys)` the first key
-        past that prefix is the first one that did not fit."""
-        index = self.slots.index
-        return next((i for i, key in enumerate(keys) if key not in index), len(keys))
+        """How many of `keys`, from the first on, are in host memory or sure to be: readable,
+        or reserved by a store job (`prepare_store` placed them). A chunk a promotion is still
+        writing is not held: the promotion may fail, and the computed chunk must then be
+        stored. After `prepare_store(keys)` the first key past that prefix is the first one
+        that did not fit or is still being promoted."""
+        index, state, promo = self.slots.index, self.slots.state, self._promo
+        for i, key in enumerate(keys):
+            slot = index.get(key)
+            if slot is None or (state[slot] < IDLE and slot in promo):
+                return i
+        return len(keys)
 
     def skip_store(self, num_chunks: int) -> None:
         """Record `num_chunks` (≥ 0) chunks that were due for storing but never got a host slot
@@ -351,6 +363,8 @@ class Manager:
         for key, slot in zip(keys[:n_ok], slots[:n_ok]):
             if commit(slot):
                 stored.append((key, slot))
+                self._failed_promotions.discard(key)   # computed anew: nothing to fail
+                self._stored_by[key] = job_id
         for slot in slots[n_ok:]:
             self.slots.abort(slot)
         self._job_ended("store", job_id, slots, n_ok)
@@ -515,8 +529,9 @@ class Manager:
         HIT; one that failed frees its slot, and its tier forgets the chunk and every later
         chunk of the prefix whose lookup started it (`SecondaryTier.forget`: whatever lost one
         likely took the rest, which would otherwise be promised hits that fail late, and
-        stores of them after a recompute write them again); a finished cascade releases its
-        slot. Then collect
+        stores of them after a recompute write them again), except the later chunks computed
+        and stored again while this load was failing (a late failure must not undo their
+        cascade); a finished cascade releases its slot. Then collect
         the chunks that left each tier (`take_removed`) as `BlockRemoved` events, after this
         poll's `BlockStored` events. A failed job is logged with its tier and reason (a load:
         warning, the request recomputes; a store: info).
@@ -546,7 +561,9 @@ class Manager:
                     if not result.ok:
                         self.slots.abort(slot)
                         self._failed_promotions.add(key)
-                        tier.forget((key, *later))
+                        since = self._stored_by.get     # (computed and stored anew since)
+                        tier.forget((key, *(k for k in later
+                                            if since(k, 0) < result.job_id)))
                     else:
                         count("loaded_chunks", label)
                         count("load_bytes", label, self._span(slot)[1])
@@ -598,6 +615,7 @@ class Manager:
         for key in keys:
             self.slots.discard(key)
             self._promoted.pop(key, None)
+            self._stored_by.pop(key, None)
         self.metrics.count("evicted_chunks", _HOST, len(keys))
         self._event(AllBlocksCleared(HOST_MEDIUM))
 
@@ -628,9 +646,10 @@ class Manager:
         if keys:
             label, medium, locality = self._where(t)
             self.metrics.count("evicted_chunks", label, len(keys))
-            if t < 0 and self._promoted:
+            if t < 0:
                 for key in keys:
                     self._promoted.pop(key, None)
+                    self._stored_by.pop(key, None)
             if t < 0:
                 for listener in self.host_listeners:
                     listener((), keys)

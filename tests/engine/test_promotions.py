@@ -171,3 +171,35 @@ def test_a_failed_promotion_leaves_the_chunks_before_it_alone(tmp_path):
         rig.close()
 
     assert after_failure == [HIT, HIT, MISS, MISS]
+
+
+def test_a_late_failed_promotion_leaves_chunks_stored_anew_since(tmp_path):
+    """Chunk 2 of a 4-chunk prefix lives only in the fs tier, and its file is gone; one
+    promotion at a time, so the lookup promotes chunk 2 and defers 3. Before chunk 2's
+    failure is collected, the request computes chunks 2-3 again (a recompute) and stores
+    chunk 3 — the tier already lists it. The failure then makes the tier forget chunk 2 only:
+    chunk 3 was stored after the failed load began, so it stays a HIT. Seen failing with
+    every later chunk forgotten regardless: chunk 3 became MISS."""
+    from kvhal.tiers.fs.format import chunk_path
+    rig = make_rig(capacity=16, blocks_per_chunk=1, block_bytes=1024, num_blocks=64,
+                   tiers=[{"type": "fs", "root_dir": str(tmp_path),
+                           "refresh_interval_s": 3600}])
+    m, fs = rig.manager, rig.manager.tiers[0]
+    try:
+        keys = synthetic_keys(4, tag=9)
+        rig.store(keys, chunk_blocks(0, 4, 1))
+        m.drain()
+        m.discard(keys[2:])
+        os.unlink(chunk_path(fs.ns_dir, keys[2]))
+        m.max_promotions = 1
+
+        assert m.lookup(keys, request_id="r") == [HIT, HIT, RETRY, RETRY]
+        fs.drain()                           # chunk 2's load has failed, not collected yet
+        assert rig.store(keys[3:], chunk_blocks(3, 1, 1)).num_ok == 1
+        m.drain()
+        m.release("r")
+        after_failure = [fs.lookup(k) for k in keys]
+    finally:
+        rig.close()
+
+    assert after_failure == [HIT, HIT, MISS, HIT]
