@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from kvhal.tiers.base import TierError
+from kvhal.tier import TierError
 from kvhal.tiers.mooncake.client import store_class
 from kvhal.tiers.mooncake.local_master import LocalMaster, SegmentKeeper, master_binary
 

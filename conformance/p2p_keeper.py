@@ -29,7 +29,7 @@ import sys
 import time
 
 from kvhal.keys import ChunkKey
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tier import JobKind, Lookup, TierJob
 from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.client import Puller, PullError
 from kvhal.tiers.p2p.config import parse_address

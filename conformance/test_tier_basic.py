@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tier import JobKind, Lookup, TierJob
 
 from .tier_fixtures import chunk_key, load, lookup, payload, run_jobs, store
 

@@ -11,7 +11,7 @@ import errno
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tier import JobKind, Lookup, TierJob
 
 from .tier_fixtures import chunk_key, load, lookup, payload, run_jobs, store
 from .tier_harness import DAMAGE_KINDS, FAULT_ERRNOS

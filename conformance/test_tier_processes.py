@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 
 from . import tier_workers
 from .tier_fixtures import DRAIN_TIMEOUT_S, chunk_key, load, lookup, payload

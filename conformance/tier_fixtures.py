@@ -18,7 +18,7 @@ import pytest
 from kvhal import plugins
 from kvhal.hal import host_array
 from kvhal.keys import ChunkKey
-from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
+from kvhal.tier import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 
 from .tier_harness import TierHarness, harnesses
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 from kvhal import plugins
 from kvhal.keys import ChunkKey
-from kvhal.tiers.base import SecondaryTier
+from kvhal.tier import SecondaryTier
 
 from . import mooncake, p2p
 

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tier import JobKind, Lookup, TierJob
 
 from .tier_fixtures import DRAIN_TIMEOUT_S, chunk_key, payload
 from .tier_harness import harnesses

@@ -20,7 +20,7 @@ from kvhal.tiers.fs.check import CheckReport, check_dir
 
 
 def _check_s3(args: argparse.Namespace) -> CheckReport:
-    from kvhal.tiers.base import TierError
+    from kvhal.tier import TierError
     from kvhal.tiers.obj.check import check_bucket, parse_url
     from kvhal.tiers.obj.client import StoreFailure
     from kvhal.tiers.obj.config import parse_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from .base import TierError
+from kvhal.tier import TierError
 
 
 def number(cfg: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *,

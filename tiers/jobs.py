@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from kvhal.keys import ChunkKey
 
-from .base import JobResult, Lookup, SecondaryTier, TierJob
+from kvhal.tier import JobResult, Lookup, SecondaryTier, TierJob
 from .index import ChunkIndex
 
 JobFn = Callable[[TierJob], "str | None"]

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
 
-from .base import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
+from kvhal.tier import JobResult, Lookup, SecondaryTier, TierError, TierJob, job_problem
 
 DEFAULT_MAX_BYTES = 1 << 30
 #: Keys of a `secondary_tiers` entry this tier accepts ("type"/"module_path" are the loader's).

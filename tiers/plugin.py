@@ -21,7 +21,7 @@ def _lazy(module: str, cls: str, extra: str):
     def factory(config, host, namespace, **kwargs):
         import importlib
 
-        from .base import TierError
+        from kvhal.tier import TierError
         try:
             tier_cls = getattr(importlib.import_module(module, __package__), cls)
         except ImportError as exc:

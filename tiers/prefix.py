@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .base import TierError
+from kvhal.tier import TierError
 
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9!_.*'()=+,;@~-]+$")
 

@@ -56,7 +56,7 @@ from kvhal.keys import ChunkKey, namespace_digest
 from kvhal.layout import (CopyPlan, Kind, LayoutError, chunk_mapper, device_cache, get_layout,
                           tensor_element_bytes)
 from kvhal.plugins import select_backend
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 
 from .device_pool import DevicePool, DevicePoolError
 from .geometry import Geometry, GeometryError, MlaGeometry

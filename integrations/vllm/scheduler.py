@@ -73,7 +73,7 @@ from kvhal.host import HostRegion, host_layout
 from kvhal.keys import chunk_keys
 from kvhal.layout import Kind
 from kvhal.weights import WeightsError
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 
 from .events import ChunkEvents
 from .geometry import Deployment, check_shareable, check_vllm_hash_seed

@@ -187,13 +187,13 @@ class BusyFsTier:
         self._thread = threading.Thread(target=self._drive, name="bench-busy-fs", daemon=True)
 
     def _job(self, i: int, tag: int, kind):
-        from kvhal.tiers.base import TierJob
+        from kvhal.tier import TierJob
 
         return TierJob(next(self._ids), kind, _keys(1, tag << 8 | i)[0], i * self._chunk_bytes,
                        self._chunk_bytes)
 
     def _batch(self, tag: int, kind) -> None:
-        from kvhal.tiers.base import JobKind
+        from kvhal.tier import JobKind
 
         submit = self._tier.submit_store if kind is JobKind.STORE else self._tier.submit_load
         for i in range(self._chunks):
@@ -202,7 +202,7 @@ class BusyFsTier:
         self._tier.get_finished_jobs()
 
     def _drive(self) -> None:
-        from kvhal.tiers.base import JobKind
+        from kvhal.tier import JobKind
 
         tag = 1 << 20
         while not self._stop.is_set():

@@ -181,7 +181,7 @@ def submit_pulls(tier, keys: Sequence[ChunkKey], chunk: int,
                  request: Hashable | None = None) -> None:
     """Submit a load of each of `keys` to the p2p `tier`, key i into host bytes
     [i * chunk, (i + 1) * chunk), for `request` (a context the tier took part in) or none."""
-    from kvhal.tiers.base import JobKind, TierJob
+    from kvhal.tier import JobKind, TierJob
     for i, key in enumerate(keys):
         tier.submit_load(TierJob(i, JobKind.LOAD, key, i * chunk, chunk, request=request))
 

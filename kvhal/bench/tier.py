@@ -62,7 +62,7 @@ from kvhal.argtypes import json_object, positive_int
 from kvhal.keys import ChunkKey
 from kvhal.report import print_json, print_table, progress
 from kvhal.host.region import host_geometry
-from kvhal.tiers.base import HostSlots, JobKind, TierJob
+from kvhal.tier import HostSlots, JobKind, TierJob
 from kvhal.tiers.chunk_format import record_nbytes
 from kvhal.tiers.fs.remove import remove_tree
 

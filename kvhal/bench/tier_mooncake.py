@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from kvhal.keys import ChunkKey
-from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tier import JobKind, TierJob
 from kvhal.tiers.chunk_format import ALIGN, HEADER_BYTES, record_nbytes
 
 #: Single-chunk transfers timed per contender and direction for the latency line.

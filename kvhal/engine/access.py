@@ -1,4 +1,4 @@
-"""`ManagerHostAccess`: the manager's implementation of `kvhal.tiers.base.HostAccess`.
+"""`ManagerHostAccess`: the manager's implementation of `kvhal.tier.HostAccess`.
 
 A tier that asks for it (`SecondaryTier.attach_host`, e.g. p2p serving host slots to peers)
 pins and unpins host slots by key from its own threads and hears of every chunk the host tier

@@ -28,7 +28,7 @@ from kvhal.events import HOST_MEDIUM, LOCAL, AllBlocksCleared, BlockRemoved, Blo
 from kvhal.host.region import HostLayout
 from kvhal.host.slots import IDLE, SlotTable
 from kvhal.keys import ChunkKey
-from kvhal.tiers.base import JobKind, JobResult, Lookup, SecondaryTier, TierJob
+from kvhal.tier import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 
 from .access import ManagerHostAccess
 from .types import EngineError, LoadPlan, StorePlan

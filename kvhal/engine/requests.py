@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvhal.layout import Kind
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 
 
 def chunks_to_store(num_computed_tokens: int, num_stored_chunks: int, tokens_per_chunk: int,

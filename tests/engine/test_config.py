@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from kvhal import plugins
 from kvhal.config import ConfigError, build_tiers, parse_config
 from kvhal.layout import Kind
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 from kvhal.tiers.memory import MemoryTier
 
 from .rig import chunk_blocks, make_rig, synthetic_keys
@@ -89,7 +89,7 @@ THROWAWAY_TIER = '''
 """An out-of-tree tier: a dict of bytes that completes every job at once."""
 from kvhal.hookspecs import hookimpl
 from kvhal.plugins import TierSpec
-from kvhal.tiers.base import JobResult, Lookup, SecondaryTier
+from kvhal.tier import JobResult, Lookup, SecondaryTier
 
 
 class DictTier(SecondaryTier):

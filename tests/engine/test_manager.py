@@ -9,7 +9,7 @@ import pytest
 
 from kvhal.engine import EngineError, chunks_to_store, leading_hits
 from kvhal.events import BlockRemoved, BlockStored
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 from kvhal.tiers.memory import MemoryTier
 
 from .rig import chunk_blocks, make_rig, namespace, prompt_keys, synthetic_keys

@@ -18,7 +18,7 @@ from kvhal.engine import LayoutPlanner, Worker, build_manager
 from kvhal.hal import address_array
 from kvhal.host import HostRegion, host_geometry
 from kvhal.layout import chunk_mapper, device_cache, get_layout, mla_spec
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 from tests.layout.test_plan import NumpyTensor
 
 from .rig import namespace, synthetic_keys

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 
 from .rig import chunk_blocks, make_rig, synthetic_keys
 

@@ -9,7 +9,7 @@ from kvhal.backends.cpu import CpuBackend
 from kvhal.engine import BlockPlanner, Direction, EngineError
 from kvhal.hal import host_array
 from kvhal.layout.plan import merge_plans
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 
 from .rig import FaultyLateStreams, chunk_blocks, make_rig, synthetic_keys
 

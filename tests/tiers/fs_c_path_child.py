@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tier import JobKind, TierJob
 from kvhal.tiers.fs import FsTier, fileio
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload

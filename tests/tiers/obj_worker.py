@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from kvhal import plugins
-from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tier import JobKind, TierJob
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload
 

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tier import JobKind, TierJob
 from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.transport import TcpListener, TcpTransport
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tier import JobKind, Lookup, TierJob
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.budget import IN_USE_FILE, MIN_STALE_S
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kvhal.tiers.base import TierError
+from kvhal.tier import TierError
 from kvhal.tiers.fs import FsTier, parse_config
 
 from .helpers import NAMESPACE, host_region

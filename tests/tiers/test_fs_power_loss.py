@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 from kvhal.tiers.chunk_format import HEADER_BYTES
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path

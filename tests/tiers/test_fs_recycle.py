@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import JobKind, Lookup, TierError, TierJob
+from kvhal.tier import JobKind, Lookup, TierError, TierJob
 from kvhal.tiers.chunk_format import ALIGN, record_nbytes
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.fileio import Scratch, read_chunk, write_chunk

@@ -15,7 +15,7 @@ import pytest
 
 from conformance.tier_harness import _tiny_tmpfs
 from kvhal.keys import ChunkKey
-from kvhal.tiers.base import JobKind, Lookup, TierError, TierJob
+from kvhal.tier import JobKind, Lookup, TierError, TierJob
 from kvhal.tiers.chunk_format import ALIGN
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.config import SMALL_CHUNK_BYTES

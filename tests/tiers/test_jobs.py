@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvhal.keys import ChunkKey
-from kvhal.tiers.base import JobKind, TierJob
+from kvhal.tier import JobKind, TierJob
 from kvhal.tiers.jobs import JobBoard, JobPool, LanePool
 
 from .helpers import NAMESPACE

@@ -16,7 +16,7 @@ import pytest
 from conformance.mooncake import require
 from kvhal import plugins
 from kvhal.host.region import host_geometry
-from kvhal.tiers.base import JobKind, Lookup, TierError, TierJob
+from kvhal.tier import JobKind, Lookup, TierError, TierJob
 from kvhal.tiers.chunk_format import HEADER_BYTES, record_nbytes
 from kvhal.tiers.mooncake import MooncakeTier, parse_config
 from kvhal.tiers.mooncake.local_master import LocalMaster

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvhal.config import ConfigError, build_tiers, parse_config as parse_engine_config
-from kvhal.tiers.base import TierError
+from kvhal.tier import TierError
 from kvhal.tiers.obj import parse_config
 from kvhal.tiers.obj.client import S3Client
 

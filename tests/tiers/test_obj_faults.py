@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conformance.s3 import BUCKET, Fault, FaultyS3Proxy
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tier import JobKind, Lookup, TierJob
 from kvhal.tiers.obj import ObjTier
 from kvhal.tiers.obj.client import S3Client
 from kvhal.tiers.obj.local_server import LocalS3Server

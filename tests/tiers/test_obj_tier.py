@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conformance.s3 import ACCESS_KEY, BUCKET, SECRET_KEY, Fault, FaultyS3Proxy, store_config
-from kvhal.tiers.base import Lookup, TierError
+from kvhal.tier import Lookup, TierError
 from kvhal.tiers.chunk_format import record_nbytes
 from kvhal.tiers.obj import ObjTier
 from kvhal.tiers.obj.client import S3Client

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tier import JobKind, Lookup, TierJob
 from kvhal.tiers.chunk_format import payload_checksum
 from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.auth import AuthError, client_handshake

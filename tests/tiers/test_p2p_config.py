@@ -7,7 +7,7 @@ import pytest
 from kvhal.config import ConfigError, parse_config as parse_engine_config
 from kvhal.engine import build_manager
 from kvhal.host import host_geometry
-from kvhal.tiers.base import TierError
+from kvhal.tier import TierError
 from kvhal.tiers.p2p import P2PTier, parse_config
 
 from .helpers import NAMESPACE, host_region

@@ -20,7 +20,7 @@ import pytest
 from kvhal.engine.manager import Manager
 from kvhal.host.policy import LRUPolicy
 from kvhal.host.slots import SlotTable
-from kvhal.tiers.base import JobKind, Lookup
+from kvhal.tier import JobKind, Lookup
 from kvhal.tiers.p2p import P2PTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, payload, wait_for

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tier import JobKind, Lookup, TierJob
 from kvhal.tiers.p2p import P2PTier
 
 from .helpers import NAMESPACE, chunk_key, host_region, load, payload, wait_for

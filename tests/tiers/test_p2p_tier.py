@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import JobKind, Lookup, TierJob
+from kvhal.tier import JobKind, Lookup, TierJob
 from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.server import MAX_CONNECTIONS, MAX_HANDSHAKING
 from kvhal.tiers.p2p.wire import PROTOCOL_VERSION, encode

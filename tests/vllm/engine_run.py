@@ -47,7 +47,7 @@ from kvhal.backends.cpu import CpuBackend
 from kvhal.integrations.vllm import runner, worker
 from kvhal.integrations.vllm.scheduler import REGION_NAME_PREFIX
 from kvhal.keys import ChunkKey, block_hashes, hash_function, none_hash
-from kvhal.tiers.base import Lookup
+from kvhal.tier import Lookup
 
 
 def own_host_regions() -> list[str]:

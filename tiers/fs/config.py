@@ -69,7 +69,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..base import TierError
+from kvhal.tier import TierError
 from ..config_values import positive_int
 
 DEFAULT_THREADS = 16

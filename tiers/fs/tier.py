@@ -33,7 +33,7 @@ import numpy as np
 
 from kvhal.keys import ChunkKey
 
-from ..base import JobKind, TierError, TierJob, job_problem
+from kvhal.tier import JobKind, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex, StoresInFlight
 from ..jobs import IndexedTier, JobBoard, LanePool, internal_error

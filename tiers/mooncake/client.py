@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base import TierError
+from kvhal.tier import TierError
 from .config import MooncakeConfig
 
 #: Mooncake `ErrorCode` values a tier meets (types.h), by value.

@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..base import TierError
+from kvhal.tier import TierError
 from ..config_values import number
 from ..fs.config import MAX_REFRESH_INTERVAL_S, MIN_REFRESH_INTERVAL_S
 from ..prefix import normalize_prefix

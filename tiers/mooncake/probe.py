@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from kvhal.keys import ChunkKey
 
-from ..base import Lookup
+from kvhal.tier import Lookup
 from ..index import ChunkIndex
 
 #: Keys per `batch_is_exist` call.

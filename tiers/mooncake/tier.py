@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 
 from kvhal.keys import ChunkKey
 
-from ..base import Lookup, TierError, TierJob, job_problem
+from kvhal.tier import Lookup, TierError, TierJob, job_problem
 from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)

@@ -27,7 +27,7 @@ import obstore
 from obstore import exceptions as obs_errors
 from obstore.store import S3Store
 
-from ..base import TierError
+from kvhal.tier import TierError
 from .config import DEFAULT_REGION, StoreConfig
 
 #: Retries per call beyond the first attempt (bounded again by the retry deadline).

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 from kvhal.keys import ChunkKey
 
-from ..base import TierError, TierJob, job_problem
+from kvhal.tier import TierError, TierJob, job_problem
 from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)

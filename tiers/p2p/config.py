@@ -57,7 +57,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..base import TierError
+from kvhal.tier import TierError
 from ..config_values import positive_int, seconds
 
 DEFAULT_THREADS = 4

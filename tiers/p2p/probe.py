@@ -5,7 +5,7 @@ may hold all of it, part of it or none. vLLM's tier asks the peer before it answ
 lookup (`P2PSecondaryTierManager.lookup`, `do_probe`: RETRY until the peer's `LookupRespMsg`
 came, then HIT or MISS), and so does this one, without blocking the manager: the first lookup
 of a (request, key) queues the key and answers RETRY (the manager's answer is then UNDECIDED,
-and vLLM asks again on a later step, `tiers.base.Lookup`); one probe thread at a time per
+and vLLM asks again on a later step, `kvhal.tier.Lookup`); one probe thread at a time per
 peer asks it about every key queued for it (`probe(keys)` → `held(keys)`, one round trip per
 `MAX_KEYS_PER_FRAME` keys, bounded by `timeout_s`), and the request's later lookups of those
 keys answer HIT or MISS. A peer that cannot be asked in time makes every key asked a MISS
@@ -25,7 +25,7 @@ from typing import Callable, Hashable, Sequence
 
 from kvhal.keys import ChunkKey
 
-from ..base import Lookup
+from kvhal.tier import Lookup
 from ..jobs import JobPool
 from .client import PullError, format_peer
 from .directory import Peer

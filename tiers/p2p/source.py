@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 from kvhal.keys import ChunkKey
 
-from ..base import HostAccess
+from kvhal.tier import HostAccess
 from ..chunk_format import payload_checksum
 from ..index import ChunkIndex, StoresInFlight
 from .wire import EPOCH_BYTES, MAX_KEYS_PER_FRAME

@@ -8,7 +8,7 @@ from typing import Any, Hashable, Mapping, Sequence
 
 from kvhal.keys import ChunkKey
 
-from ..base import HostAccess, Lookup, TierError, TierJob, job_problem
+from kvhal.tier import HostAccess, Lookup, TierError, TierJob, job_problem
 from ..index import MAX_REMEMBERED_REMOVALS
 from ..jobs import BoardedTier, JobBoard, JobPool
 from .client import FeedLink, Puller, PullError, format_peer
