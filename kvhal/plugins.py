@@ -186,6 +186,11 @@ def select_backend(name: str | None = None, **kwargs: Any) -> DeviceBackend:
     raise BackendUnavailableError("no registered backend is available", backend="none")
 
 
+def add_commands(subparsers: Any) -> None:
+    """Let every plugin add its CLI verbs (`kvhal_add_commands`) to argparse's `subparsers`."""
+    plugin_manager().hook.kvhal_add_commands(subparsers=subparsers)
+
+
 def emit_kv_event(event: Any) -> None:
     """Deliver a KV event to every `kvhal_kv_event` hook implementation."""
     plugin_manager().hook.kvhal_kv_event(event=event)

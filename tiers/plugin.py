@@ -15,6 +15,13 @@ def kvhal_register_tiers():
                                                 host_tail_bytes=HEADER_BYTES)]
 
 
+@hookimpl
+def kvhal_add_commands(subparsers):
+    """Add `kvhal fsck` (verify an fs tier folder or an obj tier bucket)."""
+    from .fsck import register
+    register(subparsers)
+
+
 def _lazy(module: str, cls: str, extra: str):
     """A factory importing `cls` from `module` on first use, so a tier whose extra is not
     installed fails only when configured: `TierError` "type: the ... tier needs the ... extra"."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvhal.backends.cpu import CpuBackend
-from kvhal.bench.copy import measure, memcpy_async_baseline
+from kvhal.integrations.harness.bench.copy import measure, memcpy_async_baseline
 
 
 def test_no_baseline_off_cuda():
@@ -60,7 +60,7 @@ def test_bench_copy_on_cuda_without_a_driver_exits_with_the_reason_in_one_line(c
 def test_the_table_shows_the_baseline_and_its_ratios_beside_kvhals(monkeypatch, capsys):
     import argparse
 
-    from kvhal.bench import copy as bench
+    from kvhal.integrations.harness.bench import copy as bench
 
     def one_copy_per_block(backend):
         def copy(dsts, srcs, sizes, stream):

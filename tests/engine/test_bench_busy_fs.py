@@ -1,7 +1,7 @@
 """`kvhal bench engine --busy-fs`: the busy fs tier really pauses for the idle passes."""
 from __future__ import annotations
 
-from kvhal.bench.engine import BusyFsTier, bookkeeping_busy_idle
+from kvhal.integrations.harness.bench.engine import BusyFsTier, bookkeeping_busy_idle
 
 from ..tiers.helpers import wait_for
 

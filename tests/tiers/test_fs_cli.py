@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvhal.bench.tier_disk import DiskLoop
+from kvhal.integrations.harness.bench.tier_disk import DiskLoop
 from kvhal.tiers.chunk_format import record_nbytes
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path

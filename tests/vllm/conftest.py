@@ -81,10 +81,10 @@ def assert_same(got: dict, ref: dict) -> None:
 
 def run_engines(tmp_path: Path, name: str, tp: int, engines: list[dict],
                 model: str = "tiny") -> list[list]:
-    """Run `engines` on a tiny model (`kvhal.integrations.vllm.runner.MODELS`) at TP size
+    """Run `engines` on a tiny model (`kvhal.integrations.harness.vllm.runner.MODELS`) at TP size
     `tp`, each in a fresh process; return per-engine step results (see
-    `kvhal.integrations.vllm.runner`)."""
-    from kvhal.integrations.vllm.runner import run_scenario
+    `kvhal.integrations.harness.vllm.runner`)."""
+    from kvhal.integrations.harness.vllm.runner import run_scenario
 
     return run_scenario({"tp": tp, "model": model, "engines": engines}, workdir=tmp_path,
                         name=name, command=(sys.executable, str(RUNNER)))

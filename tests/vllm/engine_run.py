@@ -1,6 +1,6 @@
 """The package's scenario runner plus the tests' fault injection (see the ops below).
 
-Usage: python engine_run.py SCENARIO.json OUT.json (see `kvhal.integrations.vllm.runner`).
+Usage: python engine_run.py SCENARIO.json OUT.json (see `kvhal.integrations.harness.vllm.runner`).
 Extra steps (TP=1 in-process engines):
     {"op": "noise", "seed": int}: overwrite this process's kvhal host region with seeded random
         bytes → number of bytes overwritten.
@@ -44,7 +44,8 @@ import time
 import numpy as np
 
 from kvhal.backends.cpu import CpuBackend
-from kvhal.integrations.vllm import runner, worker
+from kvhal.integrations.harness.vllm import runner
+from kvhal.integrations.vllm import worker
 from kvhal.integrations.vllm.scheduler import REGION_NAME_PREFIX
 from kvhal.keys import ChunkKey, block_hashes, hash_function, none_hash
 from kvhal.tier import Lookup

@@ -2,7 +2,7 @@
 
 `readme_block(marker)` returns the bash block that follows `<!-- marker ... -->` in README.md,
 so the tests run exactly what the README shows. `Server` runs it (as
-`kvhal.integrations.vllm.server.ServerProcess`) with the environment the README names
+`kvhal.integrations.harness.vllm.server.ServerProcess`) with the environment the README names
 (`MODEL`, `PORT`, `KVHAL_ROOT`) plus this machine's needs (offline hub, a 1 GiB vLLM-CPU KV
 cache).
 """
@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from kvhal.integrations.vllm.server import ServerProcess, free_port
+from kvhal.integrations.harness.vllm.server import ServerProcess, free_port
 
 #: Seconds a `/metrics` scrape may take.
 SCRAPE_TIMEOUT_S = 30

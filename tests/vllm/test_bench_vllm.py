@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvhal.integrations.vllm.bench import MAX_CONTEXT_TOKENS, STEPS_PER_PROMPT, scenarios
+from kvhal.integrations.harness.bench.vllm import MAX_CONTEXT_TOKENS, STEPS_PER_PROMPT, scenarios
 
 
 @pytest.mark.parametrize("recompute", [True, False])

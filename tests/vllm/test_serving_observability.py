@@ -32,8 +32,8 @@ zmq = pytest.importorskip("zmq")
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
 from kvhal.host import host_geometry  # noqa: E402
-from kvhal.integrations.vllm.engine import CONNECTOR, engine_env  # noqa: E402
-from kvhal.integrations.vllm.model import TINY, build_model  # noqa: E402
+from kvhal.integrations.harness.vllm.engine import CONNECTOR, engine_env  # noqa: E402
+from kvhal.integrations.harness.vllm.model import TINY, build_model  # noqa: E402
 from kvhal.keys import block_hashes, hash_function, none_hash  # noqa: E402
 from kvhal.metrics import METRICS  # noqa: E402
 from kvhal.tiers.chunk_format import record_nbytes  # noqa: E402

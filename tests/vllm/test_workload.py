@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kvhal.integrations.harness.trace import TraceFormatError, TraceRequest, read_trace
-from kvhal.integrations.vllm.workload import (DEMO_SLICE, build_turns, select_conversations,
+from kvhal.integrations.harness.vllm.workload import (DEMO_SLICE, build_turns, select_conversations,
                                               write_slice)
 
 

@@ -48,7 +48,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvhal.integrations.vllm.connector import KVHalConnector
-from kvhal.integrations.vllm.model import TINY, TINY_HYBRID, TINY_SWA, build_model
+from kvhal.integrations.harness.vllm.model import TINY, TINY_HYBRID, TINY_SWA, build_model
 
 BLOCK = 16
 HYBRID_BLOCK = 80

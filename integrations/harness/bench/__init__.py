@@ -9,16 +9,16 @@ import importlib
 
 #: Modules that each contribute one `kvhal bench` sub-verb.
 BENCH_MODULES = (
-    "kvhal.bench.copy",
-    "kvhal.bench.tier",
-    "kvhal.bench.layout",
-    "kvhal.bench.copy_kernel",
-    "kvhal.bench.copy2d",
-    "kvhal.bench.engine",
-    "kvhal.bench.p2p",
-    "kvhal.integrations.harness.bench",
-    "kvhal.integrations.vllm.bench",
-    "kvhal.integrations.vllm.bench_serve",
+    "kvhal.integrations.harness.bench.copy",
+    "kvhal.integrations.harness.bench.tier",
+    "kvhal.integrations.harness.bench.layout",
+    "kvhal.integrations.harness.bench.copy_kernel",
+    "kvhal.integrations.harness.bench.copy2d",
+    "kvhal.integrations.harness.bench.engine",
+    "kvhal.integrations.harness.bench.p2p",
+    "kvhal.integrations.harness.bench.replay",
+    "kvhal.integrations.harness.bench.vllm",
+    "kvhal.integrations.harness.bench.serve",
 )
 
 

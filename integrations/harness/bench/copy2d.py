@@ -16,8 +16,8 @@ import argparse
 
 import numpy as np
 
-from kvhal.bench.copy import _best_seconds, _repeats
-from kvhal.bench.layout import LAYOUTS, SPEC
+from kvhal.integrations.harness.bench.copy import _best_seconds, _repeats
+from kvhal.integrations.harness.bench.layout import LAYOUTS, SPEC
 from kvhal.hal import DeviceBackend, host_array
 from kvhal.layout import D2H, H2D, DeviceCache, KVCacheSpec, attention_spec, chunk_mapper, \
     plan_copies
@@ -26,8 +26,8 @@ from kvhal.report import print_json, print_table
 
 #: Device blocks per layer allocation; chunks pick scattered ids among them.
 NUM_BLOCKS = 64
-#: Model geometries by name: Llama-3.1-8B (`kvhal.bench.layout.SPEC`) and the demo model of
-#: `kvhal bench vllm` (integrations/vllm/model.py DEMO: 8 layers, 4 KV heads, head size 64) with
+#: Model geometries by name: Llama-3.1-8B (`kvhal.integrations.harness.bench.layout.SPEC`) and the demo model of
+#: `kvhal bench vllm` (integrations/harness/vllm/model.py DEMO: 8 layers, 4 KV heads, head size 64) with
 #: vLLM-CPU's 128-token blocks (/work/shared/REFERENCE.md).
 GEOMETRIES: dict[str, KVCacheSpec] = {
     "llama-3.1-8b": SPEC,

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvhal.bench.tier import drop_page_cache
+from kvhal.integrations.harness.bench.tier import drop_page_cache
 from kvhal.argtypes import positive_int
 from kvhal.report import print_json, print_table, progress
 
-from .model import DEMO
+from ..vllm.model import DEMO
 
 
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
@@ -127,7 +127,7 @@ def measure(context_tokens: int, samples: int, workdir: Path, show_progress: boo
             recompute: bool = True) -> dict:
     """Run both engines and the bandwidth baselines; return every number (seconds, GB/s).
     Without `recompute` the recompute row (and the speedups over it) are absent."""
-    from .runner import run_scenario
+    from ..vllm.runner import run_scenario
 
     prompts = _prompts(context_tokens, samples)
     fs_root = str(workdir / "fs")
@@ -175,7 +175,7 @@ def measure(context_tokens: int, samples: int, workdir: Path, show_progress: boo
 
 def run(args: argparse.Namespace) -> int:
     """`kvhal bench vllm`: print the table (or JSON); exit 0 when the run completed."""
-    from .demo import check_vllm
+    from ..vllm.demo import check_vllm
 
     if args.context_tokens % 128:
         raise ValueError(f"--context-tokens: must be a multiple of 128 (the demo model's block "

@@ -18,10 +18,10 @@ from pathlib import Path
 from kvhal.report import print_json, print_table, progress
 from kvhal.tiers.fs.remove import remove_tree
 
-from .geometry import PRESETS
-from .reference import reference_hits
-from .replay import ReplayOptions, run_replay
-from .trace import read_trace
+from ..geometry import PRESETS
+from ..reference import reference_hits
+from ..replay import ReplayOptions, run_replay
+from ..trace import read_trace
 
 #: Target wall time of the whole conversation trace (issue 7), seconds.
 TARGET_WALL_S = 300.0
