@@ -10,6 +10,10 @@ Every key that leaves the index (evicted, discarded, gone from a listing) is rem
 `take_removed` hands it out, so the tier can report it as a removal (a `BlockRemoved` event);
 at most `MAX_REMEMBERED_REMOVALS` are kept between calls (the oldest are dropped: a consumer
 then holds a stale entry, which costs it one failed load).
+
+A key `forget` drops after a failed load stays *doubted* until a store of it is indexed: a
+listing may bring it back (its store still lists the record), but `skip_store` never takes
+the record as stored, so the next store writes it anew.
 """
 from __future__ import annotations
 
@@ -50,6 +54,10 @@ class ChunkIndex:
         self._held: dict[ChunkKey, float] = {}
         self._gone: collections.deque[ChunkKey] = collections.deque(
             maxlen=MAX_REMEMBERED_REMOVALS)
+        #: Keys forgotten (`forget`) and not stored since, oldest first; at most
+        #: `MAX_REMEMBERED_REMOVALS` (the oldest are dropped: such a key's record may then be
+        #: taken as stored, which costs one more failed load and forget).
+        self._doubted: dict[ChunkKey, None] = {}
 
     def __contains__(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -100,15 +108,19 @@ class ChunkIndex:
             return True
 
     def add(self, key: ChunkKey, nbytes: int) -> None:
-        """Index a stored chunk of `nbytes` stored bytes (most recently used)."""
+        """Index a chunk of `nbytes` stored bytes that a check found in the store (most
+        recently used); a doubted key (`forget`) stays doubted: a check of its name is no
+        proof that its record can be served."""
         with self._lock:
             self._add(key, nbytes)
 
     def add_many(self, chunks: Iterable[tuple[ChunkKey, int]]) -> None:
-        """`add` each (key, stored bytes) of a batch, in order, under one lock."""
+        """Index each (key, stored bytes) of a batch, in order, under one lock: chunks a store
+        wrote or a load read back whole, so each one's doubt (`forget`) ends."""
         with self._lock:
             for key, nbytes in chunks:
                 self._add(key, nbytes)
+                self._doubted.pop(key, None)
 
     def _add(self, key: ChunkKey, nbytes: int) -> None:
         if key in self._lru:
@@ -132,12 +144,39 @@ class ChunkIndex:
             self._gone.append(key)
 
     def forget(self, keys: Iterable[ChunkKey]) -> None:
-        """`discard` each of `keys` under one lock: chunks a failed load put in doubt
-        (`SecondaryTier.forget`), whose stored objects may or may not still be there. A listing
-        that began before does not bring them back; a later one does if it finds them."""
+        """`discard` each of `keys` under one lock and doubt it: chunks a failed load put in
+        doubt (`SecondaryTier.forget`), whose stored records may or may not still be there and
+        be whole. A listing that began before does not bring them back; a later one does if it
+        finds them, but each stays doubted (`skip_store`, `doubted`) until a store of it is
+        indexed (`release` with it, `add_many`)."""
         with self._lock:
             for key in keys:
                 self._discard(key)
+                self._doubted.pop(key, None)
+                self._doubted[key] = None
+            while len(self._doubted) > MAX_REMEMBERED_REMOVALS:
+                del self._doubted[next(iter(self._doubted))]
+
+    def doubted(self, key: ChunkKey) -> bool:
+        """True if `key` was forgotten (`forget`) and not stored since: its store must replace
+        a record its store may still hold (obj: an unconditional PUT; mooncake: remove, then
+        put)."""
+        with self._lock:
+            return key in self._doubted
+
+    def skip_store(self, key: ChunkKey) -> bool:
+        """True if a store of `key` may end without writing: it is indexed and not doubted
+        (then it is marked most recently used, as `touch`). A doubted key that a listing
+        brought back is discarded here, so the store that follows writes it anew and indexes
+        it once (its reservation cannot evict it meanwhile)."""
+        with self._lock:
+            if key in self._doubted:
+                self._discard(key)
+                return False
+            if key not in self._lru:
+                return False
+            self._lru.move_to_end(key)
+            return True
 
     def hold(self, keys: Iterable[ChunkKey], until: float = math.inf) -> None:
         """Discard `keys` and keep listings from bringing them back before the monotonic time
@@ -183,11 +222,13 @@ class ChunkIndex:
     def release(self, nbytes: int, stored: ChunkKey | None = None) -> None:
         """End a reservation of `nbytes`: a failed store's, or with `stored` a finished one's,
         whose chunk is indexed (as `add`) in the same step, so that its bytes count all along
-        (a store reserving in between would otherwise see room that is not there)."""
+        (a store reserving in between would otherwise see room that is not there), and its
+        doubt (`forget`) ends."""
         with self._lock:
             self._reserved -= nbytes
             if stored is not None:
                 self._add(stored, nbytes)
+                self._doubted.pop(stored, None)
 
     def evict_lru(self, nbytes: int) -> list[tuple[ChunkKey, int]]:
         """Take least recently used entries totalling at least `nbytes` out of the index; the

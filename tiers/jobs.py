@@ -421,9 +421,10 @@ class IndexedTier(BoardedTier):
         self._jobs.submit(self._load_pool, self._load, job)
 
     def forget(self, keys: Sequence[ChunkKey]) -> None:
-        """Drop `keys` from the index (see `SecondaryTier.forget`): each is a miss and its next
-        store writes it again, until a listing of the store finds it again (then it is there:
-        a listing sees only what was stored whole). No I/O."""
+        """Drop `keys` from the index (see `SecondaryTier.forget`): each is a miss until a
+        listing of the store finds it again (then it is there: a listing sees only what was
+        stored whole), and its next store writes it anew, replacing a record the store still
+        holds (`ChunkIndex.forget`: doubted until stored). No I/O."""
         self._index.forget(keys)
 
     def take_removed(self) -> list[ChunkKey]:

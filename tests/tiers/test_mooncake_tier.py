@@ -606,3 +606,44 @@ def test_a_local_master_and_keeper_whose_ports_were_taken_start_on_new_ones():
     finally:
         for sock in taken:
             sock.close()
+
+
+def test_a_forgotten_chunk_the_master_still_lists_is_removed_and_put_again(open_tier):
+    """A prefix whose chunks 1-3 the master still lists but that cannot be served (corrupt in
+    place). A load of chunk 1 fails, the engine forgets chunks 1-3 (`forget`), and storing
+    them again removes each listed object and puts it (`removed` +1 and `bytes_stored` +N
+    per chunk, never `already_stored`): a put of a listed name writes nothing. Fails with
+    `forget` a no-op: the stores of 2-3 count as already stored and they stay corrupt."""
+    from conformance.mooncake import damage
+    host, array = host_region()
+    tier = open_tier(host, sweep_interval_s=3600)
+    keys = [chunk_key(NAMESPACE, 300 + i) for i in range(4)]
+    for i, key in enumerate(keys):
+        array[:N] = payload(300 + i, N)
+        assert store(tier, key, 0, N).ok
+    for i, key in enumerate(keys[1:]):
+        damage(tier, {}, key, "bitflip-payload", seed=i)
+    failed = load(tier, keys[1], N, N)
+    wait_for(lambda: tier.stats().get("removed") == 1, 10.0, "the corrupt object removed")
+    tier.forget(keys[1:])
+    listed = tier._exist(keys[2:])
+    array[:N] = payload(301, N)
+    assert store(tier, keys[1], 0, N).ok          # its corrupt object went with the failed load
+    before = tier.stats()
+
+    restored = []
+    for i, key in enumerate(keys[2:], start=2):
+        array[:N] = payload(300 + i, N)
+        restored.append(store(tier, key, 0, N).ok)
+    after = tier.stats()
+    loads = [load(tier, key, (1 + i) * N, N).ok for i, key in enumerate(keys)]
+
+    assert not failed.ok
+    assert listed == [1, 1]
+    assert restored == [True, True]
+    assert after.get("removed", 0) - before.get("removed", 0) == 2
+    assert after["bytes_stored"] - before["bytes_stored"] == 2 * N
+    assert after.get("already_stored", 0) == before.get("already_stored", 0)
+    assert loads == [True] * 4
+    for i in range(4):
+        np.testing.assert_array_equal(array[(1 + i) * N:(2 + i) * N], payload(300 + i, N))

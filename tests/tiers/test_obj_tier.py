@@ -122,6 +122,39 @@ def test_storing_an_existing_key_is_success_without_rewriting(s3_server, open_ob
     assert raw_client(config).get(first.object_name(key)).tobytes() == before
 
 
+def test_a_forgotten_object_still_there_is_replaced_by_its_next_store(s3_server, open_obj,
+                                                                       region):
+    """A failed load of an earlier chunk makes the engine forget this one (`forget`): its
+    object is still in the bucket, corrupt, and a listing even brings the key back, but its
+    next store replaces it (an unconditional PUT: bytes_stored, not already_stored) and it
+    loads byte-exact. Fails with the conditional PUT kept for a forgotten key: the corrupt
+    object stays and the store counts as already stored."""
+    from kvhal.tiers.chunk_format import HEADER_BYTES
+    host, array = region
+    config = obj_config(s3_server.endpoint, refresh_interval_s=3600)
+    tier = open_obj(config, host)
+    key = chunk_key(NAMESPACE, 3)
+    array[:5000] = payload(3, 5000)
+    assert store(tier, key, 0, 5000).ok
+    raw, name = raw_client(config), tier.object_name(key)
+    record = bytearray(raw.get(name))
+    record[HEADER_BYTES + 17] ^= 0x10
+    raw.delete([name])
+    assert raw.put(name, memoryview(record))
+
+    tier.forget([key])
+    tier.refresh()
+    relisted = tier.lookup(key)
+    again = store(tier, key, 0, 5000, job_id=2)
+    reloaded = load(tier, key, 5000, 5000, job_id=3)
+
+    assert relisted is Lookup.HIT
+    assert again.ok
+    assert tier.stats()["bytes_stored"] == 2 * 5000 and "already_stored" not in tier.stats()
+    assert reloaded.ok
+    np.testing.assert_array_equal(array[5000:10000], payload(3, 5000))
+
+
 def test_max_bytes_deletes_least_recently_used_objects_and_reports_removals(s3_server, open_obj,
                                                                             region):
     host, array = region

@@ -15,7 +15,7 @@ from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.server import MAX_CONNECTIONS, MAX_HANDSHAKING
 from kvhal.tiers.p2p.wire import PROTOCOL_VERSION, encode
 
-from .helpers import NAMESPACE, chunk_key, host_region, load, payload, wait_for
+from .helpers import NAMESPACE, chunk_key, host_region, load, payload, store, wait_for
 from .p2p_helpers import PeerProcess, config, free_port
 
 #: Seconds past a job's 1 s `timeout_s` the tests accept before it ended: scheduling slack of a
@@ -250,3 +250,35 @@ def test_restarted_peer_is_resynchronised(peers, tiers):
     assert load(tier, chunk_key(NAMESPACE, 3), 0, 4096).ok
     np.testing.assert_array_equal(array[:4096], payload(3, 4096))
     served(second, 1)
+
+
+def test_forget_drops_only_the_failing_peers_entries(peers, tiers):
+    """Two peers announce a prefix of 6 chunks; the one whose announcement came last (pulled
+    first) lost chunks 2-5 behind its feed. Its failed pull of chunk 2 and `forget` drop its
+    entries of chunks 3-5 too, and only its: the prefix stays a hit, and chunks 3-5 load from
+    the other peer (a real process) at the first try. Fails with `forget` a no-op (each load
+    of 3-5 goes to the stale peer first and fails) or dropping every peer's entries (misses)."""
+    n = 4096
+    keys = [chunk_key(NAMESPACE, i) for i in range(6)]
+    other = peers(config(), count=6, nbytes=n)
+    stale, stale_array = tiers(config())
+    tier, array = tiers(config(peers=[other.identity, stale.identity]))
+    assert tier.wait_synced(20)
+    for i, key in enumerate(keys):
+        stale_array[:n] = payload(i, n)
+        assert store(stale, key, 0, n, job_id=i).ok
+    wait_for(lambda: tier.in_step_with(stale), what="the stale peer's gains applied")
+    for key in keys[2:]:
+        del stale._source._data[key]  # gone without a loss event
+
+    failed = load(tier, keys[2], 0, n, job_id=10)
+    tier.forget(keys[2:])
+    answers = [tier.lookup(k) for k in keys]
+    later = [load(tier, k, (1 + i) * n, n, job_id=20 + i).ok for i, k in enumerate(keys[3:])]
+
+    assert (failed.ok, failed.error) == (False, f"peer {stale.identity}: miss (not held)")
+    assert answers == [Lookup.HIT] * 6
+    assert later == [True] * 3
+    for i in range(3):
+        np.testing.assert_array_equal(array[(1 + i) * n:(2 + i) * n], payload(3 + i, n))
+    served(other, 3)

@@ -396,9 +396,9 @@ class FsTier(IndexedTier):
         already stored, an error string if it cannot be, else its reservation (record bytes
         reserved in the index, the evicted key whose file it recycles or None); the victims it
         evicted are gone. The caller must end the reservation with `_store_end`."""
-        if self._index.touch(job.key):
+        if self._index.skip_store(job.key):
             return None
-        # an unindexed file under this name is rewritten, not trusted: it may be torn by a
+        # an unindexed (or doubted: `forget`) file under this name is rewritten, not trusted: it may be torn by a
         # power loss (the scan left it out), or be another process's copy of the same chunk
         nbytes = record_nbytes(job.nbytes)
         budget = self._budget.room_for(self._index.used_bytes + nbytes, self.max_bytes)

@@ -40,7 +40,7 @@ from kvhal.tier import Lookup, TierError, TierJob, job_problem
 from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)
-from ..index import MAX_REMEMBERED_REMOVALS, ChunkIndex
+from ..index import ChunkIndex
 from ..jobs import IndexedTier, JobBoard, JobPool, LanePool
 from .client import (GONE, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, connect,
                      error_name, register, replicate_config)
@@ -113,12 +113,6 @@ class MooncakeTier(IndexedTier):
         #: load while no store is queued (`LanePool`).
         self.io_threads = (2 * cfg.io_threads, cfg.io_threads)
         self._remover = JobPool(1, "kvhal-mooncake-remove")
-        #: Keys forgotten after a failed load (`forget`) and not stored since, oldest first:
-        #: their next store removes the object before its put. At most
-        #: `MAX_REMEMBERED_REMOVALS` (the oldest are dropped: such a key's store may then be
-        #: taken as done, which costs one more failed load and forget).
-        self._stale: dict[ChunkKey, None] = {}
-        self._stale_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"MooncakeTier(master={self.config.master_server_address}, "
@@ -145,16 +139,11 @@ class MooncakeTier(IndexedTier):
         `refresh_interval_s` (an existence check meanwhile would still find an object whose
         segment owner died: the master lists it until it drops the dead client, `client_ttl`),
         and its next store removes the object before putting it (a put of a name the master
-        lists returns 0 without writing a byte). No I/O."""
+        lists returns 0 without writing a byte), also if an existence check found it again
+        meanwhile (`ChunkIndex.doubted`). No I/O."""
         self._index.forget(keys)
         for key in keys:
             self._prober.mark_absent(key)
-        with self._stale_lock:
-            for key in keys:
-                self._stale.pop(key, None)
-                self._stale[key] = None
-            while len(self._stale) > MAX_REMEMBERED_REMOVALS:
-                del self._stale[next(iter(self._stale))]
 
     def submit_store(self, job: TierJob) -> None:
         """Queue a store on the store lane (see `SecondaryTier.submit_store`)."""
@@ -248,7 +237,7 @@ class MooncakeTier(IndexedTier):
         todo: list[int] = []
         for i, job in enumerate(jobs):
             errors[i] = job_problem(job, len(self._host), self.namespace)
-            if errors[i] is None and self._index.touch(job.key):
+            if errors[i] is None and self._index.skip_store(job.key):
                 self._jobs.count("already_stored")
             elif errors[i] is None:
                 todo.append(i)
@@ -293,11 +282,8 @@ class MooncakeTier(IndexedTier):
                 continue
             tally["pool_full" if code == NO_AVAILABLE_HANDLE else "request_errors"] += 1
             errors[i] = f"put: {error_name(code)}"
-        self._index.add_many(stored)
+        self._index.add_many(stored)      # ends their doubt (`forget`)
         self._prober.forget_absent([key for key, _ in stored])
-        with self._stale_lock:
-            for key, _ in stored:
-                self._stale.pop(key, None)
         self._jobs.count_all(+tally)
         return errors
 
@@ -306,8 +292,7 @@ class MooncakeTier(IndexedTier):
         """Remove the objects of the stores of `todo` whose keys were forgotten (`forget`),
         so that their puts write; returns `todo` less the stores whose removal failed (their
         error set in `errors`, counted as `remove_errors`; they stay forgotten)."""
-        with self._stale_lock:
-            stale = [i for i in todo if jobs[i].key in self._stale]
+        stale = [i for i in todo if self._index.doubted(jobs[i].key)]
         if not stale:
             return todo
         codes = self._client.batch_remove([self.object_name(jobs[i].key) for i in stale], True)

@@ -164,25 +164,27 @@ class S3Client:
         """The underlying obstore store (for a benchmark's raw client loop)."""
         return self._store
 
-    def put(self, name: str, data: memoryview) -> bool:
-        """Store `data` as object `name` unless it exists (If-None-Match: *). Returns True if
-        written, False if an object of that name already existed.
+    def put(self, name: str, data: memoryview, overwrite: bool = False) -> bool:
+        """Store `data` as object `name` unless it exists (If-None-Match: *), or in any case
+        with `overwrite` (replacing an object a load found unusable). Returns True if written,
+        False if an object of that name already existed (never with `overwrite`).
 
         Raises:
             StoreFailure: the PUT failed.
         """
         try:
             obstore.put(self._store, name, data, use_multipart=False,
-                        mode="create" if self.conditional_put else "overwrite")
+                        mode="create" if self.conditional_put and not overwrite
+                        else "overwrite")
             return True
         except (obs_errors.AlreadyExistsError, obs_errors.PreconditionError):
             return False
         except obs_errors.NotSupportedError:
             self.conditional_put = False
-            return self.put(name, data)
+            return self.put(name, data, overwrite)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a StoreFailure
             failure = classify("PUT", exc)
-        if failure.status == 501 and self.conditional_put:
+        if failure.status == 501 and self.conditional_put and not overwrite:
             self.conditional_put = False
             return self.put(name, data)
         raise failure

@@ -2,7 +2,8 @@
 
 Each chunk is one object holding exactly one chunk record (`kvhal.tiers.chunk_format`, the
 fs tier's format) under a content-addressed name (`names.py`). A store PUTs the record with
-If-None-Match: * (an existing object is success, never rewritten); a load GETs it and verifies
+If-None-Match: * (an existing object is success, never rewritten), except the store of a key
+forgotten after a failed load (`forget`), which replaces the object; a load GETs it and verifies
 header, key, size and the xxh3-128 payload checksum before reporting success. A 404, a short or
 corrupt body, a wrong key or any failed request is a failed job (a miss) with a counter, never
 wrong bytes reported as loaded; a corrupt object is deleted (another instance stores it again).
@@ -92,6 +93,10 @@ class ObjTier(IndexedTier):
         self._load_pool = JobPool(cfg.io_threads, "kvhal-obj-load")
         self._store_pool = JobPool(cfg.io_threads, "kvhal-obj-store")
         self._deleter = JobPool(1, "kvhal-obj-delete")
+        #: key → an event set once its DELETE in flight is done (`_delete_later`): a store of
+        #: the key waits for it, so that the DELETE cannot remove the object it puts.
+        self._deleting: dict[ChunkKey, threading.Event] = {}
+        self._deleting_lock = threading.Lock()
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="kvhal-obj-refresh",
                                            daemon=True)
@@ -168,8 +173,13 @@ class ObjTier(IndexedTier):
         error = job_problem(job, len(self._host), self.namespace)
         if error:
             return error
-        if self._index.touch(job.key):
+        if self._index.skip_store(job.key):
             return None
+        overwrite = self._index.doubted(job.key)
+        with self._deleting_lock:
+            deleting = self._deleting.get(job.key)
+        if deleting is not None and not deleting.wait(self.config.timeout_s + 1.0):
+            return "a DELETE of an earlier copy is still in flight"
         nbytes = record_nbytes(job.nbytes)
         try:
             victims = self._index.reserve(nbytes, self.max_bytes)
@@ -188,7 +198,7 @@ class ObjTier(IndexedTier):
             encode_header(record[:HEADER_BYTES], job.key, job.nbytes, payload_checksum(payload))
             record[HEADER_BYTES:HEADER_BYTES + job.nbytes] = payload
             record[HEADER_BYTES + job.nbytes:] = bytes(len(record) - HEADER_BYTES - job.nbytes)
-            written = self._client.put(self.object_name(job.key), record)
+            written = self._client.put(self.object_name(job.key), record, overwrite=overwrite)
             stored = job.key
         except StoreFailure as failure:
             self._jobs.count("request_errors")
@@ -237,19 +247,28 @@ class ObjTier(IndexedTier):
         done its key is filtered out of listings, and after it the key is discarded again, so a
         listing that saw the object before it went cannot bring the key back."""
         self._index.hold(keys, math.inf)
+        done = threading.Event()
+        with self._deleting_lock:
+            for key in keys:
+                self._deleting[key] = done
         try:
-            self._deleter.submit(self._delete, keys)
+            self._deleter.submit(self._delete, keys, done)
         except RuntimeError:  # closing: the objects stay; a later instance evicts them
-            self._done_deleting(keys)
+            self._done_deleting(keys, done)
 
-    def _delete(self, keys: list[ChunkKey]) -> None:
+    def _delete(self, keys: list[ChunkKey], done: threading.Event) -> None:
         try:
             self._client.delete([self.object_name(k) for k in keys])
             self._jobs.count("deleted", len(keys))
         except StoreFailure as failure:
             self._jobs.count("delete_errors", len(keys))
             _log.debug("obj tier %s: delete failed: %s", self.ns_prefix, failure)
-        self._done_deleting(keys)
+        self._done_deleting(keys, done)
 
-    def _done_deleting(self, keys: list[ChunkKey]) -> None:
+    def _done_deleting(self, keys: list[ChunkKey], done: threading.Event) -> None:
         self._index.unhold(keys)
+        with self._deleting_lock:
+            for key in keys:
+                if self._deleting.get(key) is done:
+                    del self._deleting[key]
+        done.set()

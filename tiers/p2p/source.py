@@ -204,11 +204,18 @@ class HostSource:
 
 
 class OwnStore:
-    """The tier's own LRU copy of stored chunks (see module docstring). Thread-safe."""
+    """The tier's own LRU copy of stored chunks (see module docstring). Thread-safe.
 
-    def __init__(self, max_bytes: int, feed: Feed):
+    Args:
+        max_bytes: Most payload bytes held.
+        feed: The feed its gains and losses are announced on.
+        count: `count(name, n)` bumps a tier counter ("bytes_stored", "already_stored").
+    """
+
+    def __init__(self, max_bytes: int, feed: Feed, count: Callable[[str, int], None]):
         self.max_bytes = max_bytes
         self._feed = feed
+        self._count = count
         self._lock = threading.Lock()
         self._data: dict[ChunkKey, tuple[bytes, bytes]] = {}
         self._index = ChunkIndex()
@@ -222,10 +229,12 @@ class OwnStore:
         return self._index.used_bytes
 
     def put(self, key: ChunkKey, payload: memoryview) -> str | None:
-        """Copy `payload` in as `key` (evicting least recently used chunks); an existing key
-        keeps its first bytes. Returns None, or why not (larger than `max_bytes`, or puts in
-        flight hold the room)."""
-        if self._index.touch(key):
+        """Copy `payload` in as `key` (evicting least recently used chunks; counted as
+        bytes_stored); an existing key keeps its first bytes (counted as already_stored),
+        unless it was forgotten since (`forget`). Returns None, or why not (larger than
+        `max_bytes`, or puts in flight hold the room)."""
+        if self._index.skip_store(key):
+            self._count("already_stored", 1)
             return None
         nbytes = len(payload)
         try:
@@ -246,7 +255,18 @@ class OwnStore:
         finally:
             self._index.release(nbytes, stored)      # indexed as the reservation ends
         self._feed.publish([key], [v for v, _ in victims])
+        self._count("bytes_stored", nbytes)
         return None
+
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop `keys`: a pull from this instance found `keys[0]` no longer held whole, and
+        the later chunks of its prefix are in doubt too (`SecondaryTier.forget`). Their bytes
+        go, peers hear of their loss, and the next `put` of each copies it in anew."""
+        self._index.forget(keys)
+        with self._lock:
+            for key in keys:
+                self._data.pop(key, None)
+        self._feed.publish([], list(keys))
 
     def acquire(self, key: ChunkKey) -> Served | None:
         """The stored bytes of `key` (most recently used now), or None."""

@@ -71,7 +71,8 @@ class P2PTier(BoardedTier):
         self._host = host
         self._jobs = JobBoard("p2p")
         self._feed = Feed()
-        self._source: OwnStore | HostSource = OwnStore(cfg.max_bytes, self._feed)
+        self._source: OwnStore | HostSource = OwnStore(cfg.max_bytes, self._feed,
+                                                            self._jobs.count)
         self._directory = Directory()
         self._parking = Parking(lambda key: self._source.hold(key),
                                 unbound_s=cfg.unbound_store_timeout_s,
@@ -245,13 +246,18 @@ class P2PTier(BoardedTier):
         """If the pull of `keys[0]` failed because its peer no longer holds it (not merely
         busy), drop that peer's directory entries of `keys[1:]` too (see
         `SecondaryTier.forget`): the peer likely lost the whole prefix. Other peers' entries
-        stay: their announcements are not in doubt. No I/O."""
+        stay: their announcements are not in doubt. Unattached, a failed pull from this
+        instance itself makes its own store drop `keys` (`OwnStore.forget`: their next store
+        copies them in anew). No I/O."""
         if not keys:
             return
         with self._lock:
             peer = self._stale_from.pop(keys[0], None)
-        if peer is not None:
-            self._directory.forget(peer, keys[1:])
+        if peer is None:
+            return
+        self._directory.forget(peer, keys[1:])
+        if peer == self._self_peer and isinstance(self._source, OwnStore):
+            self._source.forget(keys)
 
     def take_removed(self) -> list[ChunkKey]:
         """Keys this instance stopped serving since the last call (evicted from the own
@@ -274,7 +280,8 @@ class P2PTier(BoardedTier):
         self._puller.close()
 
     def stats(self) -> Mapping[str, Any]:
-        """Counters (absent while 0): bytes_stored, bytes_loaded, store_failed, load_failed,
+        """Counters (absent while 0): bytes_stored, already_stored (stores of chunks the own
+        store held already), bytes_loaded, store_failed, load_failed,
         load_missing, chunks_served, serve_digests, serve_missing, serve_busy, serve_corrupt,
         checksum_mismatch, malformed, auth_failed, connections_refused, handshakes_dropped,
         handshake_timeouts, peer_lost, feed_resyncs, parked_chunks, park_reused, park_reaped,
@@ -318,10 +325,8 @@ class P2PTier(BoardedTier):
         if (problem := job_problem(job, len(self._host), self.namespace)) is not None:
             return problem
         error = self._source.put(job.key, self._host[job.offset:job.offset + job.nbytes])
-        if error is None:
-            self._jobs.count("bytes_stored", job.nbytes)
-            if park is not None:
-                error = self._park(park, job.key)
+        if error is None and park is not None:
+            error = self._park(park, job.key)
         return error
 
     def _load(self, job: TierJob, deadline: float, orch: Orchestration | None
