@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from kvhal.tiers.base import JobKind, Lookup, SecondaryTier, TierJob
+from kvhal.tier import JobKind, Lookup, SecondaryTier, TierJob
 
 from .tier_fixtures import chunk_key, load, lookup, payload, run_jobs, store
 
