@@ -7,10 +7,11 @@ checkpoint replaced in place, or a LoRA adapter rewritten in place computes othe
 weights copied to another folder compute the same KV.
 
 `fingerprint(folder)` digests the content of every file of a checkpoint (or adapter) folder
-that can change the KV: weights (`WEIGHT_SUFFIXES`), configs (`.json`) and custom model code
-(`.py`, vLLM's `trust_remote_code`), minus the files that only shape text (`NOT_KV_FILES`:
-tokenizers and generation defaults; the token ids themselves are in the block hashes). Each
-file is named by its path relative to the folder, its size and an XXH3-128 tree digest of its
+that computes the KV (`model_files`): the weight files vLLM's loader reads, configs (`.json`)
+and custom model code (`.py`, vLLM's `trust_remote_code`), minus the files that only shape
+text (`NOT_KV_FILES`: tokenizers and generation defaults; the token ids themselves are in the
+block hashes); a GGUF checkpoint is its one file. Each file enters with its name (a single
+file without it: renaming a GGUF changes nothing), its size and an XXH3-128 tree digest of its
 bytes (64 MiB pieces, digested in parallel threads from a read-only mmap; xxhash releases the
 GIL), so two folders holding the same files give the same fingerprint wherever they are.
 
@@ -23,6 +24,7 @@ connector config).
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import time
@@ -31,9 +33,14 @@ from dataclasses import dataclass
 
 import xxhash
 
-#: File suffixes of weight files (safetensors, PyTorch pickles, GGUF, Flax, TF, NumPy).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".msgpack",
-                   ".h5", ".npz")
+#: File suffixes of weight files vLLM loads (safetensors, PyTorch, GGUF).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+#: The safetensors index whose weight map names the shards vLLM loads.
+INDEX_FILE = "model.safetensors.index.json"
+#: Weight-suffixed files a trainer writes that vLLM does not load
+#: (`filter_files_not_needed_for_inference`).
+NOT_WEIGHT_FILES = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt",
+                              "scheduler.pt", "scaler.pt"})
 #: Other file suffixes whose content computes the KV: configs (model, quantization,
 #: preprocessor, adapter) and custom model code.
 CONFIG_SUFFIXES = (".json", ".py")
@@ -70,33 +77,45 @@ class Fingerprint:
 
 
 def model_files(folder: str) -> list[str]:
-    """Paths, relative to `folder` with "/" separators and sorted, of the files that compute
-    the KV (module docstring). Folders whose name starts with "." (caches, VCS) are skipped.
+    """Names, sorted, of the files in `folder` (not below it) that compute the KV, chosen as
+    vLLM's default loader chooses weights (`DefaultModelLoader._prepare_weights`): the
+    `*.safetensors` files if there are any (only those the `model.safetensors.index.json`
+    weight map names, when there is one), else the `*.bin` files less the trainer's
+    (`NOT_WEIGHT_FILES`), else `*.pt`, `*.pth`, `*.gguf`; plus every `.json` and `.py` except
+    `NOT_KV_FILES`. Subfolders (a trainer's `checkpoint-*/`, a repo's `original/` copy) are
+    never read: vLLM loads none of them.
 
     Raises:
-        WeightsError: `folder` is not a readable directory.
+        WeightsError: `folder` is not a readable directory, or its safetensors index is not
+            valid JSON (names it).
     """
     if not os.path.isdir(folder):
         raise WeightsError(f"{folder}: not a directory")
-    out = []
-    for root, dirs, names in os.walk(folder, onerror=_raise):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in names:
-            if _computes_kv(name):
-                out.append(os.path.relpath(os.path.join(root, name), folder)
-                           .replace(os.sep, "/"))
-    return sorted(out)
+    try:
+        names = sorted(e.name for e in os.scandir(folder) if e.is_file())
+    except OSError as exc:
+        raise WeightsError(f"{folder}: cannot list ({exc.strerror})") from None
+    lower = {n: n.lower() for n in names}
+    weights: list[str] = []
+    for suffixes in ((".safetensors",), (".bin",), (".pt", ".pth", ".gguf")):
+        weights = [n for n in names if lower[n].endswith(suffixes)
+                   and lower[n] not in NOT_WEIGHT_FILES]
+        if weights:
+            break
+    if weights and INDEX_FILE in names and weights[0].endswith(".safetensors"):
+        weights = [n for n in weights if n in _indexed(os.path.join(folder, INDEX_FILE))]
+    configs = [n for n in names if lower[n].endswith(CONFIG_SUFFIXES)
+               and lower[n] not in NOT_KV_FILES]
+    return sorted(weights + configs)
 
 
-def _raise(exc: OSError) -> None:
-    raise WeightsError(f"{exc.filename}: cannot list ({exc.strerror})")
-
-
-def _computes_kv(name: str) -> bool:
-    lower = name.lower()
-    if lower.endswith(WEIGHT_SUFFIXES):
-        return True
-    return lower.endswith(CONFIG_SUFFIXES) and lower not in NOT_KV_FILES
+def _indexed(path: str) -> set[str]:
+    """The shard file names a safetensors index's `weight_map` names."""
+    try:
+        with open(path) as f:
+            return set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise WeightsError(f"{path}: not a safetensors index ({type(exc).__name__})") from None
 
 
 def fingerprint(path: str) -> Fingerprint:
@@ -110,7 +129,8 @@ def fingerprint(path: str) -> Fingerprint:
             (names it).
     """
     start = time.perf_counter()
-    if os.path.isfile(path):
+    single = os.path.isfile(path)
+    if single:
         folder, files = os.path.dirname(path), [os.path.basename(path)]
     else:
         folder, files = path, model_files(path)
@@ -133,7 +153,7 @@ def fingerprint(path: str) -> Fingerprint:
     at = 0
     for rel, size in zip(files, sizes):
         n = max(1, -(-size // PIECE_BYTES))
-        total.update(f"{rel}\0{size}\0".encode())
+        total.update(f"{'' if single else rel}\0{size}\0".encode())
         total.update(xxhash.xxh3_128(b"".join(digests[at:at + n])).digest())
         at += n
     return Fingerprint(f"xxh3-128:{total.hexdigest()}", tuple(files), sum(sizes),

@@ -49,7 +49,9 @@ def cache_namespace(vllm_config: Any, dep: Deployment, config: EngineConfig) -> 
     if private:
         weights = f"process:{os.urandom(16).hex()}"
     else:
-        checkpoint = (f"pinned:{config.model_identity}" if config.model_identity is not None
+        # a pinned identity stands for the fingerprint itself: pinning the digest
+        # `kvhal fingerprint` prints gives the namespace an unpinned engine computes
+        checkpoint = (config.model_identity if config.model_identity is not None
                       else _checkpoint_fingerprint(vllm_config))
         weights = json.dumps({"checkpoint": checkpoint, "dtype": str(model.dtype),
                               "quantization": model.quantization,
@@ -100,7 +102,7 @@ def _local_checkpoint(model: str, revision: str | None, download_dir: str | None
         return snapshot_download(model, revision=revision, cache_dir=download_dir,
                                  local_files_only=True)
     except Exception as exc:  # not a hub id, not cached, hub library errors of every kind
-        raise WeightsError(f"no local folder and no cached snapshot "
+        raise WeightsError(f"{model}: no local folder and no cached snapshot "
                            f"({type(exc).__name__})") from None
 
 

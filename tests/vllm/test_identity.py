@@ -69,9 +69,16 @@ def test_a_pinned_identity_reads_nothing_and_a_new_pin_bumps_it(tmp_path):
         missing, model_identity="prod-2026-13")
 
 
+def test_pinning_the_printed_fingerprint_gives_the_unpinned_namespace(tmp_path):
+    from kvhal.weights import fingerprint
+
+    a = _folder(tmp_path / "a", b"\1" * 64)
+    assert _namespace(a, model_identity=fingerprint(str(a)).digest) == _namespace(a)
+
+
 def test_weights_kvhal_cannot_read_are_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^model_identity: kvhal cannot fingerprint the "
-                       r"weights of model 'org/not-cached' \(no local folder"):
+                       r"weights of model 'org/not-cached' \(org/not-cached: no local folder"):
         _namespace("org/not-cached")
     config = _vllm_config(_folder(tmp_path / "a", b"\1"))
     config.load_config.load_format = "runai_streamer"
@@ -113,7 +120,7 @@ def test_an_adapter_is_read_once_per_id_and_again_when_vllm_reloads_it(tmp_path)
 
 
 def test_an_adapter_not_on_disk_is_refused(tmp_path):
-    with pytest.raises(WeightsError, match="no local folder"):
+    with pytest.raises(WeightsError, match="org/adapter-not-downloaded: no local folder"):
         AdapterIdentities().of(_lora("org/adapter-not-downloaded"))
 
 
