@@ -37,13 +37,13 @@ from ..base import JobKind, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex, StoresInFlight
 from ..jobs import IndexedTier, JobBoard, LanePool, internal_error
-from .config import SMALL_CHUNK_BYTES, parse_config
+from .config import parse_config
+from .direct import DirectIo, Transfer, Way
 from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      read_chunks, same_file, write_chunk, write_chunks)
 from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
 from .scan import orphaned_temp_files, scan_namespace
-from .large_io import LargeIoMode, LargeTransfer
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
@@ -97,24 +97,15 @@ class FsTier(IndexedTier):
             raise TierError(f"o_direct: true, but the filesystem at {cfg.root_dir!r} does not "
                             "support O_DIRECT; use \"adaptive\", \"small\", "
                             "\"small-writes\", \"auto\" or false")
-        #: Whether chunk files are written and read with O_DIRECT (detected at start).
-        self.o_direct = supported and cfg.o_direct in ("auto", True)
-        #: Under "adaptive", "small" and "small-writes": payloads below this many bytes are
-        #: written with O_DIRECT (0: none, or every one with `o_direct`).
-        self.o_direct_writes_below = (SMALL_CHUNK_BYTES if supported and cfg.o_direct
-                                      in ("adaptive", "small", "small-writes") else 0)
-        #: Under "adaptive" and "small": payloads below this many bytes are read with O_DIRECT
-        #: (0: none, or every one with `o_direct`); "adaptive" reads larger ones with O_DIRECT
-        #: too.
-        self.o_direct_reads_below = (SMALL_CHUNK_BYTES if supported
-                                     and cfg.o_direct in ("adaptive", "small") else 0)
-        #: Under "adaptive": the measured choice of mode for larger stores (None otherwise).
-        #: Larger loads are not measured: with O_DIRECT they read at vLLM's speed on every
-        #: machine measured, and the cost of buffered cold reads (CPU, page cache) also slows
-        #: the O_DIRECT reads beside them, so no measurement of windows told the two apart
-        #: (`large_io.py`).
-        self._large_writes = (LargeIoMode() if supported and cfg.o_direct == "adaptive"
-                              else None)
+        #: Which transfers use O_DIRECT (`direct.py`); the three attributes after it say what
+        #: `stats()` reports of it.
+        self._direct_io = DirectIo(cfg.o_direct, supported)
+        #: Whether every chunk file is written and read with O_DIRECT (detected at start).
+        self.o_direct = self._direct_io.every
+        #: Payloads below this many bytes are written / read with O_DIRECT (0: none, or every
+        #: one with `o_direct`); larger ones follow `direct.RULES`.
+        self.o_direct_writes_below = self._direct_io.writes_below
+        self.o_direct_reads_below = self._direct_io.reads_below
         self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
@@ -243,9 +234,10 @@ class FsTier(IndexedTier):
         large_write_{o_direct,buffered}_gbps (each mode's measured throughput, 1e9 bytes per
         busy second over its windows of transfers, `large_io.py`; absent until measured)."""
         deleted = self._budget.namespaces_deleted
-        rates = {} if self._large_writes is None else {
+        large_writes = self._direct_io.large_writes
+        rates = {} if large_writes is None else {
             f"large_write_{mode}_gbps": rate
-            for mode, rate in self._large_writes.rates().items() if rate is not None}
+            for mode, rate in large_writes.rates().items() if rate is not None}
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
@@ -268,50 +260,33 @@ class FsTier(IndexedTier):
 
     def o_direct_for(self, kind: JobKind, nbytes: int) -> bool:
         """Whether a `kind` job (STORE or LOAD) of `nbytes` payload bytes whose host bytes are
-        `ALIGN`-aligned moves its chunk file with O_DIRECT (`o_direct` and the `*_below`
-        sizes; under "adaptive", a larger store the mode measured faster now, and every
-        larger load); a job at an unaligned host offset never does."""
-        if self._large_writes is not None and nbytes >= SMALL_CHUNK_BYTES:
-            return kind is JobKind.LOAD or self._large_writes.current()
-        return self.o_direct or nbytes < (self.o_direct_writes_below if kind is JobKind.STORE
-                                          else self.o_direct_reads_below)
+        `ALIGN`-aligned moves its chunk file with O_DIRECT now (`direct.RULES`); a job at an
+        unaligned host offset never does."""
+        return self._direct_io.direct(kind, nbytes)
 
     def adaptive_for(self, nbytes: int) -> bool:
         """Whether stores of `nbytes` payload bytes at `ALIGN`-aligned host offsets pick their
         mode (buffered or O_DIRECT) by measurement (`o_direct: "adaptive"`, `large_io.py`);
         loads never do."""
-        return self._large_writes is not None and nbytes >= SMALL_CHUNK_BYTES
+        return self._direct_io.way(JobKind.STORE, nbytes) is Way.MEASURED
 
-    def _adaptive(self, job: TierJob) -> LargeIoMode | None:
-        """The `LargeIoMode` that `job` takes its mode from (a larger store under "adaptive"),
-        or None."""
-        if (job.kind is not JobKind.STORE or not self.adaptive_for(job.nbytes)
-                or (self._host_addr + job.offset) % ALIGN):
-            return None
-        return self._large_writes
+    def _aligned(self, job: TierJob) -> bool:
+        return (self._host_addr + job.offset) % ALIGN == 0
 
-    def _begin(self, job: TierJob) -> tuple[bool, LargeTransfer | None]:
-        """The mode of store `job`'s write (True: O_DIRECT) and, under "adaptive", the transfer
-        its `LargeIoMode` counts in flight until `_ended`."""
-        mode = self._adaptive(job)
-        if mode is None:
-            return self._direct(job), None
-        transfer = mode.begin()
-        return transfer.direct, transfer
-
-    def _ended(self, job: TierJob, transfer: LargeTransfer | None, ok: bool) -> None:
-        """End store `job`'s transfer from `_begin` (None: not adaptive): measured and counted
-        if `ok`, else only no longer in flight."""
-        if transfer is None:
-            return
-        self._large_writes.end(transfer, job.nbytes if ok else None)
-        if ok:
-            self._count(f"large_writes_{'o_direct' if transfer.direct else 'buffered'}")
+    def _measured(self, job: TierJob) -> bool:
+        """Whether `job` is a store whose mode `LargeIoMode` measures (it is written alone)."""
+        return self._direct_io.way(job.kind, job.nbytes, self._aligned(job)) is Way.MEASURED
 
     def _direct(self, job: TierJob) -> bool:
-        """Whether `job` moves its chunk file with O_DIRECT (its host bytes must be aligned)."""
-        return (self.o_direct_for(job.kind, job.nbytes)
-                and (self._host_addr + job.offset) % ALIGN == 0)
+        """Whether `job` moves its chunk file with O_DIRECT."""
+        return self._direct_io.direct(job.kind, job.nbytes, self._aligned(job))
+
+    def _ended(self, job: TierJob, transfer: Transfer, ok: bool) -> None:
+        """End store `job`'s `transfer` (`DirectIo.begin`); a measured one that is `ok` counts
+        in `large_writes_{o_direct,buffered}`."""
+        self._direct_io.end(transfer, job.nbytes if ok else None)
+        if ok and transfer.measured is not None:
+            self._count(f"large_writes_{'o_direct' if transfer.direct else 'buffered'}")
 
     def _scratch_buffers(self) -> Scratch:
         scratch = getattr(self._scratch, "buffers", None)
@@ -333,7 +308,7 @@ class FsTier(IndexedTier):
         begun: list[tuple[int, tuple[int, ChunkKey | None]]] = []
         for i, job in enumerate(jobs):
             try:
-                if self._check_job(job) or not self._batched(job) or self._adaptive(job):
+                if self._check_job(job) or not self._batched(job) or self._measured(job):
                     outcomes[i] = self._store(job)     # alone: an adaptive one is timed alone
                     continue
                 reservation = self._store_begin(job)
@@ -376,10 +351,10 @@ class FsTier(IndexedTier):
         """Write the file of `job` (reserved by `_store_begin`) in a call of its own, timed for
         "adaptive", and end its reservation; returns the job's outcome."""
         _, reuse = reservation
-        direct, transfer = self._begin(job)
+        transfer = self._direct_io.begin(job.kind, job.nbytes, self._aligned(job))
         try:
             outcome: bool | OSError = write_chunk(
-                self._os, self.ns_dir, job.key, self._payload(job), direct,
+                self._os, self.ns_dir, job.key, self._payload(job), transfer.direct,
                 self._scratch_buffers(), self._sync,
                 None if reuse is None else chunk_path(self.ns_dir, reuse))
         except OSError as exc:
