@@ -217,9 +217,10 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
     `reuse` (the path of an evicted chunk file, or None): that file is renamed to the temp
     name and overwritten in place instead of a new one being created, so the filesystem
     allocates no inode and no blocks for the store and frees none for the eviction (on ext4,
-    creating a file after many deletes can cost more than writing it). A reader that opened the evicted file before reads a mix of two chunks,
-    which its key and checksum checks turn into a miss (`read_chunk`); readers that open it
-    later find no file. If `reuse` cannot be renamed it is unlinked and a new file created.
+    creating a file after many deletes can cost more than writing it). A reader that opened
+    the evicted file before reads a mix of two chunks, which its key and checksum checks turn
+    into a miss (`read_chunk`); readers that open it later find no file. If `reuse` cannot
+    be renamed it is unlinked and a new file created.
 
     Returns:
         True if `reuse` was recycled, False if a new file was created.
