@@ -16,12 +16,12 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
     o_direct ("adaptive" | "small" | "small-writes" | "auto" | true | false): which chunk
         files move with O_DIRECT rather than through the page cache (`direct.RULES` is the
         whole rule; README "fs tier I/O mode" has the measurements behind it). "adaptive"
-        (default): payloads below `SMALL_CHUNK_BYTES` (1 MiB) both ways and larger reads with
-        O_DIRECT; each larger write buffered or with O_DIRECT, whichever the tier measured
-        faster for its own recent large writes (`large_io.py`: which wins depends on the
-        machine). "small": O_DIRECT for small chunks only. "small-writes": O_DIRECT for small
-        writes only, every read buffered. "auto": O_DIRECT for every file (no CPU copy, no
-        second copy of a chunk in the page cache, at device speed: the choice where CPU is
+        (default): payloads below `direct.SMALL_CHUNK_BYTES` (1 MiB) both ways and larger
+        reads with O_DIRECT; each larger write buffered or with O_DIRECT, whichever the tier
+        measured faster for its own recent large writes (`large_io.py`: which wins depends on
+        the machine). "small": O_DIRECT for small chunks only. "small-writes": O_DIRECT for
+        small writes only, every read buffered. "auto": O_DIRECT for every file (no CPU copy,
+        no second copy of a chunk in the page cache, at device speed: the choice where CPU is
         scarce or the disks outrun a memory copy). true: "auto" that refuses to start without
         O_DIRECT. false: never. Any value but true goes buffered where the filesystem lacks
         O_DIRECT, and a chunk whose host bytes are not `ALIGN`-aligned always does.
@@ -51,16 +51,13 @@ from typing import Any, Mapping
 
 from ..base import TierError
 from ..config_values import positive_int
+from .direct import RULES
 
 DEFAULT_THREADS = 16
 #: O_DIRECT for small chunks, the mode measured faster for large writes (`direct.RULES`).
 DEFAULT_O_DIRECT = "adaptive"
-#: Payloads below this many bytes are small chunks for `o_direct` (`direct.RULES`): between
-#: the 256 KiB chunks that O_DIRECT moved faster both ways and the 2 MiB ones that buffered
-#: writes did on most machines (README "fs tier I/O mode").
-SMALL_CHUNK_BYTES = 1 << 20
 #: The string values of `o_direct` (the others are the booleans true and false).
-O_DIRECT_STRINGS = ("adaptive", "small", "small-writes", "auto")
+O_DIRECT_STRINGS = tuple(value for value in RULES if isinstance(value, str))
 DEFAULT_REFRESH_INTERVAL_S = 1.0
 #: Bounds of `refresh_interval_s`: below 1 ms the refresh thread would spin on the directory;
 #: above a day (or NaN/inf) `threading.Event.wait` overflows or the index never refreshes.
@@ -88,6 +85,10 @@ class FsConfig:
     recycle_files: bool = True
 
 
+def _quoted(value: str) -> str:
+    return f'"{value}"'
+
+
 def parse_config(config: Mapping[str, Any]) -> FsConfig:
     """Validate an fs tier config.
 
@@ -113,8 +114,8 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
     # raises
     if not (isinstance(o_direct, bool)
             or isinstance(o_direct, str) and o_direct in O_DIRECT_STRINGS):
-        raise TierError(f"o_direct: must be \"adaptive\", \"small\", \"small-writes\", "
-                        f"\"auto\", true or false; got {o_direct!r}")
+        raise TierError(f"o_direct: must be {', '.join(map(_quoted, O_DIRECT_STRINGS))}, "
+                        f"true or false; got {o_direct!r}")
     interval = config.get("refresh_interval_s", DEFAULT_REFRESH_INTERVAL_S)
     if (not isinstance(interval, (int, float)) or isinstance(interval, bool)
             or not MIN_REFRESH_INTERVAL_S <= interval <= MAX_REFRESH_INTERVAL_S):
