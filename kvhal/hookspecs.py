@@ -49,4 +49,6 @@ def kvhal_kv_event(event: Any) -> None:
 
 @hookspec
 def kvhal_job_finished(job: Any) -> None:
-    """Observe one finished transfer job (store or load, success or failure)."""
+    """Observe one finished job (`kvhal.engine.FinishedJob`: store or load, host or secondary
+    tier, success or failure), called once per job on the thread that ended it (the engine's
+    scheduler thread, holding the manager's lock: return quickly, never call the manager)."""

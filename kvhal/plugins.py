@@ -196,6 +196,13 @@ def emit_kv_event(event: Any) -> None:
     plugin_manager().hook.kvhal_kv_event(event=event)
 
 
+def job_listeners() -> bool:
+    """Whether a `kvhal_job_finished` hook implementation is registered now (the engine builds
+    a finished job's record only then: it ends several jobs per step)."""
+    return bool(plugin_manager().hook.kvhal_job_finished.get_hookimpls())
+
+
 def emit_job_finished(job: Any) -> None:
-    """Deliver a finished job to every `kvhal_job_finished` hook implementation."""
+    """Deliver a finished job (`kvhal.engine.FinishedJob`) to every `kvhal_job_finished` hook
+    implementation."""
     plugin_manager().hook.kvhal_job_finished(job=job)

@@ -68,10 +68,12 @@ from .build import build_manager
 from .manager import Manager
 from .planner import BlockPlanner, LayoutPlanner
 from .requests import chunks_to_store, leading_hits, needed_chunks
-from .types import Direction, EngineError, LoadPlan, StorePlan, TransferResult
+from .types import (Direction, EngineError, FinishedJob, LoadPlan, StorePlan,
+                    TransferResult)
 from .worker import JobPlanner, Planner, Worker
 
-__all__ = ["BlockPlanner", "Direction", "EngineError", "LayoutPlanner", "LoadPlan", "Manager",
+__all__ = ["BlockPlanner", "Direction", "EngineError", "FinishedJob", "LayoutPlanner",
+           "LoadPlan", "Manager",
            "JobPlanner", "Planner",
            "StorePlan", "TransferResult", "Worker", "build_manager", "chunks_to_store",
            "leading_hits", "needed_chunks"]

@@ -9,7 +9,8 @@ Threading: one thread (the scheduler's) calls every method. A tier given host ac
 (`SecondaryTier.attach_host`, `access.py`) pins slots from its own threads, so every method
 that touches slot state holds `lock` (an uncontended RLock: well under a microsecond per call,
 whatever the number of chunks). Every job (store, load, tier job) ends exactly once, as
-success or failure.
+success or failure, and is announced once to `kvhal_job_finished` hook implementations
+(`FinishedJob`; built only while one is registered).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from kvhal.keys import ChunkKey
 from kvhal.tier import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 
 from .access import ManagerHostAccess
-from .types import EngineError, LoadPlan, StorePlan
+from .types import EngineError, FinishedJob, LoadPlan, StorePlan
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class Manager:
         # request context -> indices of the tiers that took part (`open_request`)
         self._contexts: dict[Hashable, tuple[int, ...]] = {}
         self._closing: set[Hashable] = set()    # closed, waiting for their open stores
-        self._loads: dict[int, list[int]] = {}
+        self._loads: dict[int, tuple[tuple[ChunkKey, ...], list[int]]] = {}  # id → keys, slots
         self._pins: dict[Hashable, list[int]] = {}
         # (tier index, tier job id) -> (kind, slot, key, later keys); LOAD = promotion (later:
         # the keys after `key` in the prefix looked up, which a failed load makes the tier
@@ -367,7 +368,7 @@ class Manager:
                 self._stored_by[key] = job_id
         for slot in slots[n_ok:]:
             self.slots.abort(slot)
-        self._job_ended("store", job_id, slots, n_ok)
+        self._job_ended("store", job_id, keys, slots, n_ok)
         if stored:
             self._stored([k for k, _ in stored])
             self._cascade(stored, context)
@@ -465,9 +466,9 @@ class Manager:
         if not slots:
             return None
         job_id = next(self._ids)
-        self._loads[job_id] = slots
-        self._started[job_id] = time.monotonic()
         placed = tuple(keys[:len(slots)])
+        self._loads[job_id] = (placed, slots)
+        self._started[job_id] = time.monotonic()
         labels = self.tier_labels
         sources = tuple(labels[t] if (t := self._promoted.pop(k, None)) is not None else _HOST
                         for k in placed) if self._promoted else (_HOST,) * len(placed)
@@ -503,24 +504,27 @@ class Manager:
             EngineError: `job_id` is not an open load job.
         """
         try:
-            slots = self._loads.pop(job_id)
+            keys, slots = self._loads.pop(job_id)
         except KeyError:
             raise EngineError(f"load job {job_id} is not open (unknown or completed)") from None
         release = self.slots.release
         for slot in slots:
             release(slot)
         n_ok = len(slots) if num_ok is None else max(0, min(num_ok, len(slots)))
-        self._job_ended("load", job_id, slots, n_ok)
+        self._job_ended("load", job_id, keys, slots, n_ok)
 
-    def _job_ended(self, kind: str, job_id: int, slots: list[int], n_ok: int) -> None:
-        """Count a finished host job of `kind` ("store"/"load") and its latency."""
+    def _job_ended(self, kind: str, job_id: int, keys: tuple[ChunkKey, ...], slots: list[int],
+                   n_ok: int) -> None:
+        """Count a finished host job of `kind` ("store"/"load") and its latency; announce it."""
         count = self.metrics.count
         if kind == "load":                  # a store's chunks count in `_stored`
             count("loaded_chunks", _HOST, n_ok)
         count(f"{kind}_bytes", _HOST, sum(self._span(s)[1] for s in slots[:n_ok]))
         count("failed_chunks", _HOST, len(slots) - n_ok, kind)
-        self.metrics.observe(f"{kind}_latency_seconds", _HOST,
-                             time.monotonic() - self._started.pop(job_id))
+        seconds = time.monotonic() - self._started.pop(job_id)
+        self.metrics.observe(f"{kind}_latency_seconds", _HOST, seconds)
+        if plugins.job_listeners():
+            plugins.emit_job_finished(FinishedJob(_HOST, kind, job_id, keys, n_ok, seconds))
 
     # -- secondary tiers ---------------------------------------------------------------------
     @_locked
@@ -542,6 +546,7 @@ class Manager:
         results: list[JobResult] = []
         landed: dict[int, list[ChunkKey]] = defaultdict(list)  # tier index (-1: host) → keys
         count, observe = self.metrics.count, self.metrics.observe
+        announce = plugins.job_listeners()
         for t, tier in enumerate(self.tiers):
             label = self.tier_labels[t]
             for result in tier.get_finished_jobs():
@@ -551,6 +556,10 @@ class Manager:
                 kind, slot, key, later = job
                 results.append(result)
                 observe(f"{kind.value}_latency_seconds", label, result.seconds)
+                if announce:
+                    plugins.emit_job_finished(FinishedJob(label, kind.value, result.job_id, (key,),
+                                                          int(result.ok), result.seconds,
+                                                          result.error))
                 if not result.ok:
                     count("failed_chunks", label, 1, kind.value)
                     (logger.warning if kind is JobKind.LOAD else logger.info)(

@@ -82,3 +82,35 @@ class TransferResult:
     def ok(self) -> bool:
         """True if every chunk arrived."""
         return self.num_ok == self.num_chunks
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedJob:
+    """A job the engine ended, as `kvhal_job_finished` hook implementations see it: once per
+    host job (`Manager.complete_store` / `complete_load`) and once per secondary-tier job
+    (a cascade or a promotion, collected by `Manager.poll`).
+
+    Attributes:
+        tier: The `tier` label of where the chunks went or came from ("host" for a host job).
+        kind: "store" or "load".
+        job_id: The job's id (a host job's `StorePlan.job_id` / `LoadPlan.job_id`; a tier
+            job's `TierJob.job_id`).
+        keys: The job's chunk keys, in prefix order (a tier job: one).
+        num_ok: Leading chunks that succeeded (the rest failed).
+        seconds: From the job's start to its end (a host job: from `prepare_*`; a tier job: as
+            its tier measured it).
+        error: Why a tier job failed, or None (host jobs carry no reason).
+    """
+
+    tier: str
+    kind: str
+    job_id: int
+    keys: tuple[ChunkKey, ...]
+    num_ok: int
+    seconds: float
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every chunk of the job succeeded."""
+        return self.num_ok == len(self.keys)

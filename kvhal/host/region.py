@@ -266,10 +266,6 @@ class HostRegion:
         return cls(backend, geometry, allocation, share_path=share_path,
                    fd=fd if own_fd else None, mapped=True)
 
-    def slot_address(self, slot: int) -> int:
-        """Address of slot `slot`'s first byte (one-pool `HostGeometry` regions)."""
-        return self.ptr + slot * self.geometry.slot_bytes
-
     def slot_array(self, slot: int) -> np.ndarray:
         """uint8 view of slot `slot`'s payload, shape (chunk_nbytes,) (no copy; one-pool
         `HostGeometry` regions)."""

@@ -18,7 +18,7 @@ from kvhal.keys import ChunkKey
 from kvhal.tier import JobKind, Lookup, TierError, TierJob
 from kvhal.tiers.chunk_format import ALIGN
 from kvhal.tiers.fs import FsTier
-from kvhal.tiers.fs.config import SMALL_CHUNK_BYTES
+from kvhal.tiers.fs.direct import SMALL_CHUNK_BYTES
 from kvhal.tiers.fs.fileio import probe_o_direct
 from kvhal.tiers.fs.format import QUARANTINE_DIR, chunk_path
 from kvhal.tiers.fs.large_io import WINDOW

@@ -13,39 +13,18 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
         queued (`jobs.LanePool`), so all 32 read then, as vLLM's do. Each thread keeps one
         request in flight, and the GIL is released for the I/O of a chunk (one call,
         `_chunkio.c`) and its checksum.
-    o_direct ("adaptive" | "small" | "small-writes" | "auto" | true | false): "small" writes
-        and reads chunk files whose payload is less than `SMALL_CHUNK_BYTES` (1 MiB) with
-        O_DIRECT where the filesystem supports it and its host bytes are `ALIGN`-aligned, and
-        moves every larger one through the page cache; "adaptive" (default) does the same for
-        small chunks, reads every larger one with O_DIRECT, and writes each larger one
-        buffered or with O_DIRECT, whichever the tier measured faster for its own recent
-        large writes (`large_io.py`: buffered writes won on three machines and lost 0.42x
-        against 0.97x on a fourth; measured choices of read mode lost 8-17% against O_DIRECT
-        reads on two VMs); "small-writes" uses O_DIRECT for
-        small writes only (every read buffered); "auto" uses O_DIRECT for every write and read
-        where supported; true refuses to start without it; false never uses it.
-        Measured with `kvhal bench tier` (issue 13), kvhal against vLLM's fs tier (which uses
-        O_DIRECT):
-        - Buffered is faster for 2 MiB chunks on both machines measured (writes 1.5-4.9x
-          vLLM, reads 1.3-1.7x): the page cache takes a burst of stores at memory speed and
-          writes it back behind them (a sustained stream is throttled to device speed by the
-          kernel), and read-ahead keeps the disk busier. With O_DIRECT: writes 0.87x.
-        - For 256 KiB chunks, on a VM where touching fresh memory costs ~0.7 GB/s (page
-          faults), buffered writes measured 0.54-0.71x vLLM; O_DIRECT writes 1.39-1.40x in
-          two runs of "auto" and 0.83-1.03x in three runs of "small-writes": a small write
-          then takes the kernel path vLLM's takes, where kvhal's one-call write is at least at
-          par.
-        - Reads of 256 KiB chunks, "small-writes" (buffered) against "small" (O_DIRECT) in one
-          run of 7 alternating passes on the project's VM (session 7): median 1.15 against
-          1.37 GB/s (vLLM 1.44), at 225 against 153 us of CPU per chunk: the copy out of the
-          page cache and its bookkeeping were a third of the read threads' CPU time (`perf`).
-          A small chunk is written with O_DIRECT, so the page cache never holds it for a read
-          to hit (a session-5 machine had measured buffered reads 1.15-1.23x vLLM, in runs
-          other than its O_DIRECT reads' 0.91-0.97x).
-        O_DIRECT costs no CPU copy and keeps chunk files out of the page cache (no second
-        copy of chunks the host tier may still hold), at device speed: prefer "auto" when
-        CPU is scarce (on a 2-core machine at load 20-35 buffered I/O measured 0.26 GB/s
-        against 0.48-1.68 with O_DIRECT) or the disks are faster than the memory copy.
+    o_direct ("adaptive" | "small" | "small-writes" | "auto" | true | false): which chunk
+        files move with O_DIRECT rather than through the page cache (`direct.RULES` is the
+        whole rule; README "fs tier I/O mode" has the measurements behind it). "adaptive"
+        (default): payloads below `direct.SMALL_CHUNK_BYTES` (1 MiB) both ways and larger
+        reads with O_DIRECT; each larger write buffered or with O_DIRECT, whichever the tier
+        measured faster for its own recent large writes (`large_io.py`: which wins depends on
+        the machine). "small": O_DIRECT for small chunks only. "small-writes": O_DIRECT for
+        small writes only, every read buffered. "auto": O_DIRECT for every file (no CPU copy,
+        no second copy of a chunk in the page cache, at device speed: the choice where CPU is
+        scarce or the disks outrun a memory copy). true: "auto" that refuses to start without
+        O_DIRECT. false: never. Any value but true goes buffered where the filesystem lacks
+        O_DIRECT, and a chunk whose host bytes are not `ALIGN`-aligned always does.
     refresh_interval_s (number in [0.001, 86400]): how often the index picks up files other
         processes wrote or deleted (default 1.0 s); stretched to 20x the last scan's duration
         when a folder is so big that scanning it takes longer than 1/20 of the interval.
@@ -54,7 +33,8 @@ Keys (REFERENCE.md: fs takes `root_dir`, `n_read_threads`, `n_write_threads`):
         process crash, and a power loss or kernel crash may lose recent files or leave them
         torn or zeroed, which the checks on every read and on indexing turn into misses.
         "power-loss": fdatasync the file before the rename and fsync its folder after it, so
-        a finished store survives power loss (about 2-3x the write time per chunk here).
+        a finished store survives power loss (each store takes several times as long: README
+        "fs tier durability").
     recycle_files (bool, default true): a store that must evict to make room overwrites an
         evicted chunk file of its own size in place (renamed to the store's temp name)
         instead of deleting it and creating a new one: the filesystem allocates and frees no
@@ -71,17 +51,13 @@ from typing import Any, Mapping
 
 from kvhal.tier import TierError
 from ..config_values import positive_int
+from .direct import RULES
 
 DEFAULT_THREADS = 16
-#: O_DIRECT for small chunks, the faster measured mode otherwise (see the module docstring's
-#: measurements).
+#: O_DIRECT for small chunks, the mode measured faster for large writes (`direct.RULES`).
 DEFAULT_O_DIRECT = "adaptive"
-#: Chunk payloads below this many bytes are written (and under "small" read) with O_DIRECT
-#: under "small" and "small-writes" (between the 256 KiB chunks where O_DIRECT won and the
-#: 2 MiB where buffered did).
-SMALL_CHUNK_BYTES = 1 << 20
 #: The string values of `o_direct` (the others are the booleans true and false).
-O_DIRECT_STRINGS = ("adaptive", "small", "small-writes", "auto")
+O_DIRECT_STRINGS = tuple(value for value in RULES if isinstance(value, str))
 DEFAULT_REFRESH_INTERVAL_S = 1.0
 #: Bounds of `refresh_interval_s`: below 1 ms the refresh thread would spin on the directory;
 #: above a day (or NaN/inf) `threading.Event.wait` overflows or the index never refreshes.
@@ -109,6 +85,10 @@ class FsConfig:
     recycle_files: bool = True
 
 
+def _quoted(value: str) -> str:
+    return f'"{value}"'
+
+
 def parse_config(config: Mapping[str, Any]) -> FsConfig:
     """Validate an fs tier config.
 
@@ -134,8 +114,8 @@ def parse_config(config: Mapping[str, Any]) -> FsConfig:
     # raises
     if not (isinstance(o_direct, bool)
             or isinstance(o_direct, str) and o_direct in O_DIRECT_STRINGS):
-        raise TierError(f"o_direct: must be \"adaptive\", \"small\", \"small-writes\", "
-                        f"\"auto\", true or false; got {o_direct!r}")
+        raise TierError(f"o_direct: must be {', '.join(map(_quoted, O_DIRECT_STRINGS))}, "
+                        f"true or false; got {o_direct!r}")
     interval = config.get("refresh_interval_s", DEFAULT_REFRESH_INTERVAL_S)
     if (not isinstance(interval, (int, float)) or isinstance(interval, bool)
             or not MIN_REFRESH_INTERVAL_S <= interval <= MAX_REFRESH_INTERVAL_S):

@@ -9,13 +9,12 @@ through a small per-thread aligned scratch buffer.
 With the real `os` module, the system calls of one chunk (open, pwritev/preadv, fstat, close,
 rename) run in one GIL-free call of the C helper `_chunkio` when it was built: the same calls,
 flags and order as the Python path below, without a GIL handoff per call (with 16+16 tier
-threads the handoffs, not the disk, bounded throughput: issue 13). `FAST_IO` says which path
-runs; checks and header fields stay here, in Python, for both. The payload checksum (and, for
-a write, the header digest over it) is computed in that same call when python-xxhash's C
-functions could be bound (`HASH_IN_C`) and the payload is whole blocks: one GIL handoff per
-chunk instead of two (issue 13). `write_chunks` and `read_chunks` move a batch of such chunks in
-one call, one GIL handoff per batch: measured at 256 KiB with 16+16 threads, a cold read's CPU
-per chunk fell from 133 to 94-99 µs (vLLM's tier: 68-76).
+threads the handoffs, not the disk, bound throughput). `FAST_IO` says which path runs; checks
+and header fields stay here, in Python, for both. The payload checksum (and, for a write, the
+header digest over it) is computed in that same call when python-xxhash's C functions could be
+bound (`HASH_IN_C`) and the payload is whole blocks: one GIL handoff per chunk instead of two.
+`write_chunks` and `read_chunks` move a batch of such chunks in one call, one GIL handoff per
+batch (README "fs tier I/O mode" has what that saves).
 """
 from __future__ import annotations
 
@@ -217,11 +216,11 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
 
     `reuse` (the path of an evicted chunk file, or None): that file is renamed to the temp
     name and overwritten in place instead of a new one being created, so the filesystem
-    allocates no inode and no blocks for the store and frees none for the eviction (issue 13:
-    on this project's ext4 without a journal, creating a file after many deletes costs more
-    than writing it). A reader that opened the evicted file before reads a mix of two chunks,
-    which its key and checksum checks turn into a miss (`read_chunk`); readers that open it
-    later find no file. If `reuse` cannot be renamed it is unlinked and a new file created.
+    allocates no inode and no blocks for the store and frees none for the eviction (on ext4,
+    creating a file after many deletes can cost more than writing it). A reader that opened
+    the evicted file before reads a mix of two chunks, which its key and checksum checks turn
+    into a miss (`read_chunk`); readers that open it later find no file. If `reuse` cannot
+    be renamed it is unlinked and a new file created.
 
     Returns:
         True if `reuse` was recycled, False if a new file was created.
@@ -276,10 +275,10 @@ def batchable(payload: memoryview) -> bool:
 
 
 def write_chunks(ns_dir: str, jobs: list[tuple[ChunkKey, memoryview, bool]],
-                 sync: bool, scratch: Scratch) -> list[bool | OSError]:
+                 sync: bool, scratch: Scratch) -> list[OSError | None]:
     """`write_chunk` (with the real `os` module, recycling no file) for each (key, payload,
     direct) of `jobs`, in order, in one GIL-free call of the C helper: one outcome per job,
-    False (a new file) or the OSError `write_chunk` would raise. Every payload must be
+    None (written) or the OSError `write_chunk` would raise. Every payload must be
     `batchable`; `jobs` holds at most `len(scratch.headers)` jobs.
 
     Raises:
@@ -293,7 +292,9 @@ def write_chunks(ns_dir: str, jobs: list[tuple[ChunkKey, memoryview, bool]],
         folder, final, tmp = chunk_paths(ns_dir, key)
         args.append((tmp, final, [header, payload], direct, sync, folder, CHECKSUM_OFFSET,
                      digest_at, None))
-    return _chunkio.write_files(args)
+    # the C helper gives False (a new file) or the OSError per job
+    return [outcome if isinstance(outcome, OSError) else None
+            for outcome in _chunkio.write_files(args)]
 
 
 def read_chunks(jobs: list[tuple[str, ChunkKey, memoryview, bool]], namespace: bytes,

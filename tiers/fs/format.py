@@ -11,8 +11,8 @@ Directory layout under `root_dir`:
 A file is written under a temp name in the folder of its final name, then renamed: a rename
 inside one folder locks that folder only, where a rename from a shared temp folder also takes
 the filesystem-wide rename lock (Linux `s_vfs_rename_mutex`) and both folders' locks, which
-serialised 16 writer threads (issue 13: ~1.35× more 256 KiB writes per second measured side by
-side, `/tmp/exp/rename_cold.py` in the closing note).
+serialised 16 writer threads (about 1.35x more 256 KiB writes per second measured side by side
+with per-folder temp names).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from kvhal.keys import NAMESPACE_BYTES, ChunkKey
 CHUNK_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
 CHUNKS_DIR, QUARANTINE_DIR = "chunks", "quarantine"
-#: Where versions before issue 13 wrote temp files (`<namespace hex>/tmp/`): only searched for
-#: temp files their writers left behind (`scan.orphaned_temp_files`).
+#: Where earlier versions wrote temp files (`<namespace hex>/tmp/`): only searched for temp
+#: files their writers left behind (`scan.orphaned_temp_files`).
 LEGACY_TEMP_DIR = "tmp"
 
 _NAME_RE = re.compile(r"^([0-9a-f]{4})-((?:[0-9a-f]{2}){1,64})\.kv$")

@@ -1,14 +1,12 @@
 """Buffered or O_DIRECT writes of large chunks, chosen by measuring both (`o_direct:
-"adaptive"`).
+"adaptive"`, `direct.RULES`).
 
 Which of the two writes chunks of `SMALL_CHUNK_BYTES` and more faster depends on the machine,
-not on kvhal (issue 13, `kvhal bench tier` at 2 MiB against vLLM's O_DIRECT tier): buffered
-writes measured 1.5-4.9x vLLM on two machines and 2.1-3.3x on a 2-core VM (the page cache
-takes a burst of writes at memory speed), and on a VM whose page-cache copy runs at 0.34 GB/s
-(`dd` buffered, where O_DIRECT wrote 1.3 GB/s; `perf`: 87% in `copy_folio_from_iter_atomic`)
-0.42x, where kvhal's O_DIRECT writes measured 0.97x. No fixed default suits both, so the tier
-measures its own large writes and uses the faster mode; the other is still tried now and
-then, so a change (the page cache filling up, other load on the disk) moves the choice back.
+not on kvhal: buffered writes land a burst at memory speed and are written back behind it,
+unless the machine's page-cache copy is slower than its disk (README "fs tier I/O mode" has
+the figures). No fixed default suits both, so the tier measures its own large writes and uses
+the faster mode; the other is still tried now and then, so a change (the page cache filling
+up, other load on the disk) moves the choice back.
 
 What is measured is throughput, in windows: `WINDOW` writes in a row take one mode, and the
 window's cost is the busy seconds (seconds with at least one large write in flight) from its
@@ -20,13 +18,10 @@ windows, longer while the other mode measured much slower, so that its windows c
 `EXPLORE_OVERHEAD` of the time). The preferred mode changes only when the other is cheaper by
 more than `SWITCH_MARGIN`, so two modes within run-to-run noise do not flip.
 
-Reads are not chosen this way (the tier reads large chunks with O_DIRECT): on a 2-core VM
-(issue 13, session 9) the CPU and page-cache work of buffered cold reads also slowed the
-O_DIRECT reads in flight beside them, so no measurement told the two apart. Per-read wall
-times sent 73-96 of 1536 large reads buffered (reads lost 8-11% against always O_DIRECT);
-per-read shares of the wall time measured buffered reads at 0.96 ms a chunk against 0.80
-while passes of mostly buffered reads ran at 0.83 GB/s against 2.7; windows measured 0.44
-against 0.41 GB/s and sent 576 of 1536 reads buffered (reads lost 17%).
+Reads are not chosen this way (the tier reads large chunks with O_DIRECT): where CPU is
+scarce, the CPU and page-cache work of buffered cold reads also slows the O_DIRECT reads in
+flight beside them, so neither per-read times nor windows tell the two modes apart, and a
+measured choice of read mode lost to always reading with O_DIRECT.
 """
 from __future__ import annotations
 

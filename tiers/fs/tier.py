@@ -37,13 +37,14 @@ from kvhal.tier import JobKind, TierError, TierJob, job_problem
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex, StoresInFlight
 from ..jobs import IndexedTier, JobBoard, LanePool, internal_error
-from .config import SMALL_CHUNK_BYTES, parse_config
+from .config import parse_config
+from .direct import DirectIo, Transfer, Way
+from .inflight import KeyCounts, Reservation
 from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
                      read_chunks, same_file, write_chunk, write_chunks)
 from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
 from .scan import orphaned_temp_files, scan_namespace
-from .large_io import LargeIoMode, LargeTransfer
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
@@ -56,6 +57,8 @@ REFRESH_DUTY_FACTOR = 20
 MAX_BATCH = 8
 #: errno values of a load that mean the file itself is unusable (it is quarantined).
 _BAD_FILE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
+#: `_store_begin` of a chunk stored already: nothing reserved, nothing failed.
+_STORED = Reservation()
 
 
 def _errno_text(exc: OSError) -> str:
@@ -97,33 +100,23 @@ class FsTier(IndexedTier):
             raise TierError(f"o_direct: true, but the filesystem at {cfg.root_dir!r} does not "
                             "support O_DIRECT; use \"adaptive\", \"small\", "
                             "\"small-writes\", \"auto\" or false")
-        #: Whether chunk files are written and read with O_DIRECT (detected at start).
-        self.o_direct = supported and cfg.o_direct in ("auto", True)
-        #: Under "adaptive", "small" and "small-writes": payloads below this many bytes are
-        #: written with O_DIRECT (0: none, or every one with `o_direct`).
-        self.o_direct_writes_below = (SMALL_CHUNK_BYTES if supported and cfg.o_direct
-                                      in ("adaptive", "small", "small-writes") else 0)
-        #: Under "adaptive" and "small": payloads below this many bytes are read with O_DIRECT
-        #: (0: none, or every one with `o_direct`); "adaptive" reads larger ones with O_DIRECT
-        #: too.
-        self.o_direct_reads_below = (SMALL_CHUNK_BYTES if supported
-                                     and cfg.o_direct in ("adaptive", "small") else 0)
-        #: Under "adaptive": the measured choice of mode for larger stores (None otherwise).
-        #: Larger loads are not measured: with O_DIRECT they read at vLLM's speed on every
-        #: machine measured, and the cost of buffered cold reads (CPU, page cache) also slows
-        #: the O_DIRECT reads beside them, so no measurement of windows told the two apart
-        #: (`large_io.py`).
-        self._large_writes = (LargeIoMode() if supported and cfg.o_direct == "adaptive"
-                              else None)
+        #: Which transfers use O_DIRECT (`direct.py`); the three attributes after it say what
+        #: `stats()` reports of it.
+        self._direct_io = DirectIo(cfg.o_direct, supported)
+        #: Whether every chunk file is written and read with O_DIRECT (detected at start).
+        self.o_direct = self._direct_io.every
+        #: Payloads below this many bytes are written / read with O_DIRECT (0: none, or every
+        #: one with `o_direct`); larger ones follow `direct.RULES`.
+        self.o_direct_writes_below = self._direct_io.writes_below
+        self.o_direct_reads_below = self._direct_io.reads_below
         self._sync = cfg.durability == "power-loss"
         self._jobs = JobBoard("fs")
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()
         #: Keys of stores whose reservation has not ended, and the victims whose files they
-        #: recycle (count per key): a refresh leaves their files to the store.
-        self._storing: dict[ChunkKey, int] = {}
-        self._storing_lock = threading.Lock()
+        #: recycle: a refresh leaves their files to the store.
+        self._storing = KeyCounts()
         self._budget = RootBudget(cfg.root_dir, os.path.basename(self.ns_dir))
         self._next_root_scan = 0.0
         self._refresh_wait_s = cfg.refresh_interval_s
@@ -134,9 +127,8 @@ class FsTier(IndexedTier):
                             f"({_errno_text(exc)})") from None
         self.max_bytes = cfg.max_bytes or self._default_max_bytes()
         self._scratch = threading.local()
-        #: Keys being loaded now (count per key): their files are never recycled meanwhile.
-        self._loading: dict[ChunkKey, int] = {}
-        self._loading_lock = threading.Lock()
+        #: Keys being loaded now: their files are never recycled meanwhile.
+        self._loading = KeyCounts()
         #: Loads on `n_read_threads` threads, stores on `n_write_threads` threads that also
         #: load while no store is queued (`LanePool`).
         self._pool = LanePool((cfg.n_read_threads, cfg.n_write_threads), "kvhal-fs",
@@ -208,8 +200,7 @@ class FsTier(IndexedTier):
             mark_in_use(self.ns_dir, self._refresh_wait_s)
             known, epoch = self._index.snapshot()
             scan = scan_namespace(self.ns_dir, self.namespace, known)
-            with self._storing_lock:
-                storing = set(self._storing)
+            storing = self._storing.snapshot()
             self._index.reconcile({key: n for key, n in scan.found.items() if key not in storing}
                                   if storing else scan.found, epoch)
             self._remove_temps(scan.orphans)
@@ -243,9 +234,10 @@ class FsTier(IndexedTier):
         large_write_{o_direct,buffered}_gbps (each mode's measured throughput, 1e9 bytes per
         busy second over its windows of transfers, `large_io.py`; absent until measured)."""
         deleted = self._budget.namespaces_deleted
-        rates = {} if self._large_writes is None else {
+        large_writes = self._direct_io.large_writes
+        rates = {} if large_writes is None else {
             f"large_write_{mode}_gbps": rate
-            for mode, rate in self._large_writes.rates().items() if rate is not None}
+            for mode, rate in large_writes.rates().items() if rate is not None}
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
@@ -268,50 +260,33 @@ class FsTier(IndexedTier):
 
     def o_direct_for(self, kind: JobKind, nbytes: int) -> bool:
         """Whether a `kind` job (STORE or LOAD) of `nbytes` payload bytes whose host bytes are
-        `ALIGN`-aligned moves its chunk file with O_DIRECT (`o_direct` and the `*_below`
-        sizes; under "adaptive", a larger store the mode measured faster now, and every
-        larger load); a job at an unaligned host offset never does."""
-        if self._large_writes is not None and nbytes >= SMALL_CHUNK_BYTES:
-            return kind is JobKind.LOAD or self._large_writes.current()
-        return self.o_direct or nbytes < (self.o_direct_writes_below if kind is JobKind.STORE
-                                          else self.o_direct_reads_below)
+        `ALIGN`-aligned moves its chunk file with O_DIRECT now (`direct.RULES`); a job at an
+        unaligned host offset never does."""
+        return self._direct_io.direct(kind, nbytes)
 
     def adaptive_for(self, nbytes: int) -> bool:
         """Whether stores of `nbytes` payload bytes at `ALIGN`-aligned host offsets pick their
         mode (buffered or O_DIRECT) by measurement (`o_direct: "adaptive"`, `large_io.py`);
         loads never do."""
-        return self._large_writes is not None and nbytes >= SMALL_CHUNK_BYTES
+        return self._direct_io.way(JobKind.STORE, nbytes) is Way.MEASURED
 
-    def _adaptive(self, job: TierJob) -> LargeIoMode | None:
-        """The `LargeIoMode` that `job` takes its mode from (a larger store under "adaptive"),
-        or None."""
-        if (job.kind is not JobKind.STORE or not self.adaptive_for(job.nbytes)
-                or (self._host_addr + job.offset) % ALIGN):
-            return None
-        return self._large_writes
+    def _aligned(self, job: TierJob) -> bool:
+        return (self._host_addr + job.offset) % ALIGN == 0
 
-    def _begin(self, job: TierJob) -> tuple[bool, LargeTransfer | None]:
-        """The mode of store `job`'s write (True: O_DIRECT) and, under "adaptive", the transfer
-        its `LargeIoMode` counts in flight until `_ended`."""
-        mode = self._adaptive(job)
-        if mode is None:
-            return self._direct(job), None
-        transfer = mode.begin()
-        return transfer.direct, transfer
-
-    def _ended(self, job: TierJob, transfer: LargeTransfer | None, ok: bool) -> None:
-        """End store `job`'s transfer from `_begin` (None: not adaptive): measured and counted
-        if `ok`, else only no longer in flight."""
-        if transfer is None:
-            return
-        self._large_writes.end(transfer, job.nbytes if ok else None)
-        if ok:
-            self._count(f"large_writes_{'o_direct' if transfer.direct else 'buffered'}")
+    def _measured(self, job: TierJob) -> bool:
+        """Whether `job` is a store whose mode `LargeIoMode` measures (it is written alone)."""
+        return self._direct_io.way(job.kind, job.nbytes, self._aligned(job)) is Way.MEASURED
 
     def _direct(self, job: TierJob) -> bool:
-        """Whether `job` moves its chunk file with O_DIRECT (its host bytes must be aligned)."""
-        return (self.o_direct_for(job.kind, job.nbytes)
-                and (self._host_addr + job.offset) % ALIGN == 0)
+        """Whether `job` moves its chunk file with O_DIRECT."""
+        return self._direct_io.direct(job.kind, job.nbytes, self._aligned(job))
+
+    def _ended(self, job: TierJob, transfer: Transfer, ok: bool) -> None:
+        """End store `job`'s `transfer` (`DirectIo.begin`); a measured one that is `ok` counts
+        in `large_writes_{o_direct,buffered}`."""
+        self._direct_io.end(transfer, job.nbytes if ok else None)
+        if ok and transfer.measured is not None:
+            self._count(f"large_writes_{'o_direct' if transfer.direct else 'buffered'}")
 
     def _scratch_buffers(self) -> Scratch:
         scratch = getattr(self._scratch, "buffers", None)
@@ -330,19 +305,19 @@ class FsTier(IndexedTier):
         recycles an evicted file (at once: that file must not wait in a batch, where a refresh
         or a store of its key could take it meanwhile). A job whose checks raise fails alone."""
         outcomes: list[str | None] = [None] * len(jobs)
-        begun: list[tuple[int, tuple[int, ChunkKey | None]]] = []
+        begun: list[tuple[int, Reservation]] = []
         for i, job in enumerate(jobs):
             try:
-                if self._check_job(job) or not self._batched(job) or self._adaptive(job):
+                if self._check_job(job) or not self._batched(job) or self._measured(job):
                     outcomes[i] = self._store(job)     # alone: an adaptive one is timed alone
                     continue
                 reservation = self._store_begin(job)
             except Exception as exc:  # a malformed job: its own internal error, no reservation
                 outcomes[i] = internal_error(exc)
                 continue
-            if not isinstance(reservation, tuple):
-                outcomes[i] = reservation
-            elif reservation[1] is not None:
+            if not reservation.nbytes:
+                outcomes[i] = reservation.error
+            elif reservation.reuse is not None:
                 outcomes[i] = self._write_alone(job, reservation)
             else:
                 begun.append((i, reservation))
@@ -356,8 +331,8 @@ class FsTier(IndexedTier):
             for i, reservation in begun:
                 self._release(jobs[i], reservation, None)
             raise
-        for (i, reservation), outcome in zip(begun, written):
-            outcomes[i] = self._store_end(jobs[i], reservation, outcome)
+        for (i, reservation), error in zip(begun, written):
+            outcomes[i] = self._store_end(jobs[i], reservation, error)
         return outcomes
 
     def _payload(self, job: TierJob) -> memoryview:
@@ -368,38 +343,40 @@ class FsTier(IndexedTier):
         if error:
             return error
         reservation = self._store_begin(job)
-        if not isinstance(reservation, tuple):
-            return reservation
+        if not reservation.nbytes:
+            return reservation.error
         return self._write_alone(job, reservation)
 
-    def _write_alone(self, job: TierJob, reservation: tuple[int, ChunkKey | None]) -> str | None:
+    def _write_alone(self, job: TierJob, reservation: Reservation) -> str | None:
         """Write the file of `job` (reserved by `_store_begin`) in a call of its own, timed for
         "adaptive", and end its reservation; returns the job's outcome."""
-        _, reuse = reservation
-        direct, transfer = self._begin(job)
+        reuse = reservation.reuse
+        transfer = self._direct_io.begin(job.kind, job.nbytes, self._aligned(job))
+        error, recycled = None, False
         try:
-            outcome: bool | OSError = write_chunk(
-                self._os, self.ns_dir, job.key, self._payload(job), direct,
-                self._scratch_buffers(), self._sync,
-                None if reuse is None else chunk_path(self.ns_dir, reuse))
+            recycled = write_chunk(self._os, self.ns_dir, job.key, self._payload(job),
+                                   transfer.direct, self._scratch_buffers(), self._sync,
+                                   None if reuse is None else chunk_path(self.ns_dir, reuse))
         except OSError as exc:
-            outcome = exc
+            error = exc
         except BaseException:
             self._ended(job, transfer, False)
             self._release(job, reservation, None)
             raise
-        self._ended(job, transfer, not isinstance(outcome, OSError))
-        return self._store_end(job, reservation, outcome)
+        self._ended(job, transfer, error is None)
+        return self._store_end(job, reservation, error, recycled)
 
-    def _store_begin(self, job: TierJob) -> str | None | tuple[int, ChunkKey | None]:
-        """The steps of a checked store before its file is written: None if the chunk is
-        already stored, an error string if it cannot be, else its reservation (record bytes
-        reserved in the index, the evicted key whose file it recycles or None); the victims it
-        evicted are gone. The caller must end the reservation with `_store_end`."""
+    def _store_begin(self, job: TierJob) -> Reservation:
+        """The steps of a checked store before its file is written: a `Reservation` with
+        nothing reserved if the chunk is already stored (no error) or cannot be (its error),
+        else the record bytes reserved in the index and the evicted key whose file it recycles
+        (or None); the victims it evicted are gone. The caller must end a reservation with
+        `_store_end`."""
         if self._index.skip_store(job.key):
-            return None
-        # an unindexed (or doubted: `forget`) file under this name is rewritten, not trusted: it may be torn by a
-        # power loss (the scan left it out), or be another process's copy of the same chunk
+            return _STORED
+        # an unindexed (or doubted: `forget`) file under this name is rewritten, not trusted:
+        # it may be torn by a power loss (the scan left it out), or be another process's copy
+        # of the same chunk
         nbytes = record_nbytes(job.nbytes)
         budget = self._budget.room_for(self._index.used_bytes + nbytes, self.max_bytes)
         held = self.max_bytes - budget
@@ -407,56 +384,45 @@ class FsTier(IndexedTier):
             victims = self._index.reserve(nbytes, budget)
         except StoresInFlight as exc:
             self._count("refused_in_flight")
-            return f"chunk file: {exc}" + (f" (max_bytes {self.max_bytes} less {held} bytes held "
-                                           "by other namespaces in use)" if held else "")
+            return Reservation(error=f"chunk file: {exc}" + (
+                f" (max_bytes {self.max_bytes} less {held} bytes held by other namespaces in "
+                "use)" if held else ""))
         if victims is None:
-            return (f"chunk file of {nbytes} bytes exceeds max_bytes {self.max_bytes}"
-                    + (f" less {held} bytes held by other namespaces in use" if held else ""))
-        reuse = self._recyclable(victims, nbytes)
+            return Reservation(error=f"chunk file of {nbytes} bytes exceeds max_bytes "
+                               f"{self.max_bytes}" + (f" less {held} bytes held by other "
+                                                      "namespaces in use" if held else ""))
+        reservation = Reservation(nbytes, self._recyclable(victims, nbytes))
         # until the reservation ends, a refresh must not index this key's file (renamed into
         # place before the index learns of it) nor the recycled victim's (not yet taken)
-        self._register_stores([job.key] if reuse is None else [job.key, reuse], 1)
-        self._delete(victims, "evictions", keep=reuse)
-        return nbytes, reuse
+        self._storing.add(reservation.keys(job.key))
+        self._delete(victims, "evictions", keep=reservation.reuse)
+        return reservation
 
-    def _register_stores(self, keys: list[ChunkKey], step: int) -> None:
-        """Count `keys` in (`step` 1) or out (-1) of `_storing`."""
-        with self._storing_lock:
-            for key in keys:
-                left = self._storing.get(key, 0) + step
-                if left:
-                    self._storing[key] = left
-                else:
-                    del self._storing[key]
-
-    def _release(self, job: TierJob, reservation: tuple[int, ChunkKey | None],
-                 stored: ChunkKey | None) -> None:
+    def _release(self, job: TierJob, reservation: Reservation, stored: ChunkKey | None) -> None:
         """End the reservation of `job`: index `stored` (its key, or None if nothing was
         stored) in the same step, then let refreshes see its key (and its victim's) again."""
-        nbytes, reuse = reservation
-        self._index.release(nbytes, stored)
-        if reuse is not None:
+        self._index.release(reservation.nbytes, stored)
+        if reservation.reuse is not None:
             # the victim's file is gone or renamed now; a refresh that listed it before, and
             # reads `_storing` after the next line, must not index it again
-            self._index.discard(reuse)
-        self._register_stores([job.key] if reuse is None else [job.key, reuse], -1)
+            self._index.discard(reservation.reuse)
+        self._storing.remove(reservation.keys(job.key))
 
-    def _store_end(self, job: TierJob, reservation: tuple[int, ChunkKey | None],
-                   outcome: bool | OSError) -> str | None:
+    def _store_end(self, job: TierJob, reservation: Reservation, error: OSError | None,
+                   recycled: bool = False) -> str | None:
         """End the reservation of `job` (`_store_begin`) with the outcome of writing its file:
-        `write_chunk`'s bool (recycled or not), or the OSError it raised. Returns the job's
-        outcome (None or an error string)."""
-        nbytes, _ = reservation
+        the OSError that failed it, or None and whether an evicted file was `recycled`.
+        Returns the job's outcome (None or an error string)."""
         stored = None
         try:
-            if isinstance(outcome, OSError):
-                if outcome.errno == errno.ENOSPC:
+            if error is not None:
+                if error.errno == errno.ENOSPC:
                     self._count("enospc")
-                    self._delete(self._index.evict_lru(max(2 * nbytes,
+                    self._delete(self._index.evict_lru(max(2 * reservation.nbytes,
                                                            self._index.used_bytes // 10)),
                                  "evictions")
-                return _errno_text(outcome)
-            if outcome:
+                return _errno_text(error)
+            if recycled:
                 self._count("files_recycled")
             stored = job.key
         finally:
@@ -471,9 +437,8 @@ class FsTier(IndexedTier):
         fsynced too, or a power loss could bring the victim's name back."""
         if not victims or not self.config.recycle_files or self._sync:
             return None
-        with self._loading_lock:
-            return next((key for key, n in victims if n == nbytes and key not in self._loading),
-                        None)
+        loading = self._loading.snapshot()
+        return next((key for key, n in victims if n == nbytes and key not in loading), None)
 
     def _read(self, job: TierJob, path: str) -> None:
         """Read and verify the chunk file of `job` (its key's loads are registered meanwhile, so
@@ -488,7 +453,7 @@ class FsTier(IndexedTier):
             FileNotFoundError: no file, or it changed under both reads.
             SizeMismatch, OSError: from `read_chunk`.
         """
-        self._register_loads([job], 1)
+        self._loading.add((job.key,))
         dest, direct = self._payload(job), self._direct(job)
         try:
             for attempt in range(2):
@@ -503,7 +468,7 @@ class FsTier(IndexedTier):
                         raise FileNotFoundError(errno.ENOENT, "rewritten while read twice",
                                                 path) from None
         finally:
-            self._register_loads([job], -1)
+            self._loading.remove((job.key,))
 
     def _load_batch(self, jobs: list[TierJob]) -> list[str | None]:
         """`_load` for each of `jobs` (a `LanePool` batch): the batchable ones' files are read
@@ -521,14 +486,14 @@ class FsTier(IndexedTier):
                 alone.remove(i)
         if batch:
             batched = [jobs[i] for i in batch]
-            self._register_loads(batched, 1)
+            self._loading.add(job.key for job in batched)
             try:
                 verified = read_chunks([(chunk_path(self.ns_dir, job.key), job.key,
                                          self._payload(job), self._direct(job))
                                         for job in batched], self.namespace,
                                        self._scratch_buffers())
             finally:
-                self._register_loads(batched, -1)
+                self._loading.remove(job.key for job in batched)
             loaded = 0
             for i, ok in zip(batch, verified):
                 if ok:
@@ -540,16 +505,6 @@ class FsTier(IndexedTier):
         for i in alone:
             outcomes[i] = self._load(jobs[i])
         return outcomes
-
-    def _register_loads(self, jobs: list[TierJob], step: int) -> None:
-        """Count the loads of `jobs` in (`step` 1) or out (-1) of `_loading`."""
-        with self._loading_lock:
-            for job in jobs:
-                left = self._loading.get(job.key, 0) + step
-                if left:
-                    self._loading[job.key] = left
-                else:
-                    del self._loading[job.key]
 
     def _load(self, job: TierJob) -> str | None:
         error = self._check_job(job)
@@ -586,11 +541,13 @@ class FsTier(IndexedTier):
     def _forget_missing(self, key: ChunkKey, path: str) -> None:
         """Discard `key`, whose file a load found missing, unless a store of it is in flight or
         has put its file there since (forgetting that chunk would leave its bytes on disk and
-        out of the count, and the next store would see room that is not there). Under the
-        `_storing` lock, so that no store of `key` begins in between."""
-        with self._storing_lock:
-            if key not in self._storing and not os.path.lexists(path):
+        out of the count, and the next store would see room that is not there). Checked and
+        discarded while `_storing` holds its lock, so that no store of `key` begins in
+        between."""
+        def forget() -> None:
+            if not os.path.lexists(path):
                 self._index.discard(key)
+        self._storing.unless_held(key, forget)
 
     # -- housekeeping -------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:

@@ -83,12 +83,6 @@ def _keys(n: int, tag: int) -> list[ChunkKey]:
     return [ChunkKey(ns, 0, (tag << 40 | i).to_bytes(16, "big")) for i in range(n)]
 
 
-def _best_and_median(fn, repeats: int) -> tuple[float, float]:
-    fn()
-    times = sorted(fn() for _ in range(repeats))
-    return times[0], float(np.median(times))
-
-
 def _best_alternating(a, b, repeats: int) -> tuple[float, float]:
     """Best times of `a` and `b` run in turn (so both see the same machine load)."""
     a(), b()
