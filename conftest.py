@@ -21,7 +21,13 @@ GROUPED = "tests/vllm/"
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under `-n` with xdist's default `--dist load`: xdist's loadscope scheduler with one
     unit per `GROUPED` module and one per other test, handed out in collection order (an
-    explicit `--dist` is kept)."""
+    explicit `--dist` is kept).
+
+    A worker that dies mid-test (a segfault, `os._exit`, a backend killing its process) costs
+    that one test: xdist reports it as failed ("worker 'gw1' crashed while running '<test>'"),
+    the rest of the dead worker's tests go back to the queue, and the replacement worker takes
+    work once it has collected.
+    """
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -32,6 +38,32 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return path if path.startswith(GROUPED) else nodeid
+
+        def remove_node(self, node) -> str | None:
+            """Forget `node`; return the test it died in (None if it had none left). That
+            test is not queued again (it would kill the next worker too); the node's other
+            unfinished tests are."""
+            workload = self.assigned_work.pop(node)
+            crashed = next((nodeid for unit in workload.values()
+                            for nodeid, done in unit.items() if not done), None)
+            if crashed is None:
+                return None
+            for scope, unit in workload.items():
+                unit.pop(crashed, None)
+                if not all(unit.values()):
+                    self.workqueue[scope] = unit
+            for other in self.nodes:
+                self._reschedule(other)
+            return crashed
+
+        def _reschedule(self, node) -> None:
+            # a replacement worker gets work once its collection is in (`schedule`)
+            if node in self.registered_collections:
+                super()._reschedule(node)
+
+        def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
+            if node in self.assigned_work:  # not a late report of a worker already gone
+                super().mark_test_complete(node, item_index, duration)
 
     return ModulesOfVllm(config, log)
 

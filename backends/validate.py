@@ -46,7 +46,8 @@ def copy_2d_args(backend: str, ranges: Any, dst: Any, dst_pitch: Any, src: Any,
         return None
     for what, pitch in (("dst_pitch", dst_pitch), ("src_pitch", src_pitch)):
         if pitch < width:
-            raise InvalidValueError(f"{what} {pitch} < width {width}", backend=backend)
+            raise InvalidValueError(f"{what} {pitch} < width {width}", backend=backend,
+                                    arg=what)
     ranges.check(dst, (height - 1) * dst_pitch + width, "dst")
     ranges.check(src, (height - 1) * src_pitch + width, "src")
     return args
@@ -69,7 +70,8 @@ def batch_arrays(backend: str, ranges: Any, dsts: Any, srcs: Any,
     n = as_u64(sizes, "sizes", backend)
     if not (len(d) == len(s) == len(n)):
         raise InvalidValueError(f"batch arrays differ in length: dsts={len(d)} srcs={len(s)} "
-                                f"sizes={len(n)}", backend=backend)
+                                f"sizes={len(n)}", backend=backend,
+                                arg="srcs" if len(s) != len(d) else "sizes")
     keep = n > 0
     if not keep.all():
         d, s, n = d[keep], s[keep], n[keep]
@@ -92,10 +94,10 @@ def host_range(backend: str, ptr: Any, nbytes: Any) -> tuple[int, int]:
         return 0, 0
     ptr = as_int(0 if ptr is None else ptr, "ptr", backend)
     if not ptr:
-        raise InvalidValueError("register_host: ptr is NULL", backend=backend)
+        raise InvalidValueError("register_host: ptr is NULL", backend=backend, arg="ptr")
     bad = unmapped_or_read_only(ptr, nbytes)
     if bad is not None:
         raise InvalidValueError(f"register_host: [{ptr:#x}, +{nbytes}) is not mapped read-write "
                                 f"in this process (first bad byte {bad:#x})", backend=backend,
-                                api="register_host")
+                                arg="ptr", api="register_host")
     return ptr, nbytes

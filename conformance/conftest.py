@@ -1,11 +1,16 @@
-"""The kvhal conformance suite: `pytest conformance/ [--kvhal-backend=NAME ...]`.
+"""The kvhal conformance suite: `pytest conformance/ [--kvhal-backend=NAME ...]
+[--kvhal-tier=NAME ...]` (conformance/README.md walks a backend or tier author through it).
 
-Every test that takes the `backend` fixture runs once per selected backend (default: every
+Two suites: the backend suite (the HAL and layout modules: every test that does not take
+`tier_name`) and the tier suite (every test that takes `tier_name`). `--kvhal-backend` alone
+runs the backend suite, `--kvhal-tier` alone the tier suite, both or neither run both. Every
+test that takes the `backend` fixture runs once per selected backend (default: every
 registered backend; unavailable ones are skipped with the backend's own reason).
 """
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +55,24 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("tier_name", [
             pytest.param(name, marks=pytest.mark.slow if slow and harnesses()[name].services
                          else ()) for name in selected_tiers(metafunc.config)])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the suite not asked for: the tier suite under `--kvhal-backend` alone, the
+    backend suite under `--kvhal-tier` alone (tests outside conformance/ are left alone)."""
+    backend_chosen = bool(config.getoption("--kvhal-backend"))
+    tier_chosen = bool(config.getoption("--kvhal-tier"))
+    if backend_chosen == tier_chosen:
+        return
+    here = Path(__file__).parent
+    keep, drop = [], []
+    for item in items:
+        ours = here in item.path.parents
+        is_tier = "tier_name" in getattr(item, "fixturenames", ())
+        (drop if ours and is_tier != tier_chosen else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 _instances: dict[str, object] = {}

@@ -1,9 +1,13 @@
 """Helpers the HAL conformance tests share: move bytes in and out of any memory kind."""
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+from typing import Iterator
 
-from kvhal.hal import Allocation, DeviceBackend, MemoryKind, host_array
+import numpy as np
+import pytest
+
+from kvhal.hal import Allocation, DeviceBackend, InvalidValueError, MemoryKind, host_array
 
 
 def reference_bytes(nbytes: int, seed: int) -> np.ndarray:
@@ -45,3 +49,20 @@ def read(backend: DeviceBackend, alloc: Allocation) -> np.ndarray:
 def alloc_kind(backend: DeviceBackend, kind: str, nbytes: int) -> Allocation:
     """Allocate `nbytes` of kind "device" or "host" (pinned)."""
     return backend.alloc_device(nbytes) if kind == "device" else backend.alloc_pinned(nbytes)
+
+
+@contextlib.contextmanager
+def refused(arg: str | set[str], index: int | None = None) -> Iterator[pytest.ExceptionInfo]:
+    """Expect the block to raise `InvalidValueError` naming the offending argument: its `arg`
+    is `arg` (or one of a set), and its `index` is `index` when given (an array argument's
+    entry or row). The message is free text; only the attributes are the contract."""
+    with pytest.raises(InvalidValueError) as info:
+        yield info
+    error = info.value
+    allowed = {arg} if isinstance(arg, str) else arg
+    assert getattr(error, "arg", None) in allowed, (
+        f"InvalidValueError.arg is {getattr(error, 'arg', None)!r}, expected "
+        f"{' or '.join(map(repr, sorted(allowed)))}: {error}")
+    if index is not None:
+        assert error.index == index, (f"InvalidValueError.index is {error.index!r}, expected "
+                                      f"{index}: {error}")

@@ -121,3 +121,64 @@ def free_device(backend: DeviceBackend, device: RankDevice) -> None:
     """Free every layer allocation."""
     for alloc in device.allocs:
         backend.free(alloc)
+
+
+
+def _first_difference(got: np.ndarray, expected: np.ndarray) -> tuple[int, int] | None:
+    """(offset of the first differing byte, number of differing bytes), or None if equal."""
+    differ = np.flatnonzero(got != expected)
+    return (int(differ[0]), len(differ)) if len(differ) else None
+
+
+def _groups_of_layers(spec: KVCacheSpec) -> list[LayerGroup]:
+    """The group of each layer, in layer order."""
+    return [g for g in spec.groups for _ in range(g.num_layers)]
+
+
+def canonical_mismatch(got: np.ndarray, spec: KVCacheSpec, logical: list[np.ndarray]
+                       ) -> str | None:
+    """None if the host slot `got` (uint8) is the canonical chunk of `logical`, else one line
+    naming the first differing byte: its slot offset, layer, block of the chunk, head, token
+    and byte of the token's row (canonical layer = [head][token][row], layers back to back)."""
+    expected = canonical_chunk(logical)
+    first = _first_difference(got, expected)
+    if first is None:
+        return None
+    offset, count = first
+    in_layer = offset
+    for layer, (group, kv) in enumerate(zip(_groups_of_layers(spec), logical)):
+        if in_layer < kv.size:
+            break
+        in_layer -= kv.size
+    tokens, _, row = kv.shape
+    head, rest = divmod(in_layer, tokens * row)
+    token, byte = divmod(rest, row)
+    return (f"canonical slot: first differing byte at slot offset {offset}: layer {layer}, "
+            f"chunk block {token // group.tokens_per_page}, head {head}, token {token}, row "
+            f"byte {byte} (offset {in_layer} in the layer); got {int(got[offset]):#04x}, "
+            f"expected {int(expected[offset]):#04x}; {count} bytes differ")
+
+
+def device_mismatch(got: list[np.ndarray], device: RankDevice, block_ids: np.ndarray
+                    ) -> str | None:
+    """None if every layer tensor `got` (uint8, as `download` returns) holds
+    `device.expected`, else one line naming the first differing byte: its layer, device
+    block (and which block of the chunk it holds, if any), plane (separate-kv: 0 = K,
+    1 = V) and offset in the block's page."""
+    chunk_block = {int(b): j for j, b in enumerate(block_ids)}
+    for layer, (g, e) in enumerate(zip(got, device.expected)):
+        first = _first_difference(g, e)
+        if first is None:
+            continue
+        offset, count = first
+        nb = device.cache.num_blocks
+        page = int(device.cache.block_strides[layer])
+        plane, rest = divmod(offset, nb * page)
+        block, in_page = divmod(rest, page)
+        held = (f"chunk block {chunk_block[block]}" if block in chunk_block
+                else "not in the chunk: must be untouched")
+        return (f"layer {layer}: first differing byte at tensor offset {offset}: device block "
+                f"{block} ({held}), plane {plane}, offset {in_page} in the page; got "
+                f"{int(g[offset]):#04x}, expected {int(e[offset]):#04x}; {count} bytes differ "
+                "in this layer")
+    return None

@@ -6,7 +6,7 @@ import pytest
 
 from kvhal.hal import InvalidValueError
 
-from .hal_helpers import alloc_kind, read, reference_bytes, write
+from .hal_helpers import alloc_kind, read, reference_bytes, refused, write
 
 DIRECTIONS = {"H2D": ("host", "device"), "D2H": ("device", "host"),
               "D2D": ("device", "device"), "H2H": ("host", "host")}
@@ -90,7 +90,7 @@ def test_copy_2d_pitch_below_width_is_invalid(backend, stream, which):
     buf = backend.alloc_device(1 << 16)
     try:
         pitches = {"src_pitch": 64, "dst_pitch": 64, which: 32}
-        with pytest.raises(InvalidValueError):
+        with refused(which):
             backend.copy_2d_async(buf.ptr, pitches["dst_pitch"], buf.ptr + 8192,
                                   pitches["src_pitch"], 48, 4, stream)
     finally:

@@ -22,8 +22,9 @@ from kvhal.hal import host_array
 from kvhal.layout import (D2H, H2D, Kind, KVCacheSpec, LayerGroup, LayoutError,
                           attention_spec, chunk_mapper, mapping_status, mla_spec, plan_copies)
 
-from .layout_oracle import (canonical_chunk, download, free_device, logical_kv,
-                            make_rank_device, place_chunk, run_plan, upload)
+from .layout_oracle import (canonical_chunk, canonical_mismatch, device_mismatch, download,
+                            free_device, logical_kv, make_rank_device, place_chunk, run_plan,
+                            upload)
 
 TP_SIZES = (1, 2, 4, 8)
 BLOCKS_PER_CHUNK = (1, 4)
@@ -109,8 +110,8 @@ def _load_and_check(backend, stream, spec, layout, tp, n, logical, slot, rng, ex
         place_chunk(dev, spec, mapper.layouts, tp, rank, logical, block_ids)
         got = download(backend, dev)
         free_device(backend, dev)
-        for layer, (g, e) in enumerate(zip(got, dev.expected)):
-            assert np.array_equal(g, e), f"rank {rank} layer {layer}: device bytes differ"
+        mismatch = device_mismatch(got, dev, block_ids)
+        assert mismatch is None, f"load at tp {tp} {layout}, rank {rank}, {mismatch}"
 
 
 def _roundtrip(backend, spec, n, store, load, seed, expand):
@@ -123,7 +124,8 @@ def _roundtrip(backend, spec, n, store, load, seed, expand):
     try:
         host_array(slot)[:] = rng.integers(0, 256, expected.size, dtype=np.uint8)
         _store(backend, stream, spec, store[1], store[0], n, logical, slot, rng)
-        assert np.array_equal(host_array(slot), expected)
+        mismatch = canonical_mismatch(host_array(slot), spec, logical)
+        assert mismatch is None, f"store at tp {store[0]} {store[1]}: {mismatch}"
         _load_and_check(backend, stream, spec, load[1], load[0], n, logical, slot, rng, expand)
     finally:
         backend.free(slot)

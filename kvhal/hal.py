@@ -50,7 +50,26 @@ class OutOfMemoryError(HalError):
 
 
 class InvalidValueError(HalError):
-    """An argument is invalid: unknown address range, pitch < width, mismatched arrays, ..."""
+    """An argument is invalid: unknown address range, pitch < width, mismatched arrays, ...
+
+    Attributes:
+        arg: The offending argument's name exactly as the `DeviceBackend` method spells its
+            parameter ("nbytes", "dst", "src_pitch", "dsts", "copies", "allocation",
+            "device", "ptr", "stream", "event", "start", ...), or None when no single argument
+            is at fault. When several arguments are wrong, the first one checked is named. A
+            range (a copy's span, a registered host range) that lies outside the live
+            allocations, or does not fit in 64 bits, is blamed on its start address argument
+            ("dst", "src", "ptr"; "dsts"/"srcs" in a batch). kvhal's argument helpers
+            (`as_int`, `as_u64`, `as_copies_2d`) set it; the conformance suite checks it.
+        index: For an array argument (`dsts`, `srcs`, `sizes`, the rows of `copies`), the
+            position of the first offending entry or row, in the caller's numbering; else None.
+    """
+
+    def __init__(self, message: str, *, backend: str, arg: str | None = None,
+                 index: int | None = None, code: int | None = None, api: str | None = None):
+        super().__init__(message, backend=backend, code=code, api=api)
+        self.arg = arg
+        self.index = index
 
 
 class NotSupportedError(HalError):
@@ -353,7 +372,7 @@ def host_array(allocation: Allocation) -> np.ndarray:
     """
     if allocation.kind is MemoryKind.DEVICE:
         raise InvalidValueError("host_array needs host memory, got a DEVICE allocation",
-                                backend=allocation.backend)
+                                backend=allocation.backend, arg="allocation")
     return address_array(allocation.ptr, allocation.nbytes)
 
 
@@ -372,7 +391,8 @@ MAX_U64 = (1 << 64) - 1
 
 
 def as_int(value: Any, what: str, backend: str) -> int:
-    """`value` as a Python int in [0, 2**64), naming `what` in the error.
+    """`value` as a Python int in [0, 2**64), naming `what` in the error (its message and
+    `InvalidValueError.arg`: pass the parameter's name).
 
     Accepts `int` and numpy integer scalars; refuses `bool`, floats (even integral ones),
     strings and None, so a bad argument fails at the call, never later on the stream.
@@ -382,10 +402,11 @@ def as_int(value: Any, what: str, backend: str) -> int:
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise InvalidValueError(f"{what} must be an int, got {type(value).__name__} "
-                                f"{value!r}", backend=backend)
+                                f"{value!r}", backend=backend, arg=what)
     value = int(value)
     if not 0 <= value <= MAX_U64:
-        raise InvalidValueError(f"{what} must be in [0, 2**64), got {value}", backend=backend)
+        raise InvalidValueError(f"{what} must be in [0, 2**64), got {value}", backend=backend,
+                                arg=what)
     return value
 
 
@@ -428,7 +449,8 @@ def coalesce_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, max_by
 
 
 def as_u64(values: Any, what: str, backend: str) -> np.ndarray:
-    """Coerce `values` to a contiguous 1-D uint64 array, naming `what` in the error.
+    """Coerce `values` to a contiguous 1-D uint64 array, naming `what` in the error (its
+    message and `InvalidValueError.arg`, with `index` for a bad entry).
 
     Only integer inputs are accepted: a float, bool, string or object array (or a list that
     becomes one) is refused rather than truncated, so a batch never moves different bytes than
@@ -440,19 +462,21 @@ def as_u64(values: Any, what: str, backend: str) -> np.ndarray:
     try:
         arr = np.asarray(values)
     except (OverflowError, ValueError) as exc:
-        raise InvalidValueError(f"{what} is not an integer array: {exc}", backend=backend) \
-            from None
+        raise InvalidValueError(f"{what} is not an integer array: {exc}", backend=backend,
+                                arg=what) from None
     if arr.ndim != 1:
-        raise InvalidValueError(f"{what} must be 1-D, got shape {arr.shape}", backend=backend)
+        raise InvalidValueError(f"{what} must be 1-D, got shape {arr.shape}", backend=backend,
+                                arg=what)
     if arr.dtype == np.uint64 or arr.size == 0:
         return np.ascontiguousarray(arr, dtype=np.uint64)
     if arr.dtype.kind not in "iu":
         raise InvalidValueError(f"{what} must hold integers, got dtype {arr.dtype}"
                                 + (" (Python ints ≥ 2**64 or non-numbers?)"
-                                   if arr.dtype == object else ""), backend=backend)
+                                   if arr.dtype == object else ""), backend=backend, arg=what)
     if arr.dtype.kind == "i" and arr.min() < 0:
         bad = int(np.flatnonzero(arr < 0)[0])
-        raise InvalidValueError(f"{what}[{bad}] is negative: {int(arr[bad])}", backend=backend)
+        raise InvalidValueError(f"{what}[{bad}] is negative: {int(arr[bad])}", backend=backend,
+                                arg=what, index=bad)
     return np.ascontiguousarray(arr.astype(np.uint64))
 
 
@@ -478,45 +502,63 @@ def as_copies_2d(copies: Any, backend: str, ranges: Any = None) -> np.ndarray:
     Raises:
         InvalidValueError: not an integer array of shape (n, 6), a negative entry, a pitch
             smaller than the width, a span that does not fit in 64 bits, or (with `ranges`) a
-            span outside the live allocations (names the row).
+            span outside the live allocations; `arg` is "copies" and `index` the offending
+            row's number in `copies` (empty rows counted), None for a shape or type error.
     """
+    def refuse(message: str, row: int | None = None) -> InvalidValueError:
+        return InvalidValueError(message, backend=backend, arg="copies", index=row)
+
     try:
         arr = np.asarray(copies)
     except (OverflowError, ValueError) as exc:
-        raise InvalidValueError(f"copies is not an integer array: {exc}", backend=backend) \
-            from None
+        raise refuse(f"copies is not an integer array: {exc}") from None
     if arr.ndim != 2 or arr.shape[1] != len(COPY_2D_COLUMNS):
-        raise InvalidValueError(f"copies must have shape (n, {len(COPY_2D_COLUMNS)}) with "
-                                f"columns {COPY_2D_COLUMNS}, got shape {arr.shape}",
-                                backend=backend)
+        raise refuse(f"copies must have shape (n, {len(COPY_2D_COLUMNS)}) with columns "
+                     f"{COPY_2D_COLUMNS}, got shape {arr.shape}")
     if arr.size == 0:
         return np.empty((0, len(COPY_2D_COLUMNS)), dtype=np.uint64)
     if arr.dtype != np.uint64:
-        arr = as_u64(arr.ravel(), "copies", backend).reshape(arr.shape)
+        try:
+            arr = as_u64(arr.ravel(), "copies", backend).reshape(arr.shape)
+        except InvalidValueError as exc:
+            row = None if exc.index is None else exc.index // len(COPY_2D_COLUMNS)
+            raise refuse(str(exc).removeprefix(f"[{backend}] "), row) from None
     rows = np.ascontiguousarray(arr)
     width, height = rows[:, 4], rows[:, 5]
     keep = (width > 0) & (height > 0)
+    numbers = None  # the caller's row number of each kept row (None: all kept)
     if not keep.all():
+        numbers = np.flatnonzero(keep)
         rows = rows[keep]
         width, height = rows[:, 4], rows[:, 5]
+
+    def number(kept: int) -> int:
+        return kept if numbers is None else int(numbers[kept])
+
     for col in (1, 3):
         pitch = rows[:, col]
         short = pitch < width
         if short.any():
-            bad = int(np.flatnonzero(short)[0])
-            raise InvalidValueError(f"copies row {bad}: {COPY_2D_COLUMNS[col]} "
-                                    f"{int(pitch[bad])} < width {int(width[bad])}",
-                                    backend=backend)
+            bad = number(int(np.flatnonzero(short)[0]))
+            raise refuse(f"copies row {bad}: {COPY_2D_COLUMNS[col]} {int(arr[bad, col])} < "
+                         f"width {int(arr[bad, 4])}", bad)
         # (height - 1) * pitch + width must not wrap: pitch ≥ width > 0 here
         wraps = height - np.uint64(1) > (np.uint64(MAX_U64) - width) // pitch
         if wraps.any():
-            bad = int(np.flatnonzero(wraps)[0])
-            raise InvalidValueError(f"copies row {bad}: {int(height[bad])} rows of pitch "
-                                    f"{int(pitch[bad])} span past 2**64", backend=backend)
+            bad = number(int(np.flatnonzero(wraps)[0]))
+            raise refuse(f"copies row {bad}: {int(arr[bad, 5])} rows of "
+                         f"{COPY_2D_COLUMNS[col]} {int(arr[bad, col])} from "
+                         f"{COPY_2D_COLUMNS[col - 1]} span past 2**64", bad)
     if ranges is not None and len(rows):
-        dst_span, src_span = copy_2d_spans(rows)
-        ranges.check_many(rows[:, 0], dst_span, "copies dst")
-        ranges.check_many(rows[:, 2], src_span, "copies src")
+        for col, span in zip((0, 2), copy_2d_spans(rows)):
+            try:
+                ranges.check_many(rows[:, col], span, f"copies {COPY_2D_COLUMNS[col]}")
+            except InvalidValueError as exc:
+                bad = None if exc.index is None else number(exc.index)
+                raise refuse(f"copies row {bad}: {COPY_2D_COLUMNS[col]} range "
+                             f"[{int(arr[bad, col]):#x}, +{int(span[exc.index])}) is outside "
+                             "every allocation of this backend" if bad is not None
+                             else str(exc).removeprefix(f"[{backend}] "), bad) from None
     return rows
 
 

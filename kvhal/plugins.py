@@ -73,14 +73,28 @@ class PolicySpec:
 def plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager with every `kvhal` entry point loaded.
 
+    Entry point names are plugin names and unique: a second entry point of the same name
+    pointing elsewhere (e.g. a third-party `cpu` beside the built-in one) is refused, whichever
+    comes first on `sys.path`. The same entry point seen twice (one distribution found twice)
+    is registered once.
+
     Raises:
-        PluginError: an entry point failed to import; the message names it, its module and its
-            distribution (a broken third-party plugin is refused loudly, never skipped).
+        PluginError: an entry point failed to import, or two entry points share a name; the
+            message names each entry point involved, its module and its distribution (a broken
+            third-party plugin is refused loudly, never skipped).
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    seen: dict[str, importlib.metadata.EntryPoint] = {}
     for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
-        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+        first = seen.setdefault(ep.name, ep)
+        if first is not ep:
+            if first.value != ep.value:
+                raise PluginError(f"two {hookspecs.PROJECT!r} entry points are named "
+                                  f"{ep.name!r}: {_describe(first)} and {_describe(ep)}; a "
+                                  "plugin name is registered once: rename the third-party one")
+            continue
+        if pm.is_blocked(ep.name):
             continue
         try:
             plugin = ep.load()
@@ -91,6 +105,14 @@ def plugin_manager() -> pluggy.PluginManager:
                               f"{type(exc).__name__}: {exc}") from exc
         pm.register(plugin, name=ep.name)
     return pm
+
+
+def _describe(ep: importlib.metadata.EntryPoint) -> str:
+    """`'module' (distribution 'name', built in)` for an entry point of kvhal itself, else
+    `'module' (distribution 'name')`."""
+    dist = ep.dist.name if ep.dist is not None else "?"
+    built_in = ", built in" if dist == hookspecs.PROJECT else ""
+    return f"{ep.value!r} (distribution {dist!r}{built_in})"
 
 
 def _collect(hook: Any, kind: str, spec_type: type | None = None) -> dict[str, Any]:

@@ -120,7 +120,7 @@ class RuntimeBackend:
         device = as_int(device, "device", self.name)
         if device >= self.device_count:
             raise InvalidValueError(f"device {device} does not exist ({self.device_count} "
-                                    "device(s))", backend=self.name)
+                                    "device(s))", backend=self.name, arg="device")
         return device
 
     def capabilities(self) -> Capabilities:
@@ -193,18 +193,20 @@ class RuntimeBackend:
         ptr = as_int(ptr, "ptr", self.name)
         if not ptr or nbytes == 0:
             raise InvalidValueError(f"adopt_device needs ptr ≠ 0 and nbytes > 0, got "
-                                    f"ptr={ptr:#x} nbytes={nbytes}", backend=self.name)
+                                    f"ptr={ptr:#x} nbytes={nbytes}", backend=self.name,
+                                    arg="nbytes" if ptr else "ptr")
         return self._track(Allocation(ptr, nbytes, MemoryKind.DEVICE,
                                       self._check_device(device), self.name, handle=EXTERNAL))
 
     def _forget(self, alloc: Allocation) -> None:
         if not isinstance(alloc, Allocation):
             raise InvalidValueError(f"free: expected an Allocation, got {alloc!r}",
-                                    backend=self.name)
+                                    backend=self.name, arg="allocation")
         with self._lock:
             if self._allocs.get(alloc.ptr) != alloc:
                 raise InvalidValueError(f"free: {alloc.ptr:#x} is not a live allocation of this "
-                                        "backend (double free?)", backend=self.name)
+                                        "backend (double free?)", backend=self.name,
+                                        arg="allocation")
             del self._allocs[alloc.ptr]
         self._ranges.remove(alloc.ptr)
         side = self._device_ranges if alloc.kind is MemoryKind.DEVICE else self._host_ranges
@@ -223,19 +225,20 @@ class RuntimeBackend:
         self._call(op, allocation.ptr)
 
     # -- streams and events ------------------------------------------------------------------
-    def _live(self, obj: Any, cls: type, live: Any) -> Any:
-        """`obj.handle` if obj is a `cls` (Stream/Event) of this backend still in `live`."""
+    def _live(self, obj: Any, cls: type, live: Any, what: str | None = None) -> Any:
+        """`obj.handle` if obj is a `cls` (Stream/Event) of this backend still in `live`;
+        an error names the argument `what` (default: "stream" / "event")."""
         if not isinstance(obj, cls) or obj.backend != self.name or int(obj.handle) not in live:
             raise InvalidValueError(f"not a live {self.name} {cls.__name__.lower()} of this "
                                     f"backend (destroyed or foreign?): {obj!r}",
-                                    backend=self.name)
+                                    backend=self.name, arg=what or cls.__name__.lower())
         return obj.handle
 
     def _stream(self, stream: Stream) -> Any:
         return self._live(stream, Stream, self._live_streams)
 
-    def _event(self, event: Event) -> Any:
-        return self._live(event, Event, self._live_events)
+    def _event(self, event: Event, what: str = "event") -> Any:
+        return self._live(event, Event, self._live_events, what)
 
     def create_stream(self, device: int | None = None) -> Stream:
         """See `DeviceBackend.create_stream` (non-blocking: never syncs with the legacy
@@ -270,7 +273,8 @@ class RuntimeBackend:
         handle = self._stream(stream)
         if self._live_streams[int(handle)]:
             raise InvalidValueError("destroy_stream: this stream was created elsewhere "
-                                    "(external_stream); its owner destroys it", backend=self.name)
+                                    "(external_stream); its owner destroys it", backend=self.name,
+                                    arg="stream")
         with self._lock:
             del self._live_streams[int(handle)]
         self._call("stream_synchronize", handle)
@@ -325,10 +329,10 @@ class RuntimeBackend:
                 (the runtime's not-ready is reported as invalid here, per the HAL contract).
         """
         for which, ev in (("start", start), ("end", end)):
-            self._event(ev)
+            self._event(ev, which)
             if not ev.timing:
                 raise InvalidValueError(f"{which} event was created without timing",
-                                        backend=self.name)
+                                        backend=self.name, arg=which)
         api = self.table.api("event_elapsed")
         result = self._fn["event_elapsed"](self._event(start), self._event(end))
         if code_of(result[0]) == self._errors.not_ready:

@@ -106,7 +106,7 @@ class CpuBackend:
     def _check_device(self, device: int) -> None:
         if as_int(device, "device", self.name) != 0:
             raise InvalidValueError(f"device {device} does not exist (cpu has device 0 only)",
-                                    backend=self.name)
+                                    backend=self.name, arg="device")
 
     def _map(self, nbytes: int, kind: MemoryKind, device: int) -> Allocation:
         nbytes = as_int(nbytes, "nbytes", self.name)
@@ -173,14 +173,15 @@ class CpuBackend:
         if not isinstance(allocation, Allocation):
             raise InvalidValueError(f"free: expected an Allocation, got "
                                     f"{type(allocation).__name__} {allocation!r}",
-                                    backend=self.name)
+                                    backend=self.name, arg="allocation")
         if allocation.nbytes == 0:
             return
         with self._lock:
             live = self._allocs.get(allocation.ptr)
             if live != allocation:
                 raise InvalidValueError(f"free: {allocation.ptr:#x} is not a live allocation "
-                                        "of this backend (double free?)", backend=self.name)
+                                        "of this backend (double free?)", backend=self.name,
+                                        arg="allocation")
             del self._allocs[allocation.ptr]
             workers = list(self._workers)
         for worker in workers:
@@ -202,10 +203,11 @@ class CpuBackend:
     def _worker(self, stream: Stream) -> StreamWorker:
         if not isinstance(stream, Stream) or stream.backend != self.name or \
                 not isinstance(stream.handle, StreamWorker):
-            raise InvalidValueError(f"not a cpu stream: {stream!r}", backend=self.name)
+            raise InvalidValueError(f"not a cpu stream: {stream!r}", backend=self.name,
+                                    arg="stream")
         if stream.handle not in self._workers:
             raise InvalidValueError(f"stream {stream.handle.name} was destroyed or belongs to "
-                                    "another backend instance", backend=self.name)
+                                    "another backend instance", backend=self.name, arg="stream")
         return stream.handle
 
     def _raise_async(self, worker: StreamWorker) -> None:
@@ -260,10 +262,10 @@ class CpuBackend:
         """See `DeviceBackend.destroy_event` (nothing to release on cpu)."""
         self._event(event)
 
-    def _event(self, event: Event) -> EventState:
+    def _event(self, event: Event, what: str = "event") -> EventState:
         if not isinstance(event, Event) or event.backend != self.name or \
                 not isinstance(event.handle, EventState):
-            raise InvalidValueError(f"not a cpu event: {event!r}", backend=self.name)
+            raise InvalidValueError(f"not a cpu event: {event!r}", backend=self.name, arg=what)
         return event.handle
 
     def record_event(self, event: Event, stream: Stream) -> None:
@@ -289,12 +291,13 @@ class CpuBackend:
         """See `DeviceBackend.event_elapsed_ms` (perf_counter clock)."""
         marks = []
         for which, ev in (("start", start), ("end", end)):
-            mark = self._event(ev).mark
+            mark = self._event(ev, which).mark
             if not ev.timing:
                 raise InvalidValueError(f"{which} event was created without timing",
-                                        backend=self.name)
+                                        backend=self.name, arg=which)
             if mark is None or not mark.done.is_set():
-                raise InvalidValueError(f"{which} event has not completed", backend=self.name)
+                raise InvalidValueError(f"{which} event has not completed", backend=self.name,
+                                        arg=which)
             marks.append(mark)
         return (marks[1].time_ns - marks[0].time_ns) / 1e6
 

@@ -134,12 +134,14 @@ class RangeRegistry:
         self._ends = np.array([self._ranges[s] for s in starts], dtype=np.uint64)
 
     def check(self, ptr: int, nbytes: int, what: str) -> None:
-        """Raise InvalidValueError unless [ptr, ptr + nbytes) lies inside one live range."""
+        """Raise InvalidValueError (`arg` = `what`, the start address's parameter name) unless
+        [ptr, ptr + nbytes) lies inside one live range."""
         starts, ends = self._starts, self._ends
         i = int(np.searchsorted(starts, np.uint64(ptr), side="right")) - 1 if ptr >= 0 else -1
         if i < 0 or ptr + nbytes > int(ends[i]):
             raise InvalidValueError(f"{what} range [{ptr:#x}, +{nbytes}) is outside every "
-                                    "allocation of this backend", backend=self._backend)
+                                    "allocation of this backend", backend=self._backend,
+                                    arg=what)
 
     def starts_of(self, ptrs: np.ndarray) -> np.ndarray:
         """Start of the live range holding each address of the uint64 array `ptrs` (any shape;
@@ -148,7 +150,8 @@ class RangeRegistry:
         return starts[np.searchsorted(starts, ptrs, side="right") - 1]
 
     def check_many(self, ptrs: np.ndarray, sizes: np.ndarray, what: str) -> None:
-        """Vectorised `check` for uint64 arrays of shape (n,)."""
+        """Vectorised `check` for uint64 arrays of shape (n,); the error's `index` is the
+        first range outside."""
         starts, ends = self._starts, self._ends
         idx = np.searchsorted(starts, ptrs, side="right").astype(np.int64) - 1
         ok = idx >= 0
@@ -163,4 +166,4 @@ class RangeRegistry:
             bad = int(np.flatnonzero(~ok)[0])
             raise InvalidValueError(f"{what}[{bad}] range [{int(ptrs[bad]):#x}, "
                                     f"+{int(sizes[bad])}) is outside every allocation of this "
-                                    "backend", backend=self._backend)
+                                    "backend", backend=self._backend, arg=what, index=bad)

@@ -68,7 +68,7 @@ class StreamWorker:
         """
         with self._cond:
             if self._closed:
-                raise InvalidValueError(f"stream {self.name} was destroyed",
+                raise InvalidValueError(f"stream {self.name} was destroyed", arg="stream",
                                         backend=self._backend)
             self._submitted += 1
             self._queue.put(op)

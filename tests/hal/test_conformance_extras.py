@@ -33,10 +33,10 @@ sys.meta_path.insert(0, _NotInstalled())
 
 @pytest.mark.slow  # a pytest run of its own: 1 min 49 s on 2 loaded cores (load average 10-12)
 def test_conformance_suite_runs_without_the_s3_p2p_mooncake_and_vllm_extras(tmp_path):
-    """`pytest conformance/ --kvhal-backend=cpu` with obstore, boto3, msgpack, zmq, mooncake
-    and vllm unimportable: conftest.py and every module load, the hal tests and the fs and
-    memory tiers' tests pass and the obj, p2p and mooncake tiers' tests skip naming their
-    extra.
+    """`pytest conformance/ --kvhal-backend=cpu --kvhal-tier=NAME` (every tier) with obstore,
+    boto3, msgpack, zmq, mooncake and vllm unimportable: conftest.py and every module load,
+    the hal tests and the fs and memory tiers' tests pass and the obj, p2p and mooncake tiers'
+    tests skip naming their extra.
 
     The extras are removed by an import blocker (a `sitecustomize` on PYTHONPATH, so the
     suite's own child processes are blocked too) rather than by a fresh venv holding only
@@ -58,7 +58,9 @@ def test_conformance_suite_runs_without_the_s3_p2p_mooncake_and_vllm_extras(tmp_
     env.pop("KVHAL_REQUIRE_MOONCAKE", None)
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-rs", str(REPO / "conformance"), "--kvhal-backend=cpu", "-m", "not slow"],
+         "-rs", str(REPO / "conformance"), "--kvhal-backend=cpu",
+         *(f"--kvhal-tier={name}" for name in ("memory", "fs", "obj", "p2p", "mooncake")),
+         "-m", "not slow"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
     text = out.stdout + out.stderr

@@ -142,3 +142,32 @@ def test_broken_third_party_entry_point_is_named_in_one_line(tmp_path):
     assert out.stderr == ("kvhal doctor: error: entry point 'broken' = 'kvhal_broken_missing' "
                           "(distribution 'kvhal-broken', group 'kvhal') failed to load: "
                           "ModuleNotFoundError: No module named 'kvhal_broken_missing'\n")
+
+
+@pytest.mark.parametrize("where", ["before", "after"],
+                         ids=lambda w: f"third-party-{w}-built-in-on-sys-path")
+@pytest.mark.parametrize("name, built_in", [
+    ("cpu", "kvhal.backends.cpu.plugin"), ("tiers", "kvhal.tiers.plugin"),
+    ("cache_policies", "kvhal.host.plugin")])
+def test_third_party_entry_point_named_like_a_built_in_is_refused(tmp_path, where, name,
+                                                                  built_in):
+    """A real distribution (a dist-info on sys.path, ahead of or behind kvhal's own) whose
+    `kvhal` entry point takes a built-in's name: refused naming both entry points, never
+    skipped. Fails when a second entry point of a taken name is skipped silently."""
+    info = tmp_path / "kvhal_shadow-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvhal-shadow\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[kvhal]\n{name} = kvhal_shadow\n")
+    (tmp_path / "kvhal_shadow.py").write_text('"""A plugin with no hooks."""\n')
+    script = (f"import sys; sys.path.{'insert(0, ' if where == 'before' else 'append('}"
+              f"{str(tmp_path)!r})\nfrom kvhal import plugins\nplugins.backends()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    shadow = "'kvhal_shadow' (distribution 'kvhal-shadow')"
+    own = f"{built_in!r} (distribution 'kvhal', built in)"
+    pair = (shadow, own) if where == "before" else (own, shadow)
+    assert last == (f"kvhal.plugins.PluginError: two 'kvhal' entry points are named {name!r}: "
+                    f"{pair[0]} and {pair[1]}; a plugin name is registered once: rename the "
+                    "third-party one")
