@@ -8,7 +8,7 @@ import mmap
 import numpy as np
 import pytest
 
-from kvhal.hal import Event, InvalidValueError, Stream
+from kvhal.hal import Event, Stream
 
 from .conftest import require
 from .hal_helpers import read, reference_bytes, refused, write

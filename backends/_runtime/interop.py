@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvhal.hal import Allocation, InvalidValueError, Stream
+from kvhal.hal import Allocation, InvalidValueError
 
 
 def tensor_span(tensor: Any) -> tuple[int, int]:
@@ -61,15 +61,3 @@ def tensor_allocation(backend: Any, tensor: Any) -> Allocation:
         raise InvalidValueError(f"backend {backend.name} cannot adopt device tensors",
                                 backend=backend.name)
     return adopt(ptr, nbytes, device)
-
-
-def torch_stream(backend: Any, stream: Any = None) -> Stream:
-    """The HAL `Stream` for a torch accelerator stream (default: torch's current stream).
-
-    torch keeps ownership: never `destroy_stream` the result. A handle of 0 is the legacy
-    default stream; the backend then copies batches with its per-copy loop.
-    """
-    if stream is None:
-        import torch
-        stream = torch.cuda.current_stream()
-    return backend.external_stream(int(stream.cuda_stream), int(stream.device.index or 0))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvhal.backends._runtime import torch_stream
 from kvhal.engine import Worker
 from kvhal.hal import DeviceBackend, Event, Stream
 
@@ -64,6 +63,15 @@ class ComputeStream:
         if self._event is not None:
             self.backend.destroy_event(self._event)
             self._event = None
+
+
+def torch_stream(backend: DeviceBackend) -> Stream:
+    """torch's current accelerator stream as a HAL `Stream` of `backend` (cuda, rocm: their
+    `external_stream(handle, device)`); torch keeps ownership: never `destroy_stream` it."""
+    import torch
+
+    stream = torch.cuda.current_stream()
+    return backend.external_stream(int(stream.cuda_stream), int(stream.device.index or 0))
 
 
 def compute_stream(backend: DeviceBackend) -> ComputeStream:

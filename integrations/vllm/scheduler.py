@@ -66,7 +66,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvhal.backends.cpu import CpuBackend
+from kvhal import plugins
 from kvhal.config import EngineConfig, host_tail_bytes
 from kvhal.engine import build_manager, chunks_to_store, needed_chunks
 from kvhal.host import HostRegion, host_layout
@@ -220,7 +220,7 @@ class SchedulerSide:
                                   config.slot_shares(g.kind for g in deployment.groups),
                                   host_tail_bytes(config))
         exit_with_parent()  # a killed API server must not leave this engine holding the region
-        self.region = HostRegion.create_shared(CpuBackend(), self.layout,
+        self.region = HostRegion.create_shared(plugins.select_backend("cpu"), self.layout,
                                                f"{REGION_NAME_PREFIX}{engine_id}")
         self.region_info = RegionInfo(self.region.share_path, self.layout)
         self.manager = build_manager(config, self.layout, self.region.view, namespace,

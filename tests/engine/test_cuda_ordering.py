@@ -13,10 +13,10 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device visible to torch", allow_module_level=True)
 
 from kvhal import plugins  # noqa: E402
-from kvhal.backends._runtime.interop import tensor_allocation, torch_stream  # noqa: E402
+from kvhal.backends._runtime.interop import tensor_allocation  # noqa: E402
 from kvhal.engine import Worker  # noqa: E402
 from kvhal.hal import host_array  # noqa: E402
-from kvhal.integrations.vllm.compute import ComputeStream  # noqa: E402
+from kvhal.integrations.vllm.compute import ComputeStream, torch_stream  # noqa: E402
 from kvhal.layout import attention_spec, chunk_mapper, device_cache, plan_copies  # noqa: E402
 
 #: `torch.cuda._sleep` cycles ahead of the forward's writes: about 0.5 s at 2 GHz.

@@ -14,7 +14,6 @@ import hashlib
 import logging
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the scheduler side imports vLLM (the `vllm` extra)")
