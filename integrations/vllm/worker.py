@@ -174,7 +174,7 @@ class WorkerSide:
         replays one for a batch of 1-token steps, e.g. a request whose every full chunk hit)
         replay without the per-layer calls (`KVConnectorBase_V1.requires_piecewise_for_cudagraph`,
         vLLM 0.33), so attention would read the blocks before their copies landed. Without a
-        stream (vLLM-CPU: no graphs) the host blocks in `wait_for_layer_load`, as before."""
+        stream (vLLM-CPU: no graphs) the host blocks in `wait_for_layer_load`."""
         workers = self._attach(meta.region)
         self._report.update(meta.report_sending)
         after = self.compute.record() if meta.async_loads or meta.loads else None

@@ -22,7 +22,7 @@ def test_capacity_is_budget_over_slot_bytes_exactly():
 
 def test_a_tier_asking_for_a_slot_tail_gets_it_only_when_configured():
     """A slot keeps the page-rounded tail the configured tiers ask for (mooncake: a record
-    header), and only then: with fs alone slots are cut as before."""
+    header), and only then: with fs alone a slot is its chunk's bytes, page-rounded."""
     fs = parse_config({"cpu_bytes_to_use": 1 << 20,
                        "secondary_tiers": [{"type": "fs", "root_dir": "/x"}]})
     both = parse_config({"cpu_bytes_to_use": 1 << 20,

@@ -56,8 +56,8 @@ def test_request_larger_than_pool_names_the_option():
 
 
 def test_huge_pool_costs_nothing_until_used():
-    # a pool of 2**20 blocks must not allocate per block up front (--device-bytes 99999999999T
-    # used to build a dict of every block and run the machine out of memory)
+    # a pool of 2**20 blocks must not allocate per block up front (a dict of every block would
+    # run the machine out of memory for --device-bytes 99999999999T)
     tracemalloc.start()
     try:
         pool = DevicePool(1 << 20)

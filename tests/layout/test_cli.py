@@ -104,7 +104,7 @@ def test_layout_refuses_a_state_slot_share_outside_0_to_1():
 
 
 def test_layout_names_the_flag_of_a_bad_host_budget():
-    # --cpu-bytes 0 used to be taken as "no budget given" (exit 0, no pools)
+    # --cpu-bytes 0 is a bad budget, not "no budget given" (which would exit 0 with no pools)
     for value in ("0", "-5"):
         out = kvhal(*[a if a != str(64 << 20) else value for a in HYBRID])
         assert (out.returncode, out.stdout) == (1, "")

@@ -1,7 +1,7 @@
 """`kvhal layout` against vLLM's published physical block sizes (16-token blocks, per rank).
 
-Source of the published figures: vLLM's KV-offloading write-up (issue 3 quotes it; "MB" there is
-MiB, rounded as printed). Geometry: each model's public Hugging Face config.json
+Source of the published figures: vLLM's KV-offloading write-up ("MB" there is MiB, rounded
+as printed). Geometry: each model's public Hugging Face config.json
 (num_hidden_layers, num_key_value_heads, head_dim or hidden_size / num_attention_heads; MLA:
 kv_lora_rank + qk_rope_head_dim), KV dtype bf16.
 """

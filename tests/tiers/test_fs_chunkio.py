@@ -182,7 +182,7 @@ def test_a_sealed_write_is_the_header_encode_header_writes_and_bad_seals_are_ref
     _chunkio.write_file(str(tmp_path / "t"), str(final), [header, host[:4 * ALIGN]], False,
                         False, str(tmp_path), CHECKSUM_OFFSET, digest_at)
     assert final.read_bytes() == bytes(expected) + payload(11, 4 * ALIGN).tobytes()
-    huge = 2**63 - 1  # offset + 16 used to overflow past the bounds check (a segfault)
+    huge = 2**63 - 1  # offset + 16 overflows: a bounds check that wraps reads out of bounds
     for offsets, match in (((HEADER_BYTES - 8, digest_at), "checksum_at=4088"),
                            ((CHECKSUM_OFFSET, HEADER_BYTES), "outside a header"),
                            ((huge, digest_at), f"checksum_at={huge},"),

@@ -244,8 +244,8 @@ def test_a_silent_flood_during_a_handshake_cannot_drop_it(tiers, flood_sockets):
     """Connections that keep arriving and stay silent while a peer authenticates (three times
     `MAX_HANDSHAKING` between the server's challenge and the peer's proof) drop each other,
     never the peer, whose hello the server has read. Fails when the bound drops the oldest
-    handshake regardless (`next(iter(self._handshaking))` in `Server._accept_loop`, as before
-    issue 26: the `MAX_HANDSHAKING`-th silent connection dropped the peer) or when
+    handshake regardless (`next(iter(self._handshaking))` in `Server._accept_loop`: the
+    `MAX_HANDSHAKING`-th silent connection drops the peer) or when
     `auth.server_handshake` stops reporting a hello it has heard."""
     server, _ = tiers(config(timeout_s=WAIT_S), stored=1)
     count = 3 * MAX_HANDSHAKING

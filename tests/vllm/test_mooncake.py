@@ -65,9 +65,8 @@ def test_instance_a_stores_every_full_chunk_of_its_cold_run(runs):
     """A's cold run asks the pool too; while the existence check of a chunk is pending the
     tier answers RETRY, the manager UNDECIDED, and vLLM asks again on a later step, so it is
     never told of a hit the pool does not hold (no late failure); kvhal stores the 7 full
-    chunks vLLM computed. Seen failing with the manager answering a tier's RETRY as RETRY
-    (as before issue 27.1): vLLM was told of a hit that failed late (cut back to chunk 0),
-    `(1, 7, 0) == (0, 7, 0)`. The stored-chunk cursor following vLLM back after such a cut
+    chunks vLLM computed. Fails with the manager answering a tier's RETRY as RETRY: vLLM is
+    told of a hit that failed late (cut back to chunk 0), `(1, 7, 0) == (0, 7, 0)`. The stored-chunk cursor following vLLM back after such a cut
     is tested in `test_fs_and_tp.py`."""
     (cold, _), _ = runs
     counters = cold["p"]["counters"]

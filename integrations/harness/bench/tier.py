@@ -35,7 +35,8 @@ threads: `getrusage(RUSAGE_SELF)`) per chunk, in microseconds: the contenders ta
 it is the cost of the one running (plus the kvhal tier's idle refresh thread, which is there
 for every contender). Kernel threads' work (writeback, extent conversion, interrupts) is not
 in it. CPU time depends far less than throughput on what the filesystem did in the minutes
-before (issue 13: ext4 without a journal), so it compares contenders' own work across runs.
+before (ext4 without a journal slows its inode allocator for minutes after many deletes), so
+it compares contenders' own work across runs.
 
 `--full` (fs): the kvhal tier holds exactly `--count` chunks and is filled before the first
 pass, so every timed store evicts (and recycles, `recycle_files`) one chunk of the previous

@@ -9,12 +9,9 @@ file-per-chunk tier can reach on this disk at this chunk size and queue depth, w
 where the filesystem takes it (otherwise through the page cache, emptied before every read
 like the other contenders' files). No checksum, no fsync.
 
-Measured on the project's VM (ext4 without a journal, issue 13), `kvhal bench tier
---chunk-bytes 256KiB --count 2048 --repeats 5`, three runs: this row wrote 2.50, 1.70 and
-2.21 GB/s, kvhal's tier 0.53-0.58x that and vLLM's 0.43-0.62x. `perf` puts most of the
-difference in ext4's inode allocator: without a journal it skips every inode freed in the
-last 60-360 s (`recently_deleted`), reading its inode block, ~40% of the CPU samples of a
-write loop after a large delete.
+The gap to the file-per-chunk rows is the filesystem's per-file cost; on ext4 without a
+journal it is mostly the inode allocator, which skips every inode freed in the last 60-360 s
+(`recently_deleted`) after a large delete (figures: README, `kvhal bench tier`).
 """
 from __future__ import annotations
 

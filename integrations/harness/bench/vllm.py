@@ -9,7 +9,7 @@ Four TTFTs, measured in one run on the demo model (`model.DEMO`, 8 KiB of KV per
 - fs: a fresh engine process, page cache dropped, kvhal serves it from the fs tier.
 `--no-recompute` leaves the first out (it is no part of the targets, and at 8K tokens one
 prefill takes minutes on a 2-core machine). Against the physical limits measured in the same run: KV bytes / memcpy bandwidth and KV bytes /
-cold disk read bandwidth. Targets (issues 6, 13): host ≤ 2 × (floor + bytes / memcpy
+cold disk read bandwidth. Targets: host ≤ 2 × (floor + bytes / memcpy
 bandwidth), fs ≤ 2 × (floor + bytes / cold read bandwidth). The JSON carries each request's
 load timeline (`timeline_ms`: lookup, alloc, first_h2d_issue, landed, h2d_issue, recv_done,
 first_token, ms after arrival; `scheduler.timeline`).

@@ -31,7 +31,7 @@ def engine_env(tp: int, in_process: bool = True) -> dict[str, str]:
         # `vllm/utils/ompmultiprocessing.py`), so an engine with kvhal's (or LMCache's)
         # connector computed with one OpenMP thread fewer than vLLM alone on most machines
         # and, on 2 cores, with one more (reserving 2 of 2 is refused, nothing is reserved):
-        # other speed, and greedy answers that part on near-ties (issue 28).
+        # other speed, and greedy answers that part on near-ties between kvhal and vLLM alone.
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(tp)
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
