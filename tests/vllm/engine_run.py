@@ -246,8 +246,9 @@ def fault_loads(llm, step: dict) -> int:
     side, key = _chunk_key(llm, step)
     slot = side.manager.slots.index[key]
     offset, nbytes = side.layout.slot_span(slot)
+    # the workers' mapping of the region (the scheduler side's own mapping never copies)
     (base,) = [p for backend in FAULTY for p, n in backend.registered
-               if n == side.layout.nbytes]
+               if n == side.layout.nbytes and p != side.region.ptr]
     for backend in FAULTY:
         backend.bad.append((base + offset, base + offset + nbytes))
         backend.torn = backend.torn or bool(step.get("torn"))
