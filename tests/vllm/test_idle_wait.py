@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the scheduler side imports vLLM (the `vllm` extra)")
 
-from kvhal.integrations.vllm import scheduler  # noqa: E402
+from kvhal.integrations.vllm.scheduler import side as scheduler  # noqa: E402
 from kvhal.integrations.vllm.scheduler import (  # noqa: E402
     IDLE_WAIT_MAX_S, IDLE_WAIT_S, SchedulerSide)
 

@@ -75,11 +75,11 @@ from kvhal.layout import Kind
 from kvhal.weights import WeightsError
 from kvhal.tier import Lookup
 
-from .events import ChunkEvents
-from .geometry import Deployment, check_shareable, check_vllm_hash_seed
-from .identity import AdapterIdentities
-from .lifetime import exit_with_parent
-from .metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo, TransferJob
+from ..events import ChunkEvents
+from ..geometry import Deployment, check_shareable, check_vllm_hash_seed
+from ..identity import AdapterIdentities
+from ..lifetime import exit_with_parent
+from ..metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo, TransferJob
 
 logger = logging.getLogger(__name__)
 
