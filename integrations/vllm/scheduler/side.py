@@ -68,7 +68,7 @@ import numpy as np
 
 from kvhal.backends.cpu import CpuBackend
 from kvhal.config import EngineConfig, host_tail_bytes
-from kvhal.engine import build_manager, chunks_to_store, needed_chunks
+from kvhal.engine import build_manager, chunks_to_store, needed_chunks, prefix_hit
 from kvhal.host import HostRegion, host_layout
 from kvhal.keys import chunk_keys
 from kvhal.layout import Kind
@@ -368,10 +368,10 @@ class SchedulerSide:
             keys = self._keys(request, g.group_id)[start:end]
             answers = self.manager.lookup(keys, request_id=(rid, g.group_id), context=rid)
             self._describe(request, start, keys, answers)
-            hits = _usable(answers)
-            pending = pending or Lookup.RETRY in answers[:hits]
-            undecided = undecided or Lookup.UNDECIDED in answers[:hits]
-            limit = min(limit, start + hits)
+            hit = prefix_hit(answers)
+            pending = pending or hit.pending
+            undecided = undecided or hit.undecided
+            limit = min(limit, start + hit.num_chunks)
         if not self._partial_groups:
             return None if undecided else (limit, pending)
         keys = {g.group_id: self._keys(request, g.group_id) for g in self._partial_groups}
@@ -525,7 +525,7 @@ class SchedulerSide:
                 continue
             keys = part.keys[part.issued:]
             answers = self.manager.lookup(keys, request_id=(rid, part.group), context=rid)
-            ready = next((i for i, a in enumerate(answers) if a is not Lookup.HIT), len(keys))
+            ready = prefix_hit(answers).num_ready
             plan = (self.manager.prepare_load(keys[:ready], request_id=(rid, part.group))
                     if ready else None)
             n = 0 if plan is None else len(plan.keys)
@@ -943,9 +943,3 @@ class SchedulerSide:
         """Drain and close the tiers, then release the host region."""
         self.manager.close()
         self.region.close()
-
-
-
-def _usable(answers: list[Lookup]) -> int:
-    """Chunks before the first MISS (HITs now, RETRYs on their way into host memory)."""
-    return next((i for i, a in enumerate(answers) if a is Lookup.MISS), len(answers))
