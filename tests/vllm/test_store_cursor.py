@@ -5,7 +5,7 @@ slot for before it finished is counted as skipped; a request vLLM computes in fu
 logprobs) is not looked up.
 
 vLLM is stood in for by its scheduler's outputs (`step`) and a block table (`Blocks`); every
-block id, chunk and count below is exact. Each test was seen failing with `_plan_store`'s
+block id, chunk and count below is exact. Each test was seen failing with `StorePlanner.plan`'s
 cursor set to the end of the due chunks before placing them (the old code).
 """
 from __future__ import annotations
