@@ -133,7 +133,7 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
         """Delayed-free requests whose stores have all finished on this rank, and requests
         whose asynchronous loads have ended on it. A failed chunk is never reported as
         `failed_recving`: the scheduler side cuts the request back instead (vLLM's default
-        `kv_load_failure_policy="fail"` would end it; `scheduler` module docstring)."""
+        `kv_load_failure_policy="fail"` would end it; `scheduler.loads` module docstring)."""
         sending, recving = self.worker_side.get_finished()
         return sending or None, recving or None
 

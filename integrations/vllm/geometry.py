@@ -111,7 +111,7 @@ class Deployment:
         """True with several KV cache groups: vLLM 0.32 cannot map a failed block id back to
         a request then (`Scheduler._handle_invalid_blocks` refuses block-level errors for more
         than one group), so every load runs asynchronously and a failed chunk cuts the request
-        back on the scheduler side (`scheduler` module docstring). Also True with a state
+        back on the scheduler side (`scheduler.loads` module docstring). Also True with a state
         group: a failed state leaves no shorter prefix to resume from, which only the
         scheduler side's cut-back handles."""
         return len(self.groups) > 1 or any(g.kind is Kind.MAMBA for g in self.groups)

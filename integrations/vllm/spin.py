@@ -6,7 +6,7 @@ no message busy-loops (`sched_yield`) for `SpinCondition.busy_loop_s` = 1 s afte
 read before it sleeps on the writer's notification (sent on every write, so a reader that
 sleeps misses nothing: the spin only saves the wake-up). An engine that steps without
 computing, as a P/D decode leg does while it waits for its prefiller's chunks (kvhal's
-`SchedulerSide._idle_wait`: every 0.5-8 ms), hands its worker a message every few milliseconds,
+`scheduler.IdleWait`: every 0.5-8 ms), hands its worker a message every few milliseconds,
 so the worker never leaves that second: it holds a whole core for the whole wait, never
 sleeping, and the prefiller it waits for starves: its prefill forward can wait for a core
 until the decoder gives up its 30 s wait with nothing cached. Bounded, the waiting worker sleeps

@@ -67,13 +67,13 @@ worker's `num_ok` (0 for a job that never ran). Shutdown: `worker.close()`, `man
 from .build import build_manager
 from .manager import Manager
 from .planner import BlockPlanner, LayoutPlanner
-from .requests import chunks_to_store, leading_hits, needed_chunks
+from .requests import PrefixHit, chunks_to_store, leading_hits, needed_chunks, prefix_hit
 from .types import (Direction, EngineError, FinishedJob, LoadPlan, StorePlan,
                     TransferResult)
 from .worker import JobPlanner, Planner, Worker
 
 __all__ = ["BlockPlanner", "Direction", "EngineError", "FinishedJob", "LayoutPlanner",
-           "LoadPlan", "Manager",
+           "LoadPlan", "Manager", "PrefixHit",
            "JobPlanner", "Planner",
            "StorePlan", "TransferResult", "Worker", "build_manager", "chunks_to_store",
-           "leading_hits", "needed_chunks"]
+           "leading_hits", "needed_chunks", "prefix_hit"]

@@ -1,6 +1,7 @@
 """Per-request arithmetic an integration needs: which chunks to store, how many tokens hit."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from kvhal.layout import Kind
@@ -31,6 +32,33 @@ def chunks_to_store(num_computed_tokens: int, num_stored_chunks: int, tokens_per
     return range(num_stored_chunks, max(end, num_stored_chunks))
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """How far a prefix hits, read from `Manager.lookup`'s answers for its chunks in order.
+
+    Attributes:
+        num_chunks: Chunks before the first MISS: in host memory now (HIT), on their way into
+            it (RETRY), or not known yet (UNDECIDED).
+        num_ready: Leading HITs: the chunks loadable now (at most `num_chunks`).
+        pending: A RETRY is among the first `num_chunks`.
+        undecided: An UNDECIDED is among the first `num_chunks`.
+    """
+
+    num_chunks: int
+    num_ready: int
+    pending: bool
+    undecided: bool
+
+
+def prefix_hit(answers: Sequence[Lookup]) -> PrefixHit:
+    """How many chunks of a prefix hit, given `Manager.lookup`'s answers (the one place that
+    reads them so; `leading_hits` is its short form)."""
+    num_chunks = next((i for i, a in enumerate(answers) if a is Lookup.MISS), len(answers))
+    head = answers[:num_chunks]
+    num_ready = next((i for i, a in enumerate(head) if a is not Lookup.HIT), num_chunks)
+    return PrefixHit(num_chunks, num_ready, Lookup.RETRY in head, Lookup.UNDECIDED in head)
+
+
 def leading_hits(answers: Sequence[Lookup]) -> int | None:
     """Chunks loadable now from the start of a prefix, given `Manager.lookup`'s answers.
 
@@ -39,15 +67,8 @@ def leading_hits(answers: Sequence[Lookup]) -> int | None:
         MISS (a chunk is on its way into host memory, or a tier cannot tell yet whether it
         holds it: ask again on a later step).
     """
-    n = 0
-    for answer in answers:
-        if answer is Lookup.HIT:
-            n += 1
-        elif answer is Lookup.RETRY or answer is Lookup.UNDECIDED:
-            return None
-        else:
-            break
-    return n
+    hit = prefix_hit(answers)
+    return hit.num_chunks if hit.num_ready == hit.num_chunks else None
 
 
 def needed_chunks(kind: Kind, start: int, end: int, tokens_per_chunk: int, block_size: int,

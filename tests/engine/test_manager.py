@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from kvhal.engine import EngineError, chunks_to_store, leading_hits
+from kvhal.engine import EngineError, PrefixHit, chunks_to_store, leading_hits, prefix_hit
 from kvhal.events import BlockRemoved, BlockStored
 from kvhal.tier import Lookup
 from kvhal.tiers.memory import MemoryTier
@@ -333,6 +333,13 @@ def test_leading_hits_waits_on_retry_before_the_first_miss():
     assert leading_hits([HIT, HIT, MISS, RETRY]) == 2
     assert leading_hits([HIT, RETRY, HIT]) is None
     assert leading_hits([]) == 0
+
+
+def test_prefix_hit_counts_chunks_before_the_first_miss_and_what_they_wait_for():
+    UNDECIDED = Lookup.UNDECIDED
+    assert prefix_hit([HIT, RETRY, UNDECIDED, MISS, HIT]) == PrefixHit(3, 1, True, True)
+    assert prefix_hit([HIT, HIT, MISS, RETRY]) == PrefixHit(2, 2, False, False)
+    assert prefix_hit([]) == PrefixHit(0, 0, False, False)
 
 
 def test_kv_events_reach_hook_implementations(monkeypatch):

@@ -208,8 +208,8 @@ def test_the_late_request_stores_the_chunk_it_recomputed_that_kvhal_lost(runs):
     (the chunks after it are still in the host tier and are not stored twice); the cold run's
     figure is the same kind of snapshot, taken at its end.
 
-    Fails without the stored-chunk cursor following vLLM back (`SchedulerSide._plan_store`
-    in integrations/vllm/scheduler.py): seen with its `min(...)` line removed, store_chunks
+    Fails without the stored-chunk cursor following vLLM back (`StorePlanner.plan`
+    in integrations/vllm/scheduler/stores.py): seen with its `min(...)` line removed, store_chunks
     7 here and the third run's hit {'host': 384}."""
     late = runs["late"]
     assert late["cold"]["counters"]["store_chunks"] == 7

@@ -1,4 +1,4 @@
-"""`SchedulerSide._idle_wait`: a step with nothing to compute while an asynchronous load is in
+"""`IdleWait`: a step with nothing to compute while an asynchronous load is in
 flight waits, longer for each such step in a row, and briefly again once work resumes.
 
 Seen failing with the old fixed wait (`time.sleep(IDLE_WAIT_S)` every idle step): the waits were
@@ -14,13 +14,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the scheduler side imports vLLM (the `vllm` extra)")
 
-from kvhal.integrations.vllm import scheduler  # noqa: E402
+from kvhal.integrations.vllm.scheduler import side as scheduler  # noqa: E402
 from kvhal.integrations.vllm.scheduler import (  # noqa: E402
-    IDLE_WAIT_MAX_S, IDLE_WAIT_S, SchedulerSide)
-
-
-def _step(side, tokens: int) -> None:
-    SchedulerSide._idle_wait(side, SimpleNamespace(total_num_scheduled_tokens=tokens))
+    IDLE_WAIT_MAX_S, IDLE_WAIT_S, IdleWait, SchedulerSide)
 
 
 @pytest.fixture
@@ -31,34 +27,33 @@ def waits(monkeypatch):
 
 
 def test_idle_steps_in_a_row_wait_twice_as_long_up_to_the_cap(waits):
-    side = SimpleNamespace(_recving={"r": SimpleNamespace(final=False)}, _idle_steps=0,
-                           _deciding=set())
+    idle = IdleWait()
     for _ in range(7):
-        _step(side, 0)
+        idle.after_step(0, waiting=True)
     assert waits == [IDLE_WAIT_S * 2 ** i for i in range(5)] + [IDLE_WAIT_MAX_S] * 2
     assert IDLE_WAIT_S * 2 ** 4 == IDLE_WAIT_MAX_S
 
 
 def test_a_step_that_computes_starts_the_waits_over(waits):
-    side = SimpleNamespace(_recving={"r": SimpleNamespace(final=False)}, _idle_steps=0,
-                           _deciding=set())
+    idle = IdleWait()
     for tokens in (0, 0, 0, 5, 0):
-        _step(side, tokens)
+        idle.after_step(tokens, waiting=True)
     assert waits == [IDLE_WAIT_S, 2 * IDLE_WAIT_S, 4 * IDLE_WAIT_S, IDLE_WAIT_S]
 
 
 def test_no_wait_without_a_load_in_flight(waits):
-    side = SimpleNamespace(_recving={"r": SimpleNamespace(final=True)}, _idle_steps=3,
-                           _deciding=set())
-    _step(side, 0)
-    assert waits == [] and side._idle_steps == 0
+    idle = IdleWait()
+    idle.idle_steps = 3
+    idle.after_step(0, waiting=False)
+    assert waits == [] and idle.idle_steps == 0
 
 
-def test_a_lookup_a_tier_is_still_deciding_waits_too(waits):
+def test_a_lookup_a_tier_is_still_deciding_waits_too():
     """A request whose last lookup was deferred (a tier asking a peer) and nothing else in
-    flight: the idle steps wait as for a transfer. Seen failing without `_deciding` in the
+    flight: the idle steps wait as for a transfer. Seen failing without `deciding` in the
     condition: no wait at all (`[] == [0.0005, 0.001]`)."""
-    side = SimpleNamespace(_recving={}, _idle_steps=0, _deciding={"r"})
-    for _ in range(2):
-        _step(side, 0)
-    assert waits == [IDLE_WAIT_S, 2 * IDLE_WAIT_S]
+    side = SimpleNamespace(lookup=SimpleNamespace(deciding={"r"}),
+                           loads=SimpleNamespace(in_flight=lambda: False))
+    assert SchedulerSide._waiting(side)
+    side.lookup.deciding.clear()
+    assert not SchedulerSide._waiting(side)

@@ -101,7 +101,7 @@ def test_preempted_requests_load_from_kvhal_every_prompt_chunk_vllm_no_longer_ho
     nothing for requests never preempted. The run must make kvhal serve something.
 
     Fails when kvhal serves no resumed request: e.g. with `get_num_new_matched_tokens`
-    (integrations/vllm/scheduler.py) answering 0 for a request with `num_preemptions`."""
+    (integrations/vllm/scheduler/lookup.py) answering 0 for a request with `num_preemptions`."""
     kvhal, resumes = results["kvhal"][1], results["kvhal"][4]
     assert set(resumes) == set(results["kvhal"][2])
     expected = {n: sum(max(0, STORED - local) for local in resumes.get(n, ())) for n in PROMPTS}

@@ -26,9 +26,9 @@ kvhal must serve only the chunks it loaded right (0-2; the run equals vLLM's own
 reuse), and after the chunks that run computes are stored, a full 7-chunk hit equals vLLM's
 own 896-token reuse.
 
-Fails without the stores of the failing step being cut (`SchedulerSide._sync_reads` and its
-use in `build_connector_meta` / `_finish_job`, integrations/vllm/scheduler.py): seen with
-`_sync_reads` returning [] always, q's 4 stores commit (store_chunks +5, store_failed_chunks
+Fails without the stores of the failing step being cut (`LoadPlanner.sync_reads` and its
+use in `build_connector_meta` / `InFlightJobs.finish`, integrations/vllm/scheduler/): seen with
+`sync_reads` returning [] always, q's 4 stores commit (store_chunks +5, store_failed_chunks
 +0), the rerun hits {'host': 896} instead of 384, and the full hit's tokens differ from
 vLLM's (chunks 3-6 were computed on zeros).
 """

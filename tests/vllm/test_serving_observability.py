@@ -293,7 +293,7 @@ def test_cached_tokens_by_source_match_what_vllm_served(served):
     tokens.
 
     Fails when kvhal's count and vLLM's disagree, or kvhal serves less than it holds: e.g.
-    with `_hit_end` (integrations/vllm/scheduler.py) ending the hit one chunk early (cached
+    with `HitLookup._hit_end` (integrations/vllm/scheduler/lookup.py) ending the hit one chunk early (cached
     768, not 896), where kvhal's own counters and the series still agree with each other;
     and when the split is not the scenario's: seen with the host tier holding one chunk more
     than its budget (`host_layout` capacity + 1: host 256, fs 512), which passed the old

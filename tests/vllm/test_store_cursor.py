@@ -5,7 +5,7 @@ slot for before it finished is counted as skipped; a request vLLM computes in fu
 logprobs) is not looked up.
 
 vLLM is stood in for by its scheduler's outputs (`step`) and a block table (`Blocks`); every
-block id, chunk and count below is exact. Each test was seen failing with `_plan_store`'s
+block id, chunk and count below is exact. Each test was seen failing with `StorePlanner.plan`'s
 cursor set to the end of the due chunks before placing them (the old code).
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def step(side: SchedulerSide, new: list, cached: list = ()) -> dict:
         r.num_computed_tokens = PROMPT
     for r in cached:
         r.num_computed_tokens += 1
-    return {(job.req_id, job.group): [side._jobs[job.job_id].chunks.tolist(),
+    return {(job.req_id, job.group): [side.jobs[job.job_id].chunks.tolist(),
                                       job.block_ids.ravel().tolist()]
             for job in meta.stores} | {"ids": [job.job_id for job in meta.stores]}
 
@@ -98,7 +98,7 @@ def finish(side: SchedulerSide, job_ids: list[int]) -> None:
     """The workers stored every chunk of these jobs."""
     side.update_connector_output(KVHalWorkerMetadata(
         ranks_done={j: 1 for j in job_ids},
-        num_ok={j: side._jobs[j].num_chunks for j in job_ids}))
+        num_ok={j: side.jobs[j].num_chunks for j in job_ids}))
 
 
 def test_chunks_that_found_no_slot_are_stored_in_order_in_a_later_step():
@@ -115,7 +115,7 @@ def test_chunks_that_found_no_slot_are_stored_in_order_in_a_later_step():
         second = step(side, [], [r1, r2])
         assert second == {("r2", 0): [[2, 3], [202, 203]], "ids": second["ids"]}
         finish(side, second["ids"])
-        assert (side.counters["store_chunks"], side.counters["store_skipped_chunks"]) == (8, 0)
+        assert (side.counters.totals["store_chunks"], side.counters.totals["store_skipped_chunks"]) == (8, 0)
     finally:
         side.close()
 
@@ -150,7 +150,7 @@ def test_request_finished_stores_what_is_still_due_in_the_next_step():
         after = step(side, [])
         assert delay_free is True
         assert after == {("r2", 0): [[2, 3], [202, 203]], "ids": after["ids"]}
-        assert side.counters["store_skipped_chunks"] == 0
+        assert side.counters.totals["store_skipped_chunks"] == 0
     finally:
         side.close()
 
@@ -169,8 +169,8 @@ def test_what_never_found_a_slot_before_the_request_finished_is_counted_once(cap
         with caplog.at_level(logging.WARNING, logger="kvhal.engine.manager"):
             assert side.request_finished(r2)[0] is False
             assert side.request_finished(r3)[0] is False
-        assert side.counters["store_skipped_chunks"] == 2 * CHUNKS
-        assert side.group_counters["store_skipped_chunks"] == [2 * CHUNKS]
+        assert side.counters.totals["store_skipped_chunks"] == 2 * CHUNKS
+        assert side.counters.by_group["store_skipped_chunks"] == [2 * CHUNKS]
         assert side.manager.metrics.take_delta()["counters"]["skipped_chunks"] == {
             "host": 2 * CHUNKS}
         (warning,) = [r.getMessage() for r in caplog.records]
@@ -198,6 +198,6 @@ def test_a_request_vllm_computes_in_full_is_not_looked_up():
         assert "chunk_lookups" not in side.manager.metrics.take_delta().get("counters", {})
         assert side.manager.stats()["lookup_pins"] == 0
         assert step(side, [r2]) == {"ids": []}
-        assert side._requests["r2"].num_stored_chunks == CHUNKS
+        assert side.requests.get("r2").num_stored_chunks == CHUNKS
     finally:
         side.close()

@@ -14,7 +14,7 @@ prompt's), then each one alone under that salt: vLLM's hit of its own cache.
 The reader first asks for prompt logprobs on a fifth prompt whose chunks are on fs only: vLLM
 computes such a prompt in full, and kvhal neither looks it up nor promotes it.
 
-Each test was seen failing with the stored-chunk cursor of `SchedulerSide._plan_store` set to
+Each test was seen failing with the stored-chunk cursor of `StorePlanner.plan` set to
 the end of the due chunks before they were placed (the old code), and the prompt-logprobs one
 with the `skip_reading_prefix_cache` check removed (see the commit that added them).
 """
