@@ -120,7 +120,9 @@ class StorePlanner:
             placed = self._manager.num_held(due_keys)
             if placed < len(chunks):               # no free slot for it: still due
                 cursor = min(cursor, int(chunks[placed]))
-                unplaced[g.group_id] = len(chunks) - placed
+                # (later chunks placed meanwhile are being stored: not unplaced)
+                unplaced[g.group_id] = sum(not self._manager.num_held([key])
+                                           for key in due_keys[placed:])
             if plan is None:
                 continue
             if self._chunk_events is not None:
