@@ -201,3 +201,23 @@ def test_a_request_vllm_computes_in_full_is_not_looked_up():
         assert side.requests.get("r2").num_stored_chunks == CHUNKS
     finally:
         side.close()
+
+
+def test_chunks_stored_behind_one_still_being_promoted_are_not_counted_skipped():
+    """Chunk 1 of r1's prefix is being promoted into host memory for another request when
+    r1 computes it: r1 stores chunks 0, 2 and 3, its cursor stays at chunk 1 (the promotion
+    may fail), and when r1 finishes before that promotion ends only chunk 1 counts as
+    skipped, not the chunks placed behind it. Seen failing with every chunk after the first
+    not held counted: 3 skipped."""
+    side = _side(slots=8)
+    try:
+        r1 = _request(side, 1)
+        key = side.requests.keys(r1, 0)[1]
+        (slot,), _ = side.manager.slots.reserve([key], frozenset())
+        side.manager._promo[slot] = "another request"      # its promotion is in flight
+        first = step(side, [r1])
+        assert first == {("r1", 0): [[0, 2, 3], [100, 102, 103]], "ids": first["ids"]}
+        side.request_finished(r1)
+        assert side.counters.totals["store_skipped_chunks"] == 1
+    finally:
+        side.close()
