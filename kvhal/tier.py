@@ -59,8 +59,9 @@ class TierJob:
         key: The chunk's key.
         offset: Byte offset of the chunk's slot in the host region.
         nbytes: Payload bytes (the canonical chunk size; ≤ slot size).
-        request: The request the job serves, for a tier that took part in it
-            (`SecondaryTier.open_request` answered True); None otherwise.
+        request_id: The request the job serves, for a tier that took part in it
+            (`SecondaryTier.open_request` answered True); None otherwise. (`request` is
+            its former name, still readable.)
     """
 
     job_id: int
@@ -68,7 +69,12 @@ class TierJob:
     key: ChunkKey
     offset: int
     nbytes: int
-    request: Hashable | None = None
+    request_id: Hashable | None = None
+
+    @property
+    def request(self) -> Hashable | None:
+        """`request_id` under its former name, for tiers written against it."""
+        return self.request_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,22 +242,22 @@ class SecondaryTier(abc.ABC):
         Must not block on I/O. Default: nothing (a tier whose lookups read the chunks
         themselves, not an index, has no stale entry to drop)."""
 
-    def open_request(self, request: Hashable, params: Mapping[str, Any]) -> bool:
+    def open_request(self, request_id: Hashable, params: Mapping[str, Any]) -> bool:
         """Called by the engine when a request arrives with per-request parameters (vLLM:
         its `kv_transfer_params`, e.g. an orchestrator's P/D instructions), before any of its
         lookups. Returns True if the tier takes part: then the engine asks it
-        `lookup_for(key, request)` for the request's chunks, passes `TierJob.request` on the
-        request's promotions and stores (every chunk of the request's prefix, also those
+        `lookup_for(key, request_id)` for the request's chunks, passes `TierJob.request_id`
+        on the request's promotions and stores (every chunk of the request's prefix, also those
         already in host memory), and calls `close_request` once after the request's last
         store was handed over. Must not block on I/O; a malformed parameter is logged (naming
         the key and the request) and ignored, never raised. Default: False."""
         return False
 
-    def lookup_for(self, key: ChunkKey, request: Hashable) -> Lookup:
+    def lookup_for(self, key: ChunkKey, request_id: Hashable) -> Lookup:
         """`lookup` for a request the tier took part in (`open_request`). Default: `lookup`."""
         return self.lookup(key)
 
-    def close_request(self, request: Hashable) -> None:
+    def close_request(self, request_id: Hashable) -> None:
         """A request the tier took part in is finished and its last store was submitted
         (`open_request`); each such request once. Must not block on I/O. Default: nothing."""
 

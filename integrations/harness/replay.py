@@ -537,7 +537,7 @@ def run_replay(requests: Sequence[TraceRequest], reference: ReferenceResult,
         for r, req in enumerate(requests):
             manager = reps[r % len(reps)].manager
             for q, keys in enumerate(queue):       # asked about, not scheduled
-                manager.lookup(keys, request_id=("waiting", q))
+                manager.lookup(keys, pin_owner=("waiting", q))
                 manager.release(("waiting", q))
             if options.time_scale > 0:
                 delay = t_start + req.timestamp_ms * options.time_scale / 1000 - \
@@ -631,7 +631,7 @@ def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
         gets its level once that MISS resolves (a landed promotion freed a slot).
     """
     manager = rep.manager
-    answers = manager.lookup(keys, request_id=rid)
+    answers = manager.lookup(keys, pin_owner=rid)
     levels = [""] * len(keys)
     while True:
         for i, a in enumerate(answers):
@@ -641,7 +641,7 @@ def _resolve_lookup(rep: _Replayer, keys: Sequence[ChunkKey], rid: int
         if n is not None:
             return n, levels
         time.sleep(_RETRY_POLL_S)
-        answers = manager.lookup(keys, request_id=rid)
+        answers = manager.lookup(keys, pin_owner=rid)
 
 
 def _tier_of(rep: _Replayer, key: ChunkKey) -> str:
@@ -680,7 +680,7 @@ def _replay_request(rep: _Replayer, req: TraceRequest, rid: int,
     tail = blocks[d:]
     manager = rep.manager
     loaded = 0
-    plan = manager.prepare_load(keys[:n_hit], request_id=rid) if n_hit else None
+    plan = manager.prepare_load(keys[:n_hit], pin_owner=rid) if n_hit else None
     if plan is None:
         manager.release(rid)
     else:

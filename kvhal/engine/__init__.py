@@ -27,10 +27,10 @@ block hashes (or `kvhal.keys.block_hashes(...)`, which computes them the same wa
 
 Each scheduler step, per waiting request (scheduler side, never blocks)::
 
-    answers = manager.lookup(keys, request_id=rid)   # HIT/MISS/RETRY/UNDECIDED; pins HITs
+    answers = manager.lookup(keys, pin_owner=rid)   # HIT/MISS/RETRY/UNDECIDED; pins HITs
     n = leading_hits(answers)                        # None: on its way or undecided: ask again
     # after the engine allocated device blocks for n chunks:
-    plan = manager.prepare_load(keys[:n], request_id=rid)   # None if nothing; drops the pins
+    plan = manager.prepare_load(keys[:n], pin_owner=rid)   # None if nothing; drops the pins
     -> send (plan.job_id, plan.slots, device block ids of the plan's chunks) to the worker
     # request finished/aborted/preempted without loading:
     manager.release(rid)

@@ -103,10 +103,10 @@ class Manager:
         self.tiers = tuple(tiers)
         self._emit = emit_events
         self._ids = itertools.count(1)
-        # store job id -> (keys, slots, request context or None)
+        # store job id -> (keys, slots, request id or None)
         self._stores: dict[int, tuple[tuple[ChunkKey, ...], list[int], Hashable | None]] = {}
-        # request context -> indices of the tiers that took part (`open_request`)
-        self._contexts: dict[Hashable, tuple[int, ...]] = {}
+        # request id -> indices of the tiers that took part (`open_request`)
+        self._requests: dict[Hashable, tuple[int, ...]] = {}
         self._closing: set[Hashable] = set()    # closed, waiting for their open stores
         self._loads: dict[int, tuple[tuple[ChunkKey, ...], list[int]]] = {}  # id → keys, slots
         self._pins: dict[Hashable, list[int]] = {}
@@ -145,8 +145,8 @@ class Manager:
 
     # -- lookup ------------------------------------------------------------------------------
     @_locked
-    def lookup(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None, *,
-               context: Hashable | None = None) -> list[Lookup]:
+    def lookup(self, keys: Sequence[ChunkKey], pin_owner: Hashable | None = None, *,
+               request_id: Hashable | None = None) -> list[Lookup]:
         """Where each chunk of a prefix stands: HIT (in host memory now), RETRY (being written
         into host memory: a store in flight or a promotion from a secondary tier; ask again
         later), UNDECIDED (not in host memory and not known yet: a secondary tier is still
@@ -162,21 +162,22 @@ class Manager:
 
         Args:
             keys: Chunk keys of one prefix, in order (may be empty).
-            request_id: If given, every HIT before the first MISS is pinned (not evictable)
-                for this request until `prepare_load` or `release(request_id)`; a new lookup
-                for the same request replaces its pins. A promotion this lookup starts is
-                pinned for the request when it lands (until its next lookup, `prepare_load`
-                or `release`).
-            context: The request's context (`open_request`): tiers that took part answer
-                for it (`SecondaryTier.lookup_for`) and see it on its promotions.
+            pin_owner: If given, every HIT before the first MISS is pinned (not evictable)
+                for this owner (a request, or one KV cache group of a request) until
+                `prepare_load` or `release(pin_owner)`; a new lookup for the same owner
+                replaces its pins. A promotion this lookup starts is pinned for the owner
+                when it lands (until its next lookup, `prepare_load` or `release`).
+            request_id: The request the lookup serves (`open_request`): tiers that took
+                part answer for it (`SecondaryTier.lookup_for`) and see it on its
+                promotions (`TierJob.request_id`).
 
         Returns:
             One answer per key.
         """
         if self._tier_jobs:
             self.poll()
-        if request_id is not None:
-            self._unpin(request_id)
+        if pin_owner is not None:
+            self._unpin(pin_owner)
         index, state = self.slots.index, self.slots.state
         out: list[Lookup] = []
         pins: list[int] = []
@@ -192,16 +193,16 @@ class Manager:
                 continue
             if protect is None and self.tiers:
                 protect = frozenset(keys)
-            answer = self._promote(keys, i, protect, request_id, context)
+            answer = self._promote(keys, i, protect, pin_owner, request_id)
             out.append(answer)
             if answer is _MISS:
                 break
         if len(out) < len(keys):
             out.extend([_MISS] * (len(keys) - len(out)))
-        if request_id is not None and pins:
+        if pin_owner is not None and pins:
             for slot in pins:
                 state[slot] += 1
-            self._pins[request_id] = pins
+            self._pins[pin_owner] = pins
         retries = out.count(_RETRY) + out.count(_UNDECIDED)    # both: asked again later
         count = self.metrics.count
         count("chunk_lookups", _HOST, len(pins), "hit")
@@ -210,7 +211,7 @@ class Manager:
         return out
 
     def _promote(self, keys: Sequence[ChunkKey], i: int, protect: frozenset | None,
-                 owner: Hashable | None, context: Hashable | None = None) -> Lookup:
+                 owner: Hashable | None, request_id: Hashable | None = None) -> Lookup:
         """Answer for `keys[i]`, absent from host memory: start its promotion from the first
         tier holding it (see `lookup`)."""
         key = keys[i]
@@ -220,9 +221,9 @@ class Manager:
             self._failed_promotions.discard(key)
             return _MISS
         answer = _MISS
-        taking = self._contexts.get(context, ()) if context is not None else ()
+        taking = self._requests.get(request_id, ()) if request_id is not None else ()
         for t, tier in enumerate(self.tiers):
-            found = tier.lookup_for(key, context) if t in taking else tier.lookup(key)
+            found = tier.lookup_for(key, request_id) if t in taking else tier.lookup(key)
             self.metrics.count("chunk_lookups", self.tier_labels[t], 1, found.value)
             if found is _RETRY:
                 answer = _UNDECIDED
@@ -239,23 +240,23 @@ class Manager:
                 self._tier_jobs[(t, job_id)] = (JobKind.LOAD, placed[0], key,
                                                 tuple(keys[i + 1:]))
                 tier.submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(placed[0]),
-                                         request=context if t in taking else None))
+                                         request_id=request_id if t in taking else None))
                 return _RETRY
         return answer
 
     @_locked
-    def release(self, request_id: Hashable) -> None:
-        """Drop every lookup pin of `request_id` (finished, aborted, preempted or not
+    def release(self, pin_owner: Hashable) -> None:
+        """Drop every lookup pin of `pin_owner` (finished, aborted, preempted or not
         scheduled); its promotions still in flight land unpinned. Idempotent."""
-        self._unpin(request_id)
+        self._unpin(pin_owner)
         for slot, owner in self._promo.items():
-            if owner == request_id:
+            if owner == pin_owner:
                 self._promo[slot] = _RELEASED
 
-    def _unpin(self, request_id: Hashable, only: Iterable[int] | None = None) -> None:
-        """Drop `request_id`'s pins (those on `only`, if given) and stop counting its landed
+    def _unpin(self, pin_owner: Hashable, only: Iterable[int] | None = None) -> None:
+        """Drop `pin_owner`'s pins (those on `only`, if given) and stop counting its landed
         promotions against `max_promotions`."""
-        pins = self._pins.pop(request_id, None)
+        pins = self._pins.pop(pin_owner, None)
         if not pins:
             return
         drop = pins
@@ -263,16 +264,16 @@ class Manager:
             taken = set(only)
             drop = [s for s in pins if s in taken]
             if len(drop) < len(pins):
-                self._pins[request_id] = [s for s in pins if s not in taken]
+                self._pins[pin_owner] = [s for s in pins if s not in taken]
         release, promo = self.slots.release, self._promo
         for slot in drop:
             release(slot)
-            if slot in promo and promo[slot] == request_id:
+            if slot in promo and promo[slot] == pin_owner:
                 del promo[slot]
 
     # -- stores ------------------------------------------------------------------------------
     @_locked
-    def prepare_store(self, keys: Sequence[ChunkKey], context: Hashable | None = None
+    def prepare_store(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
                       ) -> StorePlan | None:
         """Reserve host slots (state -1) for the chunks of `keys` not yet in host memory.
 
@@ -283,8 +284,8 @@ class Manager:
         Args:
             keys: Chunk keys of one prefix, in order. A key given more than once is stored
                 once, at its first position (`StorePlan.indices`).
-            context: The storing request's context (`open_request`): its stores cascade to
-                the tiers that took part with `TierJob.request` set, and its keys already
+            request_id: The storing request (`open_request`): its stores cascade to
+                the tiers that took part with `TierJob.request_id` set, and its keys already
                 readable in host memory are handed to those tiers now (they are the
                 request's chunks too).
 
@@ -297,7 +298,7 @@ class Manager:
             if key not in index and key not in seen:  # a repeated key is stored once
                 seen.add(key)
                 todo.append(i)
-        self._offer(keys, context)
+        self._offer(keys, request_id)
         if not todo:
             return None
         pools = {self.slots.pool_of(keys[i]) for i in todo}
@@ -310,7 +311,7 @@ class Manager:
             return None
         job_id = next(self._ids)
         placed = tuple(keys[i] for i in todo[:len(slots)])
-        self._stores[job_id] = (placed, slots, context)
+        self._stores[job_id] = (placed, slots, request_id)
         self._started[job_id] = time.monotonic()
         return StorePlan(job_id, placed, np.array(todo[:len(slots)], dtype=np.int64),
                          np.array(slots, dtype=np.int64))
@@ -356,7 +357,7 @@ class Manager:
             EngineError: `job_id` is not an open store job (unknown or already completed).
         """
         try:
-            keys, slots, context = self._stores.pop(job_id)
+            keys, slots, request_id = self._stores.pop(job_id)
         except KeyError:
             raise EngineError(f"store job {job_id} is not open (unknown or completed)") from None
         n_ok = len(slots) if num_ok is None else max(0, min(num_ok, len(slots)))
@@ -371,81 +372,82 @@ class Manager:
         self._job_ended("store", job_id, keys, slots, n_ok)
         if stored:
             self._stored([k for k, _ in stored])
-            self._cascade(stored, context)
-        if context in self._closing and not any(c == context for *_, c in self._stores.values()):
-            self._end_context(context)
+            self._cascade(stored, request_id)
+        if request_id in self._closing and not any(c == request_id
+                                                   for *_, c in self._stores.values()):
+            self._end_request(request_id)
 
-    def _cascade(self, stored: list[tuple[ChunkKey, int]], context: Hashable | None = None,
+    def _cascade(self, stored: list[tuple[ChunkKey, int]], request_id: Hashable | None = None,
                  only_taking: bool = False) -> None:
         """Submit a store of each (key, slot) to every secondary tier (`only_taking`: to the
-        tiers that took part in `context` only), with `context` for those that took part."""
-        taking = self._contexts.get(context, ()) if context is not None else ()
+        tiers that took part in `request_id` only), with `request_id` for those that took part."""
+        taking = self._requests.get(request_id, ()) if request_id is not None else ()
         for t, tier in enumerate(self.tiers):
             if only_taking and t not in taking:
                 continue
-            request = context if t in taking else None
+            request = request_id if t in taking else None
             for key, slot in stored:
                 self.slots.acquire(slot)
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key, ())
                 tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot),
-                                          request=request))
+                                          request_id=request))
 
-    # -- request contexts --------------------------------------------------------------------
+    # -- requests tiers take part in --------------------------------------------------------
     @_locked
-    def offer(self, keys: Sequence[ChunkKey], context: Hashable) -> None:
+    def offer(self, keys: Sequence[ChunkKey], request_id: Hashable) -> None:
         """Hand the chunks of `keys` readable in host memory to the tiers that took part in
-        `context`, as stores of the request (`TierJob.request`): chunks it loaded rather than
-        computed are its chunks too. Nothing for a context no tier took part in."""
-        self._offer(keys, context)
+        `request_id`, as stores of the request (`TierJob.request_id`): chunks it loaded rather than
+        computed are its chunks too. Nothing for a request no tier took part in."""
+        self._offer(keys, request_id)
 
-    def _offer(self, keys: Sequence[ChunkKey], context: Hashable | None) -> None:
-        if context is None or context not in self._contexts:
+    def _offer(self, keys: Sequence[ChunkKey], request_id: Hashable | None) -> None:
+        if request_id is None or request_id not in self._requests:
             return
         index, state, resident = self.slots.index, self.slots.state, []
         for key in dict.fromkeys(keys):
             slot = index.get(key)
             if slot is not None and state[slot] >= IDLE:
                 resident.append((key, slot))
-        self._cascade(resident, context, only_taking=True)
+        self._cascade(resident, request_id, only_taking=True)
 
     @_locked
-    def open_request(self, context: Hashable, params: Mapping[str, Any]) -> bool:
+    def open_request(self, request_id: Hashable, params: Mapping[str, Any]) -> bool:
         """Hand a request's parameters (vLLM: its `kv_transfer_params`) to every secondary
         tier (`SecondaryTier.open_request`); returns True if one took part. Then pass
-        `context` to `lookup`, `prepare_store` and `sources` for this request, and call
-        `close_request` when it ends. Opening an open context again does nothing."""
-        if context in self._contexts:
+        `request_id` to `lookup`, `prepare_store` and `sources` for this request, and call
+        `close_request` when it ends. Opening an open request again does nothing."""
+        if request_id in self._requests:
             return True
         taking = tuple(t for t, tier in enumerate(self.tiers)
-                       if tier.open_request(context, params))
+                       if tier.open_request(request_id, params))
         if taking:
-            self._contexts[context] = taking
+            self._requests[request_id] = taking
         return bool(taking)
 
     @_locked
-    def close_request(self, context: Hashable) -> None:
-        """The request of `context` is finished: the tiers that took part hear
+    def close_request(self, request_id: Hashable) -> None:
+        """The request of `request_id` is finished: the tiers that took part hear
         `close_request` once its last open store job completed (now if none is open).
-        Unknown contexts are ignored; idempotent."""
-        if context not in self._contexts:
+        Unknown request ids are ignored; idempotent."""
+        if request_id not in self._requests:
             return
-        if any(c == context for *_, c in self._stores.values()):
-            self._closing.add(context)
+        if any(c == request_id for *_, c in self._stores.values()):
+            self._closing.add(request_id)
         else:
-            self._end_context(context)
+            self._end_request(request_id)
 
-    def _end_context(self, context: Hashable) -> None:
-        self._closing.discard(context)
-        for t in self._contexts.pop(context):
-            self.tiers[t].close_request(context)
+    def _end_request(self, request_id: Hashable) -> None:
+        self._closing.discard(request_id)
+        for t in self._requests.pop(request_id):
+            self.tiers[t].close_request(request_id)
 
     # -- loads -------------------------------------------------------------------------------
     @_locked
-    def prepare_load(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
+    def prepare_load(self, keys: Sequence[ChunkKey], pin_owner: Hashable | None = None
                      ) -> LoadPlan | None:
         """Hold the longest prefix of `keys` that is in host memory for reading (readers + 1
-        per slot), then drop `request_id`'s lookup pins on those slots (pins on later chunks
+        per slot), then drop `pin_owner`'s lookup pins on those slots (pins on later chunks
         stay until its next lookup or `release`).
 
         Returns:
@@ -461,8 +463,8 @@ class Manager:
             state[slot] += 1
             touch(key)
             slots.append(slot)
-        if request_id is not None:
-            self._unpin(request_id, slots)
+        if pin_owner is not None:
+            self._unpin(pin_owner, slots)
         if not slots:
             return None
         job_id = next(self._ids)
@@ -475,22 +477,22 @@ class Manager:
         return LoadPlan(job_id, placed, np.array(slots, dtype=np.int64), sources)
 
     @_locked
-    def sources(self, keys: Sequence[ChunkKey], context: Hashable | None = None
+    def sources(self, keys: Sequence[ChunkKey], request_id: Hashable | None = None
                 ) -> tuple[str, ...]:
         """The tier label each chunk of `keys` will be loaded from, as a `LoadPlan.sources`
         would say: the secondary tier promoting it (landed, in flight, or the first tier
-        holding it while `max_promotions` defers it; asked for `context` as in `lookup`),
+        holding it while `max_promotions` defers it; asked for `request_id` as in `lookup`),
         else the host tier. Starts nothing."""
         flying = {key: t for (t, _), (kind, _, key, _) in self._tier_jobs.items()
                   if kind is JobKind.LOAD}
         index, state, labels = self.slots.index, self.slots.state, self.tier_labels
-        taking = self._contexts.get(context, ()) if context is not None else ()
+        taking = self._requests.get(request_id, ()) if request_id is not None else ()
         out = []
         for key in keys:
             t = self._promoted.get(key, flying.get(key))
             if t is None and (key not in index or state[index[key]] < IDLE):
                 t = next((i for i, tier in enumerate(self.tiers)
-                          if (tier.lookup_for(key, context) if i in taking
+                          if (tier.lookup_for(key, request_id) if i in taking
                               else tier.lookup(key)) is _HIT), None)
             out.append(_HOST if t is None else labels[t])
         return tuple(out)

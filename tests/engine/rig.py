@@ -60,10 +60,10 @@ class Rig:
         self.worker.submit_store(plan.job_id, block_ids[plan.indices], plan.slots, after=after)
         return self.finish(plan.job_id)
 
-    def load(self, keys: Sequence[ChunkKey], block_ids: np.ndarray, request_id=None
+    def load(self, keys: Sequence[ChunkKey], block_ids: np.ndarray, pin_owner=None
              ) -> TransferResult | None:
         """prepare_load + submit + wait + complete_load; None if nothing was resident."""
-        plan = self.manager.prepare_load(keys, request_id)
+        plan = self.manager.prepare_load(keys, pin_owner)
         if plan is None:
             return None
         self.worker.submit_load(plan.job_id, block_ids[:len(plan.keys)], plan.slots)

@@ -132,10 +132,10 @@ def test_every_lookup_pin_is_released_after_10000_mixed_operations():
         prefix = keys[start:start + rng.randrange(1, 9)]
         rid = rng.randrange(12)
         if op == 0:
-            m.lookup(prefix, request_id=rid)
+            m.lookup(prefix, pin_owner=rid)
             requests.add(rid)
         elif op == 1:                                   # load after lookup: pins become reads
-            plan = m.prepare_load(prefix, request_id=rid)
+            plan = m.prepare_load(prefix, pin_owner=rid)
             if plan:
                 open_loads.append(plan.job_id)
         elif op == 2:                                   # request aborted / finished
@@ -166,7 +166,7 @@ def test_every_lookup_pin_is_released_after_10000_mixed_operations():
 def test_lookup_pins_protect_hits_until_released(rig):
     keys = synthetic_keys(6)
     _fill(rig, keys[:4])
-    assert rig.manager.lookup(keys[:2], request_id="r") == [HIT, HIT]
+    assert rig.manager.lookup(keys[:2], pin_owner="r") == [HIT, HIT]
     assert rig.manager.prepare_store(keys[4:6]).keys == (keys[4], keys[5])  # evicts 2, 3
     assert rig.manager.lookup(keys[:4]) == [HIT, HIT, MISS, MISS]
     rig.manager.release("r")
@@ -176,7 +176,7 @@ def test_lookup_pins_protect_hits_until_released(rig):
 def test_keys_after_the_first_miss_answer_miss(rig):
     keys = synthetic_keys(3)
     _fill(rig, [keys[0], keys[2]])
-    assert rig.manager.lookup(keys, request_id="r") == [HIT, MISS, MISS]
+    assert rig.manager.lookup(keys, pin_owner="r") == [HIT, MISS, MISS]
     assert rig.manager.stats()["lookup_pins"] == 1
     rig.manager.release("r")
 
@@ -197,11 +197,11 @@ def test_promotion_answers_retry_until_the_chunk_lands_then_hit():
         rig.store(keys, chunk_blocks(0, 3, 1))
         rig.manager.drain()
         rig.manager.clear()
-        assert rig.manager.lookup(keys, request_id="r") == [RETRY, RETRY, RETRY]
+        assert rig.manager.lookup(keys, pin_owner="r") == [RETRY, RETRY, RETRY]
         assert rig.manager.stats()["writing_slots"] == 3
-        assert rig.manager.lookup(keys, request_id="r") == [HIT, HIT, HIT]
+        assert rig.manager.lookup(keys, pin_owner="r") == [HIT, HIT, HIT]
         rig.dev[:] = 255
-        assert rig.load(keys, chunk_blocks(8, 3, 1), request_id="r").num_ok == 3
+        assert rig.load(keys, chunk_blocks(8, 3, 1), pin_owner="r").num_ok == 3
         assert rig.dev[8:11, 0].tolist() == [0, 1, 2] and rig.manager.stats()["lookup_pins"] == 0
     finally:
         rig.close()
@@ -304,9 +304,9 @@ def test_only_full_chunks_are_stored(big_rig, num_tokens, hit_tokens):
 
 
 def test_zero_token_request_is_a_no_op(big_rig):
-    assert big_rig.manager.lookup([], request_id="r") == []
+    assert big_rig.manager.lookup([], pin_owner="r") == []
     assert big_rig.manager.prepare_store([]) is None
-    assert big_rig.manager.prepare_load([], request_id="r") is None
+    assert big_rig.manager.prepare_load([], pin_owner="r") is None
     assert chunks_to_store(0, 0, 256) == range(0, 0)
     assert big_rig.manager.stats()["resident"] == 0
 
@@ -376,10 +376,10 @@ def test_chunks_survive_a_restart_through_the_fs_tier(tmp_path):
     second = make_rig(capacity=4, blocks_per_chunk=2, block_bytes=2048, num_blocks=16,
                       tiers=tiers)
     try:
-        assert second.manager.lookup(keys, request_id="r") == [RETRY, RETRY, RETRY]
+        assert second.manager.lookup(keys, pin_owner="r") == [RETRY, RETRY, RETRY]
         second.manager.drain()
-        assert second.manager.lookup(keys, request_id="r") == [HIT, HIT, HIT]
-        assert second.load(keys, chunk_blocks(8, 3, 2), request_id="r").num_ok == 3
+        assert second.manager.lookup(keys, pin_owner="r") == [HIT, HIT, HIT]
+        assert second.load(keys, chunk_blocks(8, 3, 2), pin_owner="r").num_ok == 3
         assert np.array_equal(second.dev[8:14], want)
     finally:
         second.close()

@@ -32,7 +32,7 @@ def test_a_queue_of_100_requests_with_disk_hits_keeps_the_hot_chunks(tmp_path):
         assert m.max_promotions == 8
         answers, held = [], []
         for r, keys in enumerate(queued):
-            answers.append(m.lookup(keys, request_id=r))
+            answers.append(m.lookup(keys, pin_owner=r))
             held.append(m.stats()["promotion_slots"])
         for r in range(100):
             m.release(r)
@@ -59,13 +59,13 @@ def test_a_landed_promotion_is_pinned_for_its_request_until_it_loads(tmp_path):
         rig.store([key], chunk_blocks(0, 1, 1))
         m.drain()
         m.clear()
-        assert m.lookup([key], request_id="r") == [RETRY]
+        assert m.lookup([key], pin_owner="r") == [RETRY]
         m.drain()                                   # lands: pinned for "r"
         others = synthetic_keys(2, tag=2)
         plan = m.prepare_store(others)              # room for one, the pinned chunk stays
         assert plan is not None and len(plan.keys) == 1
         m.complete_store(plan.job_id, 0)
-        assert rig.load([key], chunk_blocks(10, 1, 1), request_id="r").num_ok == 1
+        assert rig.load([key], chunk_blocks(10, 1, 1), pin_owner="r").num_ok == 1
         assert rig.dev[10, 0] == 5 and m.stats()["lookup_pins"] == 0
         assert m.stats()["promotion_slots"] == 0
     finally:
@@ -87,7 +87,7 @@ def test_a_promotion_landing_after_its_request_left_is_evicted_first(tmp_path):
         hot = synthetic_keys(2, tag=2)
         rig.store(hot, chunk_blocks(1, 2, 1))
         m.drain()
-        assert m.lookup([promoted], request_id="r") == [RETRY]
+        assert m.lookup([promoted], pin_owner="r") == [RETRY]
         m.release("r")                              # not scheduled: nobody waits for it
         m.drain()
         assert promoted in m.slots.index and m.stats()["promotion_slots"] == 0   # landed
@@ -121,9 +121,9 @@ def test_a_failed_promotion_makes_its_tier_forget_that_chunk_and_the_later_ones(
         os.unlink(chunk_path(fs.ns_dir, keys[2]))
         stored_before = fs.stats()["bytes_stored"]
 
-        assert m.lookup(keys, request_id="r") == [RETRY] * 6
+        assert m.lookup(keys, pin_owner="r") == [RETRY] * 6
         m.drain()
-        retried = m.lookup(keys, request_id="r")      # the request learns of the failure
+        retried = m.lookup(keys, pin_owner="r")      # the request learns of the failure
         m.release("r")
         after_failure = [fs.lookup(k) for k in keys]
         m.clear()
@@ -131,9 +131,9 @@ def test_a_failed_promotion_makes_its_tier_forget_that_chunk_and_the_later_ones(
         m.drain()
         m.clear()
         rewritten = fs.stats()["bytes_stored"] - stored_before
-        answers = m.lookup(keys, request_id="s")
+        answers = m.lookup(keys, pin_owner="s")
         m.drain()
-        loaded = rig.load(keys, chunk_blocks(10, 6, 1), request_id="s")
+        loaded = rig.load(keys, chunk_blocks(10, 6, 1), pin_owner="s")
         values = rig.dev[10:16, 0].tolist()
     finally:
         rig.close()
@@ -163,7 +163,7 @@ def test_a_failed_promotion_leaves_the_chunks_before_it_alone(tmp_path):
         m.discard(keys[2:])
         os.unlink(chunk_path(fs.ns_dir, keys[2]))
 
-        assert m.lookup(keys, request_id="r") == [HIT, HIT, RETRY, RETRY]
+        assert m.lookup(keys, pin_owner="r") == [HIT, HIT, RETRY, RETRY]
         m.drain()
         m.release("r")
         after_failure = [fs.lookup(k) for k in keys]
@@ -193,7 +193,7 @@ def test_a_late_failed_promotion_leaves_chunks_stored_anew_since(tmp_path):
         os.unlink(chunk_path(fs.ns_dir, keys[2]))
         m.max_promotions = 1
 
-        assert m.lookup(keys, request_id="r") == [HIT, HIT, RETRY, RETRY]
+        assert m.lookup(keys, pin_owner="r") == [HIT, HIT, RETRY, RETRY]
         fs.drain()                           # chunk 2's load has failed, not collected yet
         assert rig.store(keys[3:], chunk_blocks(3, 1, 1)).num_ok == 1
         m.drain()

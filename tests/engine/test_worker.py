@@ -230,12 +230,12 @@ def test_preempted_request_blocks_stay_fenced_until_its_store_finishes(seed):
         assert rig.worker.fenced_blocks().tolist() == [0, 1, 2, 3]
         rig.worker.wait_blocks([3])                   # preempted: wait before reusing blocks
         rig.dev[0:4] = 0xEE                           # another request overwrites them
-        assert rig.manager.lookup(keys, request_id="r") == [RETRY, RETRY]  # re-admitted early
+        assert rig.manager.lookup(keys, pin_owner="r") == [RETRY, RETRY]  # re-admitted early
         (result,) = rig.worker.get_finished()
         rig.manager.complete_store(result.job_id, result.num_ok)
         assert rig.worker.fenced_blocks().tolist() == []
-        assert rig.manager.lookup(keys, request_id="r") == [HIT, HIT]
-        assert rig.load(keys, chunk_blocks(4, 2, CHUNK_BLOCKS), request_id="r").num_ok == 2
+        assert rig.manager.lookup(keys, pin_owner="r") == [HIT, HIT]
+        assert rig.load(keys, chunk_blocks(4, 2, CHUNK_BLOCKS), pin_owner="r").num_ok == 2
         assert np.array_equal(rig.dev[4:8], want[:4])
     finally:
         backend.destroy_stream(compute)

@@ -54,10 +54,10 @@ def main(argv: list[str]) -> int:
             first, count = (int(w) for w in words[2].split())
             keys = [chunk_key(NAMESPACE, i) for i in range(first, first + count)]
             if cmd == "pull":
-                manager.lookup(keys, context=words[1])
+                manager.lookup(keys, request_id=words[1])
                 print("ok", flush=True)
                 continue
-            plan = manager.prepare_store(keys, context=words[1])
+            plan = manager.prepare_store(keys, request_id=words[1])
             placed = 0 if plan is None else len(plan.keys)
             if plan is not None:
                 for index, slot in zip(plan.indices.tolist(), plan.slots.tolist()):

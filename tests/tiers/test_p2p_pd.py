@@ -78,7 +78,7 @@ class Decoder:
         """Open the decode leg and look its chunks up (their promotions start)."""
         self.manager.open_request(ctx, params)
         self.manager.lookup([chunk_key(NAMESPACE, i) for i in range(first, first + count)],
-                            context=ctx)
+                            request_id=ctx)
 
     def collect(self, count: int, timeout_s: float = 20.0) -> dict:
         """Wait until `count` pulls ended; chunk → (ok, error, monotonic time seen)."""
@@ -95,7 +95,7 @@ class Decoder:
         """Store chunks first.. for `ctx` (bytes `payload(i, SLOT)`) and wait for the p2p
         tier's store jobs; their results, in chunk order."""
         keys = [chunk_key(NAMESPACE, i) for i in range(first, first + count)]
-        plan = self.manager.prepare_store(keys, context=ctx)
+        plan = self.manager.prepare_store(keys, request_id=ctx)
         for index, slot in zip(plan.indices.tolist(), plan.slots.tolist()):
             self.array[slot * SLOT:(slot + 1) * SLOT] = payload(first + index, SLOT)
         self.manager.complete_store(plan.job_id)
@@ -562,9 +562,9 @@ def test_remote_kv_source_claims_only_what_the_named_peer_holds(prefiller, decod
     keys = [chunk_key(NAMESPACE, i) for i in range(5)]
     assert d.manager.open_request("lb", source_params(p, "lb-1"))
 
-    first = d.manager.lookup(keys, context="lb")
+    first = d.manager.lookup(keys, request_id="lb")
     answers = settled(d, "lb", keys)
-    again = d.manager.lookup(keys, context="lb")
+    again = d.manager.lookup(keys, request_id="lb")
     landed = d.collect(3)
 
     assert first == [Lookup.UNDECIDED] * 5
@@ -593,13 +593,13 @@ def test_remote_kv_source_naming_a_dead_peer_misses_without_a_pull(prefiller, de
     assert d.manager.open_request("lb", source_params(p, "lb-2"))
     start = time.monotonic()
 
-    first = d.manager.lookup(keys, context="lb")
+    first = d.manager.lookup(keys, request_id="lb")
     answers = settled(d, "lb", keys)
 
     assert time.monotonic() - start < 2.0 + 3.0
     assert first == [Lookup.UNDECIDED] * 3
     assert answers == [Lookup.MISS] * 3
-    assert d.manager.lookup(keys, context="lb") == [Lookup.MISS] * 3
+    assert d.manager.lookup(keys, request_id="lb") == [Lookup.MISS] * 3
     stats = d.tier.stats()
     assert (stats["probed_keys"], stats["probe_failed"], stats.get("load_failed", 0)) == (3, 3, 0)
     d.manager.close_request("lb")

@@ -52,7 +52,7 @@ Authentication only: bytes are not encrypted; run peers on a trusted network.
 Prefill/decode disaggregation. An orchestrator drives pulls through each request's
 `kv_transfer_params` in vLLM 0.32's key names (`orchestration.py`), which reach the tier
 through the engine's generic per-request hook (`SecondaryTier.open_request`, `lookup_for`,
-`close_request`, `TierJob.request`; the engine does not tell tiers apart). A prefill leg
+`close_request`, `TierJob.request_id`; the engine does not tell tiers apart). A prefill leg
 (`remote_decoder`) parks every chunk of its prompt under the orchestrator's id
 (`parking.py`: pinned in the host tier through `HostAccess.pin`, also chunks it found
 resident or loaded) and seals the record when the request ended and its last store was

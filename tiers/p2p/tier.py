@@ -77,7 +77,7 @@ class P2PTier(BoardedTier):
         self._parking = Parking(lambda key: self._source.hold(key),
                                 unbound_s=cfg.unbound_store_timeout_s,
                                 arrival_s=cfg.arrival_timeout_s, count=self._jobs.count)
-        # request context -> its orchestration (manager's thread; read by pull threads)
+        # request id -> its orchestration (manager's thread; read by pull threads)
         self._requests: dict[Hashable, Orchestration] = {}
         self._refused: set[Hashable] = set()  # decode legs whose prefiller refused the id
         # decode leg -> latest generation of its parked record it fetched from (`parking.py`)
@@ -137,53 +137,53 @@ class P2PTier(BoardedTier):
         """HIT if a peer announced `key` (a directory read, no I/O; the pull may still fail)."""
         return Lookup.HIT if not self._jobs.closed and key in self._directory else Lookup.MISS
 
-    def open_request(self, request: Hashable, params: Mapping[str, Any]) -> bool:
+    def open_request(self, request_id: Hashable, params: Mapping[str, Any]) -> bool:
         """Take part in a request whose `kv_transfer_params` carry p2p orchestration
         (`orchestration.py`): a prefill leg opens its parking record now (a reaped id, or one
         its decoder already gave up, parks nothing: logged); a decode leg or a
         `remote_kv_source` pulls from the named peer (the latter after asking it,
         `probe.py`)."""
-        orch = parse(params, request)
+        orch = parse(params, request_id)
         if orch is None or self._jobs.closed:
             return False
         if orch.source is not None and not orch.parked:
-            self._probes.open(request)
+            self._probes.open(request_id)
         gen = 0
         if orch.park_id is not None:
             gen, why = self._parking.open(orch.park_id)
             if why is not None:
                 logger.warning("request %s: kv_transfer_params.remote_decoder.kv_request_id "
                                "%r is %s; its chunks are not parked (the decoder recomputes)",
-                               request, orch.park_id, why)
+                               request_id, orch.park_id, why)
         with self._lock:
-            self._requests[request] = orch
-            self._park_gen[request] = gen
+            self._requests[request_id] = orch
+            self._park_gen[request_id] = gen
         return True
 
-    def lookup_for(self, key: ChunkKey, request: Hashable) -> Lookup:
+    def lookup_for(self, key: ChunkKey, request_id: Hashable) -> Lookup:
         """A decode leg (`remote_prefiller`): HIT while its prefiller has not refused its id
         (the pull waits for the chunk and says whether it comes; vLLM's tier answers a decode
         leg the same way). A `remote_kv_source` request: the named peer is asked first, RETRY
         until it answered, then HIT if it holds `key`, else MISS (`probe.py`; vLLM's tier
         probes too). Other requests: as `lookup`. No I/O."""
-        orch = self._requests.get(request)
+        orch = self._requests.get(request_id)
         if orch is None or orch.source is None:
             return self.lookup(key)
-        if self._jobs.closed or request in self._refused:
+        if self._jobs.closed or request_id in self._refused:
             return Lookup.MISS
-        return Lookup.HIT if orch.parked else self._probes.lookup(request, orch.source, key)
+        return Lookup.HIT if orch.parked else self._probes.lookup(request_id, orch.source, key)
 
-    def close_request(self, request: Hashable) -> None:
+    def close_request(self, request_id: Hashable) -> None:
         """A prefill leg's record is sealed (the decoder is refused chunks it lacks at once);
         a decode leg tells its prefiller it is done, naming the latest generation of the
         parked record it fetched from: that record's chunks are released, never those of a
         newer leg under a reused id (`parking.py`)."""
         with self._lock:
-            orch = self._requests.pop(request, None)
-            gen = self._fetched_gen.pop(request, 0)
-            park_gen = self._park_gen.pop(request, 0)
-        self._refused.discard(request)
-        self._probes.close_request(request)
+            orch = self._requests.pop(request_id, None)
+            gen = self._fetched_gen.pop(request_id, 0)
+            park_gen = self._park_gen.pop(request_id, 0)
+        self._refused.discard(request_id)
+        self._probes.close_request(request_id)
         if orch is None:
             return
         if orch.park_id is not None:
@@ -209,13 +209,13 @@ class P2PTier(BoardedTier):
         prefill leg's chunk is also parked under its id (pinned until its decoder is done);
         the store of a request whose `remote_decoder` block is malformed fails at once with
         `Orchestration.park_error`, storing nothing (vLLM's p2p tier fails it too)."""
-        orch = self._requests.get(job.request) if job.request is not None else None
+        orch = self._requests.get(job.request_id) if job.request_id is not None else None
         if orch is not None and orch.park_error is not None:
             self._jobs.finish(job, orch.park_error)
             return
         park = None
         if orch is not None and orch.park_id is not None:
-            park = (orch.park_id, self._park_gen.get(job.request, 0))
+            park = (orch.park_id, self._park_gen.get(job.request_id, 0))
         if self._attached:
             problem = job_problem(job, len(self._host), self.namespace)
             if problem is None and park is not None:
@@ -233,7 +233,7 @@ class P2PTier(BoardedTier):
         """Pull the chunk, within `timeout_s` of this call: from the peer a request names
         (a decode leg waits up to `fetch_wait_s` more for its prefiller to store it), else
         from a peer that announced it."""
-        orch = self._requests.get(job.request) if job.request is not None else None
+        orch = self._requests.get(job.request_id) if job.request_id is not None else None
         if orch is not None and orch.source is None:
             orch = None
         wait = orch is not None and orch.parked
@@ -369,14 +369,14 @@ class P2PTier(BoardedTier):
                                     parked)
         except PullError as exc:
             if exc.why in ID_REFUSALS:
-                self._refused.add(job.request)
+                self._refused.add(job.request_id)
             if not orch.parked:       # the peer lost it since it said it held it
-                self._probes.failed(job.request, job.key)
+                self._probes.failed(job.request_id, job.key)
             return str(exc)
         if orch.parked:
             with self._lock:
-                if job.request in self._requests:   # its `done` not sent yet
-                    self._fetched_gen[job.request] = max(
-                        gen, self._fetched_gen.get(job.request, 0))
+                if job.request_id in self._requests:   # its `done` not sent yet
+                    self._fetched_gen[job.request_id] = max(
+                        gen, self._fetched_gen.get(job.request_id, 0))
         self._jobs.count("bytes_loaded", job.nbytes)
         return None

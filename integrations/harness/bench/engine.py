@@ -103,7 +103,7 @@ def _operations(chunks: int, capacity: int):
 
     def lookup() -> float:
         t0 = time.perf_counter()
-        manager.lookup(resident, request_id=1)
+        manager.lookup(resident, pin_owner=1)
         dt = time.perf_counter() - t0
         manager.release(1)
         return dt

@@ -183,7 +183,7 @@ def submit_pulls(tier, keys: Sequence[ChunkKey], chunk: int,
     [i * chunk, (i + 1) * chunk), for `request` (a context the tier took part in) or none."""
     from kvhal.tier import JobKind, TierJob
     for i, key in enumerate(keys):
-        tier.submit_load(TierJob(i, JobKind.LOAD, key, i * chunk, chunk, request=request))
+        tier.submit_load(TierJob(i, JobKind.LOAD, key, i * chunk, chunk, request_id=request))
 
 
 def finish_pulls(tier, count: int) -> list:

@@ -197,7 +197,7 @@ class LoadPlanner:
             return
         (part,) = parts     # synchronous: one group, every chunk in host memory
         safe = len(part.keys) if shared is None else int(np.searchsorted(part.chunks, shared))
-        plan = (self._manager.prepare_load(part.keys[:safe], request_id=(request_id, part.group))
+        plan = (self._manager.prepare_load(part.keys[:safe], pin_owner=(request_id, part.group))
                 if safe else None)
         placed = 0 if plan is None else len(plan.keys)
         slots = np.full(len(part.keys), -1, dtype=np.int64)  # -1: gone since lookup → fails
@@ -313,11 +313,11 @@ class LoadPlanner:
             if load.stopped or load.failed_at is not None or part.issued == len(part.keys):
                 continue
             keys = part.keys[part.issued:]
-            answers = self._manager.lookup(keys, request_id=(request_id, part.group),
-                                           context=request_id)
+            answers = self._manager.lookup(keys, pin_owner=(request_id, part.group),
+                                           request_id=request_id)
             ready = prefix_hit(answers).num_ready
             plan = (self._manager.prepare_load(keys[:ready],
-                                               request_id=(request_id, part.group))
+                                               pin_owner=(request_id, part.group))
                     if ready else None)
             n = 0 if plan is None else len(plan.keys)
             if n:

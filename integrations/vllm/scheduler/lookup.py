@@ -110,8 +110,8 @@ class HitLookup:
         limit, pending, undecided = end, False, False
         for g in self._prefix_groups:   # whole prefix: the chunks before the first MISS
             keys = self._requests.keys(request, g.group_id)[start:end]
-            answers = manager.lookup(keys, request_id=(request_id, g.group_id),
-                                     context=request_id)
+            answers = manager.lookup(keys, pin_owner=(request_id, g.group_id),
+                                     request_id=request_id)
             self._describe(request, start, keys, answers)
             hit = prefix_hit(answers)
             pending = pending or hit.pending
@@ -126,7 +126,7 @@ class HitLookup:
         def answer(group: int, chunk: int) -> Lookup:
             if (group, chunk) not in probed:  # each chunk once per call (promotions start once)
                 probed[group, chunk] = manager.lookup([keys[group][chunk]],
-                                                      context=request_id)[0]
+                                                      request_id=request_id)[0]
                 if probed[group, chunk] is Lookup.RETRY:
                     self._describe(request, chunk, [keys[group][chunk]], [Lookup.RETRY])
             return probed[group, chunk]
@@ -147,7 +147,7 @@ class HitLookup:
             rng = needed_chunks(g.kind, start, hit_end, dep.tokens_per_chunk, dep.block_size,
                                 g.sliding_window)
             manager.lookup([keys[g.group_id][c] for c in rng],
-                           request_id=(request_id, g.group_id), context=request_id)
+                           pin_owner=(request_id, g.group_id), request_id=request_id)
         return hit_end, pending
 
     def _describe(self, request: Any, start: int, keys: list, answers: list) -> None:

@@ -116,7 +116,7 @@ class StorePlanner:
             held = (blocks != self._blocks.null_block_id).all(axis=1)  # a window may have dropped some
             chunks, blocks = chunks[held], blocks[held]
             due_keys = [keys[c] for c in chunks]
-            plan = self._manager.prepare_store(due_keys, context=request.request_id)
+            plan = self._manager.prepare_store(due_keys, request_id=request.request_id)
             placed = self._manager.num_held(due_keys)
             if placed < len(chunks):               # no free slot for it: still due
                 cursor = min(cursor, int(chunks[placed]))
@@ -166,7 +166,7 @@ class StorePlanner:
                 continue
             chunk = boundary // tpc - 1
             key = self._requests.keys(request, group)[chunk]
-            plan = self._manager.prepare_store([key], context=request.request_id)
+            plan = self._manager.prepare_store([key], request_id=request.request_id)
             if plan is None:
                 if not self._manager.num_held([key]):
                     self.skip(group, 1)
