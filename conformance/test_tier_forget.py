@@ -60,6 +60,24 @@ def _load_prefix(tier: SecondaryTier, array: np.ndarray, keys, first_job: int) -
     return oks
 
 
+def _lose_and_forget(harness, tier, array, keys, kind: str):
+    """Store `keys`, damage chunks FIRST_LOST and later with `kind`, fail a load of chunk
+    FIRST_LOST and tell the tier to forget it and the later ones; returns that load's result."""
+    assert _store_prefix(tier, array, keys, 0) == [True] * PREFIX_CHUNKS
+    for i, key in enumerate(keys[FIRST_LOST:]):
+        harness.damage(tier, {}, key, kind, seed=i)
+    failed = load(tier, keys[FIRST_LOST], NBYTES, NBYTES, job_id=100)
+    tier.forget(keys[FIRST_LOST:])
+    return failed
+
+
+def _store_again(tier, array, keys) -> tuple[list[bool], int]:
+    """Store `keys` again: (ok of each chunk from FIRST_LOST on, bytes the tier stored)."""
+    before = tier.stats().get("bytes_stored", 0)
+    restored = _store_prefix(tier, array, keys, 200)[FIRST_LOST:]
+    return restored, tier.stats().get("bytes_stored", 0) - before
+
+
 def test_a_forgotten_lost_prefix_misses_and_is_stored_anew(harness, open_tier, namespace,
                                                            host):
     if "delete" not in harness.damage_kinds:
@@ -67,17 +85,10 @@ def test_a_forgotten_lost_prefix_misses_and_is_stored_anew(harness, open_tier, n
     array = np.frombuffer(host, dtype=np.uint8)
     tier = open_tier(host)
     keys = [chunk_key(namespace, i) for i in range(PREFIX_CHUNKS)]
-    assert _store_prefix(tier, array, keys, 0) == [True] * PREFIX_CHUNKS
-    for i, key in enumerate(keys[FIRST_LOST:]):
-        harness.damage(tier, {}, key, "delete", seed=i)
     lost = PREFIX_CHUNKS - FIRST_LOST
-
-    failed = load(tier, keys[FIRST_LOST], NBYTES, NBYTES, job_id=100)
-    tier.forget(keys[FIRST_LOST:])
+    failed = _lose_and_forget(harness, tier, array, keys, "delete")
     answers = _lookups_once_settled(tier, keys, [Lookup.HIT] * FIRST_LOST + [Lookup.MISS] * lost)
-    stored_before = tier.stats().get("bytes_stored", 0)
-    restored = _store_prefix(tier, array, keys, 200)[FIRST_LOST:]
-    stored = tier.stats().get("bytes_stored", 0) - stored_before
+    restored, stored = _store_again(tier, array, keys)
 
     assert not failed.ok
     assert answers == [Lookup.HIT] * FIRST_LOST + [Lookup.MISS] * lost
@@ -100,16 +111,9 @@ def test_a_forgotten_record_the_store_still_holds_is_replaced(harness, open_tier
         pytest.skip(f"{harness.name}'s lookups read its chunks, not an index: nothing to "
                     "forget (SecondaryTier.forget's default)")
     keys = [chunk_key(namespace, i) for i in range(PREFIX_CHUNKS)]
-    assert _store_prefix(tier, array, keys, 0) == [True] * PREFIX_CHUNKS
-    for i, key in enumerate(keys[FIRST_LOST:]):
-        harness.damage(tier, {}, key, "bitflip-payload", seed=i)
     lost = PREFIX_CHUNKS - FIRST_LOST
-
-    failed = load(tier, keys[FIRST_LOST], NBYTES, NBYTES, job_id=100)
-    tier.forget(keys[FIRST_LOST:])
-    stored_before = tier.stats().get("bytes_stored", 0)
-    restored = _store_prefix(tier, array, keys, 200)[FIRST_LOST:]
-    stored = tier.stats().get("bytes_stored", 0) - stored_before
+    failed = _lose_and_forget(harness, tier, array, keys, "bitflip-payload")
+    restored, stored = _store_again(tier, array, keys)
 
     assert not failed.ok
     assert restored == [True] * lost

@@ -6,6 +6,7 @@ import os
 import numpy as np
 
 from kvhal.tier import Lookup
+from kvhal.tiers.fs.format import chunk_path
 
 from .rig import chunk_blocks, make_rig, synthetic_keys
 
@@ -100,6 +101,13 @@ def test_a_promotion_landing_after_its_request_left_is_evicted_first(tmp_path):
         rig.close()
 
 
+def _fs_rig(tmp_path):
+    """A 16-slot host tier of 1-block chunks over an fs tier that never refreshes its index on
+    its own (an hour apart): only `forget` and stores move it."""
+    return make_rig(capacity=16, blocks_per_chunk=1, block_bytes=1024, num_blocks=64,
+                    tiers=[{"type": "fs", "root_dir": str(tmp_path), "refresh_interval_s": 3600}])
+
+
 def test_a_failed_promotion_makes_its_tier_forget_that_chunk_and_the_later_ones(tmp_path):
     """A prefix of 6 chunks lives only in an fs tier; the file of chunk 2 is deleted. A lookup
     promotes all 6; chunk 2's promotion fails: the fs index drops chunks 2-5 (the later ones
@@ -107,10 +115,7 @@ def test_a_failed_promotion_makes_its_tier_forget_that_chunk_and_the_later_ones(
     store of the prefix writes 2-5 again (4 chunks' bytes), after which every chunk loads
     exact. No refresh runs meanwhile (an hour apart), so only the forget moves the index.
     Seen failing with the tier told to forget only the failing chunk: 3-5 stayed HIT."""
-    from kvhal.tiers.fs.format import chunk_path
-    rig = make_rig(capacity=16, blocks_per_chunk=1, block_bytes=1024, num_blocks=64,
-                   tiers=[{"type": "fs", "root_dir": str(tmp_path),
-                           "refresh_interval_s": 3600}])
+    rig = _fs_rig(tmp_path)
     m, fs = rig.manager, rig.manager.tiers[0]
     try:
         keys = synthetic_keys(6, tag=7)
@@ -151,10 +156,7 @@ def test_a_failed_promotion_leaves_the_chunks_before_it_alone(tmp_path):
     in the fs tier: the first tier chunk (chunk 2) fails to load; the tier forgets chunks 2-3,
     and keeps chunks 0 and 1 (earlier in the prefix, never in doubt). Seen failing with the
     tier told to forget every key of the prefix: chunks 0 and 1 became MISS."""
-    from kvhal.tiers.fs.format import chunk_path
-    rig = make_rig(capacity=16, blocks_per_chunk=1, block_bytes=1024, num_blocks=64,
-                   tiers=[{"type": "fs", "root_dir": str(tmp_path),
-                           "refresh_interval_s": 3600}])
+    rig = _fs_rig(tmp_path)
     m, fs = rig.manager, rig.manager.tiers[0]
     try:
         keys = synthetic_keys(4, tag=8)
@@ -180,10 +182,7 @@ def test_a_late_failed_promotion_leaves_chunks_stored_anew_since(tmp_path):
     chunk 3 — the tier already lists it. The failure then makes the tier forget chunk 2 only:
     chunk 3 was stored after the failed load began, so it stays a HIT. Seen failing with
     every later chunk forgotten regardless: chunk 3 became MISS."""
-    from kvhal.tiers.fs.format import chunk_path
-    rig = make_rig(capacity=16, blocks_per_chunk=1, block_bytes=1024, num_blocks=64,
-                   tiers=[{"type": "fs", "root_dir": str(tmp_path),
-                           "refresh_interval_s": 3600}])
+    rig = _fs_rig(tmp_path)
     m, fs = rig.manager, rig.manager.tiers[0]
     try:
         keys = synthetic_keys(4, tag=9)
