@@ -21,13 +21,16 @@ then routed by load alone until its events resume, never a failed request):
 - a silent stream (the router sent the instance requests that must have stored blocks, and
   no batch came for `silence_s`): `check_silence` clears the index;
 - the instance found dead (`drop`, by the proxy's health poll): the index is cleared.
-At startup with a replay endpoint, the first batch seen triggers a replay from seq 0 (the
-publisher's buffer: what the instance stored before the router started).
+At startup with a replay endpoint, the feed replays from seq 0 (the publisher's buffer: what
+the instance stored before the router started; vLLM keeps `buffer_steps` batches), and again
+at its first batch if that replay failed. A batch the SUB socket delivers after the replay
+already applied it (same seq, same `ts`) is skipped as a duplicate.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +42,8 @@ from .prefix_index import EventError, InstanceIndex
 
 log = logging.getLogger("kvhal.proxy.events")
 
+#: Batches whose (seq, ts) a feed remembers to tell a duplicate from a restart.
+RECENT_BATCHES = 4096
 #: vLLM's end-of-replay marker (`ZmqEventPublisher.END_SEQ`).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -105,6 +110,7 @@ class FeedStats:
     replays: int = 0
     replay_failures: int = 0
     restarts: int = 0
+    duplicates: int = 0
     malformed: int = 0
     bad_events: int = 0
     cleared: int = 0
@@ -134,6 +140,7 @@ class EventFeed:
     stats: FeedStats = field(default_factory=FeedStats)
     _expected: int | None = None
     _pending_since: float | None = None     # monotonic: first request owed a batch
+    _recent: OrderedDict = field(default_factory=OrderedDict)     # seq -> ts applied
 
     def to_dict(self) -> dict:
         """The stream's endpoints and counters (JSON-ready)."""
@@ -147,6 +154,8 @@ class EventFeed:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.endpoint)
         try:
+            if self.replay is not None:
+                await self._catch_up(0, None, ctx, first=True)
             while True:
                 frames = await sub.recv_multipart()
                 await self.receive(frames, ctx)
@@ -176,6 +185,9 @@ class EventFeed:
             else:
                 await self._catch_up(expected, seq, ctx, first=False)
         elif seq < expected:
+            if self._recent.get(seq) == batch.ts:
+                self.stats.duplicates += 1
+                return
             self.stats.restarts += 1
             self._clear(f"event seq went back from {expected - 1} to {seq} (publisher "
                         f"restarted, or batches out of order)")
@@ -189,6 +201,9 @@ class EventFeed:
                 self.stats.bad_events += 1
                 log.warning("instance %s: event skipped in batch %d: %s", self.name, seq, exc)
         self._expected = seq + 1
+        self._recent[seq] = batch.ts
+        if len(self._recent) > RECENT_BATCHES:
+            self._recent.popitem(last=False)
         self.stats.batches += 1
         self.stats.events += len(batch.events)
         self.stats.last_seq = seq
@@ -198,9 +213,10 @@ class EventFeed:
                 log.info("instance %s: events resumed (seq %d)", self.name, seq)
             self.stats.state = "live"
 
-    async def _catch_up(self, start: int, seq: int, ctx: zmq.asyncio.Context, *,
+    async def _catch_up(self, start: int, seq: int | None, ctx: zmq.asyncio.Context, *,
                         first: bool) -> None:
-        """Replay batches start..seq-1 and apply them; clear the index if that fails."""
+        """Replay batches start..seq-1 (seq None: all the publisher holds) and apply them;
+        clear the index if that fails (`first`: nothing to clear, the index starts later)."""
         self.stats.replays += 1
         try:
             batches = await self._replay(start, ctx)
@@ -208,19 +224,20 @@ class EventFeed:
             self.stats.replay_failures += 1
             if first:
                 log.warning("instance %s: replay of its earlier events failed (%s); the "
-                            "index starts at seq %d", self.name, exc, seq)
+                            "index starts with the next batch", self.name, exc)
             else:
                 self._clear(f"event batches {start}..{seq - 1} lost and their replay "
                             f"failed: {exc}")
             return
-        missing = [s for s, _ in batches if start <= s < seq]
-        if not missing or missing[0] != start:
+        end = seq if seq is not None else (batches[-1][0] + 1 if batches else start)
+        missing = [s for s, _ in batches if start <= s < end]
+        if missing[:1] != [start] and (seq is not None or missing):
             self.stats.replay_failures += 1
             if not first:
                 self._clear(f"event batches {start}..{seq - 1} lost; the replay buffer "
                             f"starts at {missing[0] if missing else 'none of them'}")
         for s, batch in batches:
-            if s < seq and (self._expected is None or s >= self._expected):
+            if s < end and (self._expected is None or s >= self._expected):
                 self._apply(s, batch)
 
     async def _replay(self, start: int, ctx: zmq.asyncio.Context

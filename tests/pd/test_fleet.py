@@ -1,0 +1,207 @@
+"""`kvhal proxy --route ...` (fleet mode) as its own process in front of recording backends
+(real HTTP servers, `servers.py`), fed KV events by vLLM's own `ZmqEventPublisher`.
+What real vLLM instances do behind it: tests/vllm/test_fleet_e2e.py."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="kvhal proxy needs the `proxy` extra")
+kv_events = pytest.importorskip("vllm.distributed.kv_events",
+                                reason="vLLM's publisher produces the test events")
+
+from kvhal.procs import free_port
+
+from .servers import (
+    KVHAL,
+    FaultyBackend,
+    ProxyProcess,
+    RecordingBackend,
+    SSEStream,
+    request,
+)
+
+B = 16
+TOKENS = list(range(2000, 2000 + 8 * B))
+BODY = {"model": "m", "prompt": TOKENS, "max_tokens": 4}
+
+
+@pytest.fixture
+def backend():
+    """Factory of recording backends, all stopped at teardown."""
+    made = []
+
+    def make(name: str, cls=RecordingBackend, **kw) -> RecordingBackend:
+        made.append(cls(name, **kw))
+        return made[-1]
+    yield make
+    for b in made:
+        b.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """Factory: `fleet(policy, specs, *args)` starts `kvhal proxy --route policy` over the
+    `--instance` specs."""
+    made = []
+
+    def start(policy: str, specs: list[str], *args: str) -> ProxyProcess:
+        argv = [a for s in specs for a in ("--instance", s)]
+        made.append(ProxyProcess([KVHAL, "proxy", "--port", "0", "--route", policy,
+                                  "--health-interval-s", "0.5", *argv, *args],
+                                 tmp_path / f"fleet{len(made)}.log"))
+        return made[-1]
+    yield start
+    for p in made:
+        p.kill()
+
+
+def stats(px: ProxyProcess) -> dict:
+    status, out = request(f"{px.url}/router/stats")
+    assert status == 200, out
+    return out
+
+
+def wait(condition, what: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not (out := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return out
+
+
+class Publisher:
+    """vLLM's `ZmqEventPublisher` (PUB + replay) on free ports, as an instance's
+    `--kv-events-config` starts it."""
+
+    def __init__(self):
+        port, rport = free_port(), free_port()
+        self.pub = kv_events.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}",
+                                               replay_endpoint=f"tcp://*:{rport}")
+        self.spec = f"events=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{rport}"
+
+    def blocks(self, tokens: list[int], medium: str = "GPU") -> None:
+        n = len(tokens) // B
+        self.pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[
+            kv_events.BlockStored(block_hashes=[f"b{i}".encode() for i in range(n)],
+                                  parent_block_hash=None, token_ids=tokens[:n * B],
+                                  block_size=B, lora_id=None, medium=medium,
+                                  lora_name=None)]))
+
+
+@pytest.fixture
+def publisher():
+    made = []
+
+    def make() -> Publisher:
+        made.append(Publisher())
+        return made[-1]
+    yield make
+    for p in made:
+        p.pub.shutdown()
+
+
+def test_kv_routes_to_the_holder_and_kv_p2p_pulls_from_it_when_busy(backend, fleet,
+                                                                     publisher):
+    """Instance b announced the prompt (device and host). kv sends it there; once b has 2
+    requests in flight, kv-p2p sends the next to a with `remote_kv_source` naming b's p2p
+    tier. Fails when the router ignores the events (the first request goes to a, in turn)
+    or kv-p2p never pulls (the third request goes to b or without remote_kv_source)."""
+    a, b = backend("a"), backend("b")
+    pub = publisher()
+    pub.blocks(TOKENS)
+    pub.blocks(TOKENS, medium="CPU")
+    px = fleet("kv-p2p", [a.url, f"{b.url},{pub.spec},p2p=127.0.0.1:7777"],
+               "--load-tokens", "40",     # 1 in flight < 128 held tokens; 2 > 128 / 2
+               "--p2p-min-tokens", "64")
+    wait(lambda: stats(px)["instances"][1]["index_blocks"]["host"] == 8,
+         "b's events in the index")
+    status, out = request(f"{px.url}/v1/completions", BODY)
+    assert (status, out["backend"]) == (200, "b")
+    assert "kv_transfer_params" not in out["echo"]
+    held = [SSEStream(f"{px.url}/v1/completions", BODY | {"stream": True}) for _ in range(2)]
+    try:
+        wait(lambda: len(b.legs) == 3, "two streams held on b")
+        status, out = request(f"{px.url}/v1/completions", BODY)
+        assert (status, out["backend"]) == (200, "a")
+        source = out["echo"]["kv_transfer_params"]["remote_kv_source"]
+        assert (source["remote_host"], source["remote_port"]) == ("127.0.0.1", 7777)
+    finally:
+        for s in held:
+            s.close()
+    s = stats(px)
+    assert s["route"] == "kv-p2p" and s["requests"] == 4
+    sa, sb = s["instances"]
+    assert sb["by_reason"]["kv"] == 3 and sa["by_reason"]["p2p"] == 1
+    assert sa["predicted_hit_tokens"]["p2p"] == 8 * B
+    assert sb["predicted_hit_tokens"]["device"] == 3 * 8 * B
+    assert sb["events"]["state"] == "live" and sb["events"]["replays"] >= 1
+
+
+def test_an_instance_answering_5xx_or_dead_is_routed_around(backend, fleet):
+    """Fails when a 5xx or an unreachable instance fails the client's request (no retry) or
+    keeps getting requests."""
+    bad, good = backend("bad", FaultyBackend, status=503), backend("good")
+    dead = backend("dead")
+    dead.stop()
+    px = fleet("round-robin", [bad.url, dead.url, good.url])
+    for _ in range(4):
+        status, out = request(f"{px.url}/v1/completions", BODY)
+        assert (status, out["backend"]) == (200, "good")
+    s = stats(px)
+    assert [i["healthy"] for i in s["instances"]] == [False, False, True]
+    assert len(bad.legs) <= 1
+    log = px.log.read_text()
+    assert "answered HTTP 503): routed around, its index dropped" in log
+    assert f"instance {dead.url} is unhealthy (ClientConnectorError" in log
+
+
+def test_the_last_instance_s_5xx_is_passed_through_and_503_when_none_is_healthy(
+        backend, fleet):
+    """Fails when a failing fleet hangs the request or answers something else."""
+    bad = backend("bad", FaultyBackend, status=500)
+    px = fleet("kv", [bad.url])
+    status, out = request(f"{px.url}/v1/completions", BODY)
+    assert status == 500 and "refuses" in json.dumps(out)
+    bad.health_status = 503
+    wait(lambda: request(f"{px.url}/v1/completions", BODY)[0] == 503,
+         "503 once the instance's /health fails", 10)
+    status, out = request(f"{px.url}/v1/completions", BODY)
+    assert status == 503 and "no healthy instance" in out["error"]["message"]
+
+
+def test_a_tokenizer_that_cannot_load_is_logged_and_text_prompts_fall_back(backend, fleet,
+                                                                            tmp_path):
+    """Fails when a bad --tokenizer crashes the router or a text prompt is refused."""
+    a, b = backend("a"), backend("b")
+    px = fleet("kv", [a.url, b.url], "--tokenizer", str(tmp_path / "no-such-tokenizer"))
+    assert "cannot load" in px.log.read_text()
+    answers = [request(f"{px.url}/v1/completions", {"model": "m", "prompt": "hello"})
+               for _ in range(2)]
+    assert [(s, o["backend"]) for s, o in answers] == [(200, "a"), (200, "b")]
+    s = stats(px)
+    assert [i["by_reason"]["fallback"] for i in s["instances"]] == [1, 1]
+    assert s["tokenizer"].startswith("tokenizer ")
+
+
+def test_affinity_keeps_a_user_on_one_instance(backend, fleet):
+    a, b = backend("a"), backend("b")
+    px = fleet("affinity", [a.url, b.url])
+    got = {request(f"{px.url}/v1/completions", BODY | {"user": u})[1]["backend"]
+           for u in ("x", "x", "x")}
+    assert len(got) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--route", "kv"], "fleet mode needs --route and at least one --instance"),
+    (["--route", "kv", "--instance", "http://a:1", "--decoder", "http://d:1"],
+     "cannot be mixed"),
+    ([], "give --prefiller and --decoder"),
+], ids=["no-instance", "mixed", "none"])
+def test_mode_mistakes_are_errors_naming_the_flags(argv, message):
+    out = subprocess.run([KVHAL, "proxy", "--port", "0", *argv], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode != 0 and message in out.stderr
