@@ -244,12 +244,14 @@ class Fleet:
             return _error(400, str(exc))
         tokens = self.prompts.tokens(body, chat=chat)
         conversation = conversation_of(body, tokens)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried: tuple[Instance, ...] = ()
         while True:
             try:
-                decision = self.router.choose(tokens, conversation, exclude=tried)
+                decision = self.router.choose(tokens, conversation, exclude=tried,
+                                              cache_salt=salt)
             except NoHealthyBackend as exc:
                 return _error(503, str(exc))
             tried += (decision.instance,)

@@ -23,13 +23,18 @@ Tiers (`tier_of`): medium "GPU" or None → "device"; "CPU" → "host"; "STORAGE
 "shared" when its `locality` is "REMOTE" (a fleet-shared tier: obj, mooncake). A block held
 in several tiers counts once, in the fastest (`InstanceIndex.held`).
 
-Not keyed: LoRA names and `extra_keys` (multimodal, cache salt). A request whose blocks hash
-apart for those reasons is predicted to hit when it will not: that costs one miss, never a
-wrong answer (the engine decides what it reuses by its own hashes).
+A prompt's first block's extra keys (vLLM's `extra_keys[0]` of an event whose parent is None:
+the cache salt, as `(salt,)` when the request has no LoRA nor multimodal input) start its
+chain at `root_key(extra)` instead of `ROOT`, so a salted prompt and an unsalted one with the
+same tokens never share keys (the request's side: `root_key((cache_salt,))`). Not keyed: the
+extra keys of later blocks (multimodal) and LoRA names beyond the first block's extra keys. A
+request whose blocks hash apart for those reasons is predicted to hit when it will not: that
+costs one miss, never a wrong answer (the engine decides what it reuses by its own hashes).
 Not thread-safe: the router calls it from its one event loop.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,9 +66,18 @@ def tier_of(medium: str | None, locality: str | None) -> str:
     raise EventError(f"medium: unknown {medium!r} (expected GPU, CPU, STORAGE or null)")
 
 
-def prefix_keys(tokens: Sequence[int]) -> list[int]:
-    """Chain keys of every prefix of `tokens`: element i is the key of `tokens[:i+1]`."""
-    keys, key = [], ROOT
+def root_key(extra: Sequence[Any] | None) -> int:
+    """The chain's start for a prompt whose first block has vLLM extra keys `extra` (e.g.
+    `(cache_salt,)`); `ROOT` when None or empty."""
+    if not extra:
+        return ROOT
+    return hash(("extra", json.dumps(list(extra), default=str)))
+
+
+def prefix_keys(tokens: Sequence[int], root: int = ROOT) -> list[int]:
+    """Chain keys of every prefix of `tokens` from `root` (`root_key`): element i is the key
+    of `tokens[:i+1]`."""
+    keys, key = [], root
     for token in tokens:
         key = hash((key, token))
         keys.append(key)
@@ -143,7 +157,11 @@ class InstanceIndex:
                     held[known[0]] = known[1]
             return
         parent = event.parent_block_hash
-        start = (ROOT, 0) if parent is None else self.blocks.get(parent)
+        if parent is None:
+            extra = event.extra_keys
+            start = (root_key(extra[0] if isinstance(extra, list) and extra else None), 0)
+        else:
+            start = self.blocks.get(parent)
         if start is None:
             self.orphans += len(hashes)
             return

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .backends import Backend, NoHealthyBackend, P2PAddress, backend_url
-from .prefix_index import TIERS, InstanceIndex, prefix_keys
+from .prefix_index import TIERS, InstanceIndex, prefix_keys, root_key
 
 POLICIES = ("round-robin", "affinity", "kv", "kv-p2p")
 #: Share of a token's recomputation that a hit in each tier saves (module docstring).
@@ -185,9 +185,10 @@ class Router:
         return live
 
     def choose(self, tokens: list[int] | None, conversation: str | None,
-               exclude: tuple[Instance, ...] = ()) -> Decision:
-        """The instance for a request with prompt `tokens` (None: unknown) in
-        `conversation`, among healthy ones not in `exclude`; counts it (`by_reason`,
+               exclude: tuple[Instance, ...] = (), cache_salt: str | None = None) -> Decision:
+        """The instance for a request with prompt `tokens` (None: unknown) and vLLM
+        `cache_salt` in `conversation`, among healthy ones not in `exclude`; counts it
+        (`by_reason`,
         `predicted`, the backend's `outstanding` and `legs`: end with `Pool.done`).
 
         Raises:
@@ -201,7 +202,7 @@ class Router:
         elif tokens is None:
             decision = Decision(self._least_loaded(live), "fallback", {})
         else:
-            decision = self._kv(live, tokens)
+            decision = self._kv(live, tokens, cache_salt)
         chosen = decision.instance
         self._turn = (self.instances.index(chosen) + 1) % len(self.instances)
         chosen.by_reason[decision.reason] += 1
@@ -226,8 +227,9 @@ class Router:
             self._conversations.popitem(last=False)
         return Decision(held, "affinity", {})
 
-    def _kv(self, live: list[Instance], tokens: list[int]) -> Decision:
-        keys = prefix_keys(tokens)
+    def _kv(self, live: list[Instance], tokens: list[int], cache_salt: str | None
+            ) -> Decision:
+        keys = prefix_keys(tokens, root_key((cache_salt,) if cache_salt else None))
         hits = {id(i): i.index.hits(keys) for i in live}
         holder, pull = None, 0
         if self.policy == "kv-p2p":

@@ -12,7 +12,12 @@ kv_events = pytest.importorskip("vllm.distributed.kv_events",
 import msgspec
 from kvhal.integrations.pd.backends import Backend, NoHealthyBackend, P2PAddress
 from kvhal.integrations.pd.events_sub import _DECODER
-from kvhal.integrations.pd.prefix_index import EventError, InstanceIndex, prefix_keys
+from kvhal.integrations.pd.prefix_index import (
+    EventError,
+    InstanceIndex,
+    prefix_keys,
+    root_key,
+)
 from kvhal.integrations.pd.route import (
     AFFINITY_TOKENS,
     Instance,
@@ -201,3 +206,15 @@ def test_instance_spec_parts():
                           "replay=tcp://10.0.0.5:5558,p2p=10.0.0.5:7001") == InstanceSpec(
         "http://10.0.0.5:8001", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558",
         P2PAddress("10.0.0.5", 7001))
+
+
+def test_a_salted_prompt_and_an_unsalted_one_never_share_keys():
+    """vLLM puts the cache salt in the first block's extra keys; fails when the index starts
+    every chain at the same root (the unsalted prompt would be credited the salted blocks)."""
+    index = InstanceIndex()
+    for e in wire(stored([b"s0", b"s1"], None, TOKENS[:2 * B], extra_keys=[("salt",), None]),
+                  stored([b"s2"], b"s1", TOKENS[2 * B:3 * B])):
+        index.apply(e)
+    assert index.prefix(prefix_keys(TOKENS), "device") == 0
+    assert index.prefix(prefix_keys(TOKENS, root_key(("salt",))), "device") == 3 * B
+    assert index.prefix(prefix_keys(TOKENS, root_key(("other",))), "device") == 0
