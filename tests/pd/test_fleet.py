@@ -205,3 +205,21 @@ def test_mode_mistakes_are_errors_naming_the_flags(argv, message):
     out = subprocess.run([KVHAL, "proxy", "--port", "0", *argv], capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode != 0 and message in out.stderr
+
+
+def test_the_queue_is_running_plus_waiting_summed_over_label_sets():
+    """vLLM's `/metrics` text (two engines' gauges, with HELP/TYPE lines and other gauges
+    whose names start alike). Fails when a label set or one of the two gauges is missed."""
+    from kvhal.integrations.pd.fleet import parse_queue
+
+    text = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 9.0
+"""
+    assert parse_queue(text) == 6
+    assert parse_queue(b"") == 0
