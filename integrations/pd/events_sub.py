@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgspec
@@ -144,7 +144,6 @@ class EventFeed:
 
     def to_dict(self) -> dict:
         """The stream's endpoints and counters (JSON-ready)."""
-        from dataclasses import asdict
         return {"endpoint": self.endpoint, "replay": self.replay} | asdict(self.stats)
 
     async def run(self, ctx: zmq.asyncio.Context) -> None:

@@ -119,7 +119,7 @@ class Instance:
             "events": None if self.feed is None else self.feed.to_dict(),
             "p2p": None if self.spec.p2p is None else
             f"{self.spec.p2p.host}:{self.spec.p2p.port}",
-            "load": self.load, "queued": self.queued,
+            "in_flight": self.backend.outstanding, "load": self.load, "queued": self.queued,
             "routed": sum(self.by_reason.values()),
             "by_reason": {r: self.by_reason[r] for r in
                           ("kv", "load", "p2p", "fallback", "affinity", "round-robin")},

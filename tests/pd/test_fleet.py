@@ -139,6 +139,8 @@ def test_kv_routes_to_the_holder_and_kv_p2p_pulls_from_it_when_busy(backend, fle
     assert sa["predicted_hit_tokens"]["p2p"] == 8 * B
     assert sb["predicted_hit_tokens"]["device"] == 3 * 8 * B
     assert sb["events"]["state"] == "live" and sb["events"]["replays"] >= 1
+    wait(lambda: [i["in_flight"] for i in stats(px)["instances"]] == [0, 0],
+         "the streams the client closed to end", 10)
 
 
 def test_an_instance_answering_5xx_or_dead_is_routed_around(backend, fleet):
