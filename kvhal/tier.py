@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 from kvhal.keys import ChunkKey
+from kvhal.tier_metrics import MetricSpec, TierMetrics
 
 
 class Lookup(enum.Enum):
@@ -181,6 +182,21 @@ class SecondaryTier(abc.ABC):
     #: Source of the prompt tokens this tier serves, as vLLM's `CacheHitSource` names it
     #: ("host", "disk", "p2p"; `vllm/v1/metrics/cache_hit_source.py`).
     hit_source: str = "disk"
+    #: The tier's own metrics (`kvhal.tier_metrics`): exposed as `kvhal_<name>_<metric>` and,
+    #: inside vLLM, `vllm:kv_offload_<name>_<metric>`; updated through `metrics`.
+    metric_specs: tuple[MetricSpec, ...] = ()
+
+    @property
+    def metrics(self) -> TierMetrics:
+        """This instance's declared metrics, by name (`self.metrics["retries"].inc()`), made
+        and checked on first use (the engine touches it at start: bad declarations are
+        refused then, `kvhal.tier_metrics.MetricDeclarationError` naming tier and metric).
+        Updates are thread-safe."""
+        made = self.__dict__.get("_kvhal_metrics")
+        if made is None:
+            made = self.__dict__.setdefault("_kvhal_metrics",
+                                            TierMetrics(self.name, self.metric_specs))
+        return made
 
     @abc.abstractmethod
     def lookup(self, key: ChunkKey) -> Lookup:

@@ -133,7 +133,11 @@ class Manager:
         self._skip_warned_at: float | None = None   # time.monotonic() of the last warning
         self._skipped_unwarned = 0                  # chunks skipped since that warning
         self.tier_labels = metrics.tier_labels([t.name for t in self.tiers])
-        self.metrics = metrics.EngineMetrics(self.sizes)
+        own = [getattr(tier, "metrics", None) for tier in self.tiers]  # declarations checked
+        for label, figures in zip(self.tier_labels, own):
+            if figures is not None:
+                figures.label = label
+        self.metrics = metrics.EngineMetrics(self.sizes, [m for m in own if m is not None])
         #: Guards slot state against tiers pinning slots from their threads (`access.py`).
         self.lock = threading.RLock()
         #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.

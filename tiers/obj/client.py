@@ -20,14 +20,16 @@ can reach a log or an error through it.
 from __future__ import annotations
 
 import re
+import time
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Iterator
 
 import obstore
 from obstore import exceptions as obs_errors
 from obstore.store import S3Store
 
 from kvhal.tier import TierError
+from kvhal.tier_metrics import MetricSpec
 from .config import DEFAULT_REGION, StoreConfig
 
 #: Retries per call beyond the first attempt (bounded again by the retry deadline).
@@ -45,6 +47,23 @@ _TRANSPORT = (("ConnectionRefused", "ECONNREFUSED"), ("TimedOut", "ETIMEDOUT"),
               ("connection closed", "ECONNRESET"), ("kind: Body", "ECONNRESET"),
               ("kind: Decode", "ECONNRESET"), ("kind: Request", "ECONNRESET"),
               ("kind: Connect", "ECONNREFUSED"))
+
+
+_OPS = ("PUT", "GET", "DELETE", "LIST")
+#: The obj tier's own metrics (`ObjTier.metric_specs`), recorded by `S3Client` per call.
+#: `retries`: calls kvhal sent again (a conditional PUT the server does not support, resent
+#: plain); object_store's own retries inside a call are not visible to kvhal (its latency is).
+METRIC_SPECS = (
+    MetricSpec("requests", "counter", "S3 calls by operation and outcome (ok, exists: a PUT "
+               "that found the object, or the errno class of the failure)",
+               labels={"op": _OPS, "outcome": ("ok", "exists", "ENOENT", "EACCES", "ENOSPC",
+                                                "EIO", "ETIMEDOUT", "ECONNREFUSED",
+                                                "ECONNRESET")}),
+    MetricSpec("retries", "counter", "S3 calls kvhal sent again, by operation",
+               labels={"op": _OPS}),
+    MetricSpec("request_seconds", "histogram", "Wall time of one S3 call (object_store's "
+               "retries included), seconds, by operation", labels={"op": _OPS}),
+)
 
 
 class StoreFailure(Exception):
@@ -116,14 +135,18 @@ class S3Client:
         store: Where and how (`StoreConfig`).
         timeout_s: Wall-time bound of one call, retries included.
         connections: Idle connections to keep per host (≥ the caller's concurrency).
+        metrics: Where each call is counted (the tier's `TierMetrics` of `METRIC_SPECS`), or
+            None.
 
     Raises:
         TierError: unreadable `ca_bundle` or one without a PEM certificate, or no credentials
             at all.
     """
 
-    def __init__(self, store: StoreConfig, timeout_s: float, connections: int):
+    def __init__(self, store: StoreConfig, timeout_s: float, connections: int,
+                 metrics: Any = None):
         self.store = store
+        self._metrics = metrics
         self.timeout_s = timeout_s
         kwargs, provider, self.region = _credentials(store)
         attempt = timedelta(seconds=timeout_s / 2)
@@ -156,6 +179,15 @@ class S3Client:
             raise TierError(f"store_config: obstore refused the client for "
                             f"{store.describe()} ({type(exc).__name__})") from None
 
+    def _count(self, op: str, outcome: str, t0: float) -> None:
+        if self._metrics is not None:
+            self._metrics["requests"].labels(op, outcome).inc()
+            self._metrics["request_seconds"].labels(op).observe(time.perf_counter() - t0)
+
+    def _retried(self, op: str) -> None:
+        if self._metrics is not None:
+            self._metrics["retries"].labels(op).inc()
+
     def __repr__(self) -> str:
         return f"S3Client({self.store.describe()}, region={self.region!r})"
 
@@ -172,21 +204,27 @@ class S3Client:
         Raises:
             StoreFailure: the PUT failed.
         """
+        t0 = time.perf_counter()
         try:
             obstore.put(self._store, name, data, use_multipart=False,
                         mode="create" if self.conditional_put and not overwrite
                         else "overwrite")
+            self._count("PUT", "ok", t0)
             return True
         except (obs_errors.AlreadyExistsError, obs_errors.PreconditionError):
+            self._count("PUT", "exists", t0)
             return False
         except obs_errors.NotSupportedError:
             self.conditional_put = False
+            self._retried("PUT")
             return self.put(name, data, overwrite)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a StoreFailure
             failure = classify("PUT", exc)
         if failure.status == 501 and self.conditional_put and not overwrite:
             self.conditional_put = False
+            self._retried("PUT")
             return self.put(name, data)
+        self._count("PUT", failure.errno_name, t0)
         raise failure
 
     def get(self, name: str) -> memoryview:
@@ -195,10 +233,15 @@ class S3Client:
         Raises:
             StoreFailure: the GET failed (ENOENT if there is no such object).
         """
+        t0 = time.perf_counter()
         try:
-            return memoryview(obstore.get(self._store, name).bytes())
+            data = memoryview(obstore.get(self._store, name).bytes())
         except Exception as exc:  # noqa: BLE001
-            raise classify("GET", exc) from None
+            failure = classify("GET", exc)
+            self._count("GET", failure.errno_name, t0)
+            raise failure from None
+        self._count("GET", "ok", t0)
+        return data
 
     def delete(self, names: list[str]) -> None:
         """Delete objects (one bulk request per 1,000 names); absent names are fine.
@@ -206,12 +249,16 @@ class S3Client:
         Raises:
             StoreFailure: a DELETE failed.
         """
+        t0 = time.perf_counter()
         try:
             obstore.delete(self._store, names)
         except Exception as exc:  # noqa: BLE001
             failure = classify("DELETE", exc)
+            self._count("DELETE", failure.errno_name, t0)
             if failure.errno_name != "ENOENT":
                 raise failure from None
+            return
+        self._count("DELETE", "ok", t0)
 
     def list(self, prefix: str) -> Iterator[tuple[str, int, float]]:
         """(name, bytes, last-modified POSIX time) of every object whose name starts with
@@ -220,12 +267,16 @@ class S3Client:
         Raises:
             StoreFailure: a LIST page failed (the iteration stops there).
         """
+        t0 = time.perf_counter()
         try:
             for batch in obstore.list(self._store, prefix, chunk_size=1000):
                 for meta in batch:
                     yield meta["path"], meta["size"], meta["last_modified"].timestamp()
         except Exception as exc:  # noqa: BLE001
-            raise classify("LIST", exc) from None
+            failure = classify("LIST", exc)
+            self._count("LIST", failure.errno_name, t0)
+            raise failure from None
+        self._count("LIST", "ok", t0)
 
     def list_dirs(self, prefix: str) -> list[str]:
         """The common prefixes ("folders") directly below `prefix` (ending without "/").
