@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
+from kvhal import plugins
 from kvhal.keys import ChunkKey
 from kvhal.tier_metrics import MetricSpec, TierMetrics
 
@@ -285,6 +286,16 @@ class SecondaryTier(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Drain, then release threads, files and connections. Idempotent."""
+
+    def publish_event(self, event: Any) -> None:
+        """Deliver an event of the tier's own kind (any object: a frozen dataclass naming
+        `tier`, its `metrics.label`, is the custom) to every `kvhal_kv_event` hook
+        implementation, on the calling thread (any of the tier's; the hooks must be
+        thread-safe and quick). Such events go to those subscribers only: vLLM's KV-event
+        publisher forwards the engine's `BlockStored` / `BlockRemoved` / `AllBlocksCleared`
+        (`Manager.take_events`), never a tier's own kinds. Delivered whatever the engine's
+        `emit_events`; a hook's exception propagates to the caller."""
+        plugins.emit_kv_event(event)
 
     def stats(self) -> Mapping[str, Any]:
         """Counters for metrics and reports (bytes stored/loaded, hits, corrupt, evictions).

@@ -267,7 +267,7 @@ class Metric:
 
     def labels(self, *values: str, **by_name: str) -> _Child:
         """The series of these label values (positional in declared order, or by name)."""
-        key = values or tuple(by_name.get(n, "") for n in self._names)
+        key = values or tuple([by_name.get(n, "") for n in self._names])
         child = self._children.get(key)
         if child is None:
             child = self._make(key, by_name)
