@@ -9,8 +9,8 @@ import pytest
 
 from kvhal.tiers.fs import FsTier
 
-from .helpers import NAMESPACE, host_region
-from .test_fs_recycle import RECORD, _fill
+from .helpers import NAMESPACE, chunk_key, host_region, payload, store
+from .test_fs_recycle import NBYTES, RECORD, _fill
 
 
 @pytest.fixture
@@ -25,13 +25,18 @@ def _figures(tier, name: str) -> list[float]:
     return series.get((), [])
 
 
+@pytest.mark.parametrize("nbytes", [NBYTES, NBYTES + 1], ids=["batched", "alone"])
 @pytest.mark.parametrize("durability,want", [("power-loss", 3), ("process", 0)])
-def test_durable_writes_are_timed_once_each(tmp_path, region, durability, want):
+def test_durable_writes_are_timed_once_each(tmp_path, region, durability, want, nbytes):
+    """Whole-block payloads are written in one call per batch (`write_chunks`), others one by
+    one (`write_chunk`): both are timed."""
     host, array = region
     tier = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600,
                    "durability": durability}, host, NAMESPACE)
     try:
-        _fill(tier, array, [1, 2, 3])
+        for seed in (1, 2, 3):
+            array[:nbytes] = payload(seed, nbytes)
+            assert store(tier, chunk_key(NAMESPACE, seed), 0, nbytes).ok
         figures = _figures(tier, "sync_write_seconds")
     finally:
         tier.close()
