@@ -304,7 +304,8 @@ class Metric:
             if child is None:
                 child = _Child(self.spec.bounds(), self._owner.keep_samples)
                 self._series[tuple(folded)] = child
-            self._children[key] = child
+            if OTHER not in folded or OTHER in key:   # an over-the-max value is not kept
+                self._children[key] = child
             return child
 
     def _default(self, by_name: Mapping[str, str]) -> _Child:

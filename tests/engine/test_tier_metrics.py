@@ -131,6 +131,7 @@ def test_label_values_beyond_the_max_are_counted_as_other():
         metrics["pulls"].labels(peer=peer).inc()
     assert {k: c.value for k, c in metrics["pulls"].series().items()} == {
         ("a",): 2, ("b",): 1, (OTHER,): 2}
+    assert len(metrics["pulls"]._children) == 2      # "c", "d" not remembered: memory bounded
     with pytest.raises(ValueError, match="label 'outcome' value 'maybe' is not one of"):
         TierMetrics("strict_tier", (MetricSpec("x", "counter", "x", labels={
             "outcome": ("ok",)}),))["x"].labels(outcome="maybe")

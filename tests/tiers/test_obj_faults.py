@@ -108,6 +108,8 @@ def test_one_slowdown_is_retried_and_the_job_succeeds(proxy, tier):
 
     assert (result.ok, proxy.injected) == (True, 1)
     np.testing.assert_array_equal(tier.array[N:2 * N], payload(1, N))
+    assert _requests(tier) == {("PUT", "ok"): 1, ("GET", "EIO"): 1, ("GET", "ok"): 1}
+    assert {k: c.read() for k, c in tier.metrics["retries"].series().items()} == {("GET",): 1}
 
 
 def test_connection_refused_fails_fast_and_the_tier_recovers_when_the_port_is_back(proxy,
