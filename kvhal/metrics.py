@@ -89,20 +89,35 @@ class EngineMetrics:
     Args:
         sizes: Returns each tier's (used, capacity) bytes now; called at export, from any
             thread.
+        tier_metrics: The secondary tiers' own metrics (`kvhal.tier_metrics.TierMetrics`,
+            exported by their own collector), shipped by `take_delta` too.
 
     Threading: `count`/`observe` are called from the engine's thread; `take_delta` from the
     same thread; the Prometheus collector reads totals from the scrape thread under a lock.
     """
 
-    def __init__(self, sizes: SizesFn):
+    def __init__(self, sizes: SizesFn, tier_metrics: Sequence = ()):
         self._sizes = sizes
+        self._tier_metrics = tuple(tier_metrics)
         self._lock = threading.Lock()
         self._counts: Counter[tuple[str, str, str]] = Counter()   # (name, tier, label) → n
         self._hist: dict[tuple[str, str], list[float]] = {}     # buckets + [sum, count]
         self._samples: defaultdict[tuple[str, str], list[float]] = defaultdict(list)
         self._taken: Counter[tuple[str, str, str]] = Counter()
-        self.keep_samples = False
+        self._keep_samples = False
         _ENGINES.add(self)
+
+    @property
+    def keep_samples(self) -> bool:
+        """Whether latency samples (and the tiers' histogram samples) are kept for
+        `take_delta` (an integration that ships them sets it)."""
+        return self._keep_samples
+
+    @keep_samples.setter
+    def keep_samples(self, keep: bool) -> None:
+        self._keep_samples = keep
+        for tier in self._tier_metrics:
+            tier.keep_samples[0] = keep
 
     def count(self, name: str, tier: str, n: int = 1, label: str = "") -> None:
         """Add `n` (≥ 0) to counter `name` of `tier` (label value `label` for `result`/`kind`)."""
@@ -119,7 +134,7 @@ class EngineMetrics:
             h[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
             h[-2] += seconds
             h[-1] += 1
-            if self.keep_samples:
+            if self._keep_samples:
                 self._samples[(name, tier)].append(seconds)
 
     def totals(self) -> dict[tuple[str, str, str], int]:
@@ -130,7 +145,8 @@ class EngineMetrics:
     def take_delta(self) -> dict[str, dict[str, dict[str, float | list[float]]]]:
         """What changed since the last call, as plain data (str keys, numbers, lists):
         `{"counters": {name: {"tier" or "tier,label": n}}, "samples": {name: {tier: [s, ...]}},
-        "gauges": {name: {tier: bytes}}}`; empty sections are left out. Latency samples are kept
+        "gauges": {name: {tier: bytes}}, "tier_metrics": [block, ...]}` (the tiers' own
+        metrics, `TierMetrics.take_delta`); empty sections are left out. Latency samples are kept
         between calls only once `keep_samples` is set (an integration that ships them)."""
         with self._lock:
             counts, samples = dict(self._counts), self._samples
@@ -147,6 +163,9 @@ class EngineMetrics:
             gauges = out.setdefault("gauges", {})
             gauges.setdefault("used_bytes", {})[tier] = used
             gauges.setdefault("capacity_bytes", {})[tier] = capacity
+        blocks = [block for tier in self._tier_metrics for block in tier.take_delta()]
+        if blocks:
+            out["tier_metrics"] = blocks
         return out
 
     def _histograms(self) -> dict[tuple[str, str], list[float]]:

@@ -15,7 +15,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
+from kvhal import plugins
 from kvhal.keys import ChunkKey
+from kvhal.tier_metrics import MetricSpec, TierMetrics
 
 
 class Lookup(enum.Enum):
@@ -181,6 +183,21 @@ class SecondaryTier(abc.ABC):
     #: Source of the prompt tokens this tier serves, as vLLM's `CacheHitSource` names it
     #: ("host", "disk", "p2p"; `vllm/v1/metrics/cache_hit_source.py`).
     hit_source: str = "disk"
+    #: The tier's own metrics (`kvhal.tier_metrics`): exposed as `kvhal_<name>_<metric>` and,
+    #: inside vLLM, `vllm:kv_offload_<name>_<metric>`; updated through `metrics`.
+    metric_specs: tuple[MetricSpec, ...] = ()
+
+    @property
+    def metrics(self) -> TierMetrics:
+        """This instance's declared metrics, by name (`self.metrics["retries"].inc()`), made
+        and checked on first use (the engine touches it at start: bad declarations are
+        refused then, `kvhal.tier_metrics.MetricDeclarationError` naming tier and metric).
+        Updates are thread-safe."""
+        made = self.__dict__.get("_kvhal_metrics")
+        if made is None:
+            made = self.__dict__.setdefault("_kvhal_metrics",
+                                            TierMetrics(self.name, self.metric_specs))
+        return made
 
     @abc.abstractmethod
     def lookup(self, key: ChunkKey) -> Lookup:
@@ -269,6 +286,16 @@ class SecondaryTier(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Drain, then release threads, files and connections. Idempotent."""
+
+    def publish_event(self, event: Any) -> None:
+        """Deliver an event of the tier's own kind (any object: a frozen dataclass naming
+        `tier`, its `metrics.label`, is the custom) to every `kvhal_kv_event` hook
+        implementation, on the calling thread (any of the tier's; the hooks must be
+        thread-safe and quick). Such events go to those subscribers only: vLLM's KV-event
+        publisher forwards the engine's `BlockStored` / `BlockRemoved` / `AllBlocksCleared`
+        (`Manager.take_events`), never a tier's own kinds. Delivered whatever the engine's
+        `emit_events`; a hook's exception propagates to the caller."""
+        plugins.emit_kv_event(event)
 
     def stats(self) -> Mapping[str, Any]:
         """Counters for metrics and reports (bytes stored/loaded, hits, corrupt, evictions).

@@ -258,6 +258,12 @@ class JobBoard:
         self._pending = 0
         self._closed = False
         self._counters: collections.Counter[str] = collections.Counter()
+        self._meters: dict[str, Any] = {}
+
+    def meter(self, name: str, series: Any) -> None:
+        """Also add every count of counter `name` to `series` (a labelled series of the tier's
+        own metrics, `kvhal.tier_metrics.Metric.labels`)."""
+        self._meters[name] = series
 
     @property
     def closed(self) -> bool:
@@ -362,9 +368,12 @@ class JobBoard:
             return True
 
     def count(self, name: str, n: int = 1) -> None:
-        """Add `n` to counter `name`."""
+        """Add `n` to counter `name` (and to its `meter`, if any)."""
         with self._cond:
             self._counters[name] += n
+        series = self._meters.get(name)
+        if series is not None:
+            series.inc(n)
 
     def count_all(self, counts: "collections.Counter[str]") -> None:
         """Add every counter of `counts` (a batch's tally: one lock for the batch)."""

@@ -30,6 +30,7 @@ from kvhal.host.region import HostLayout
 from kvhal.host.slots import IDLE, SlotTable
 from kvhal.keys import ChunkKey
 from kvhal.tier import JobKind, JobResult, Lookup, SecondaryTier, TierJob
+from kvhal.tier_metrics import TierMetrics
 
 from .access import ManagerHostAccess
 from .types import EngineError, FinishedJob, LoadPlan, StorePlan
@@ -133,7 +134,13 @@ class Manager:
         self._skip_warned_at: float | None = None   # time.monotonic() of the last warning
         self._skipped_unwarned = 0                  # chunks skipped since that warning
         self.tier_labels = metrics.tier_labels([t.name for t in self.tiers])
-        self.metrics = metrics.EngineMetrics(self.sizes)
+        # the tiers' own metrics (their declarations checked now), labelled as their tiers
+        own = [getattr(tier, "metrics", None) for tier in self.tiers]
+        own = [(label, m) for label, m in zip(self.tier_labels, own)
+               if isinstance(m, TierMetrics)]
+        for label, figures in own:
+            figures.label = label
+        self.metrics = metrics.EngineMetrics(self.sizes, [m for _, m in own])
         #: Guards slot state against tiers pinning slots from their threads (`access.py`).
         self.lock = threading.RLock()
         #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.

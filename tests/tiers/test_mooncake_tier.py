@@ -281,7 +281,25 @@ def test_a_full_pool_fails_the_store_with_a_counter(open_tier):
 
     assert not failed.ok and failed.error == "put: NO_AVAILABLE_HANDLE (-200)"
     assert tier.stats()["pool_full"] == 1
+    assert {k: c.read() for k, c in tier.metrics["puts_refused"].series().items()} == {
+        ("pool_full",): 1}
     assert settled(tier, chunk_key(NAMESPACE, 11)) is Lookup.MISS
+
+
+def test_the_pool_gauges_show_what_the_master_reports(mooncake_master, open_tier):
+    """`master_metrics_url`: the tier's pool gauges follow the master's own figures (its
+    `/metrics`): a 16 MiB segment mounted, then one record allocated."""
+    url = f"http://127.0.0.1:{mooncake_master.metrics_port}/metrics"
+    tier = open_tier(master_metrics_url=url)
+    used, capacity = tier.metrics["pool_used_bytes"], tier.metrics["pool_capacity_bytes"]
+
+    def figures():
+        return used.labels().read(), capacity.labels().read()
+
+    before = figures()
+    assert store(tier, chunk_key(NAMESPACE, 12), 0, N).ok
+    wait_for(lambda: figures()[0] > before[0], 10.0, "the master's allocated bytes")
+    assert figures()[1] == 16 << 20 and figures()[0] - before[0] >= N
 
 
 def test_chunks_the_pool_evicts_become_misses_and_removals(mooncake_master):

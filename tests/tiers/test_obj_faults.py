@@ -81,6 +81,13 @@ def test_a_server_fault_fails_the_job_within_timeout_then_the_tier_recovers(prox
     _recovers(tier, 3)
 
 
+def _requests(tier) -> dict[tuple[str, str], float]:
+    """The tier's `requests` counter by (op, outcome), LIST left out (the start's and the
+    refresher's)."""
+    return {k: c.read() for k, c in tier.metrics["requests"].series().items()
+            if k[0] != "LIST" and c.read()}
+
+
 def test_404_on_load_is_a_miss_and_a_removal(proxy, tier):
     _stored(tier, 1)
     proxy.set_fault(Fault("status", ("GET",), status=404, code="NoSuchKey"))
@@ -88,6 +95,7 @@ def test_404_on_load_is_a_miss_and_a_removal(proxy, tier):
     result = load(tier, chunk_key(NAMESPACE, 1), N, N)
 
     assert (result.ok, result.error) == (False, "not found: GET HTTP 404 NoSuchKey (ENOENT)")
+    assert _requests(tier) == {("PUT", "ok"): 1, ("GET", "ENOENT"): 1}
     assert tier.lookup(chunk_key(NAMESPACE, 1)) is Lookup.MISS
     assert tier.take_removed() == [chunk_key(NAMESPACE, 1)]
 
@@ -100,6 +108,8 @@ def test_one_slowdown_is_retried_and_the_job_succeeds(proxy, tier):
 
     assert (result.ok, proxy.injected) == (True, 1)
     np.testing.assert_array_equal(tier.array[N:2 * N], payload(1, N))
+    assert _requests(tier) == {("PUT", "ok"): 1, ("GET", "EIO"): 1, ("GET", "ok"): 1}
+    assert {k: c.read() for k, c in tier.metrics["retries"].series().items()} == {("GET",): 1}
 
 
 def test_connection_refused_fails_fast_and_the_tier_recovers_when_the_port_is_back(proxy,

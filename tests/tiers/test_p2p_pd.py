@@ -202,6 +202,23 @@ def test_decoder_first_streams_chunks_as_they_land_and_a_missing_one_fails_fast(
     wait_for(lambda: released(p), 10, "the prefiller's release")
 
 
+def test_pulls_waiting_on_the_prefiller_show_while_they_wait(prefiller, decoder):
+    """The decoder's `pulls_waiting` gauge counts the fetches waiting on their prefiller (the
+    leg has not arrived) and falls back to 0 once the chunks landed."""
+    p, d = prefiller(arrival_timeout_s=20.0), decoder()
+    waiting = d.tier.metrics["pulls_waiting"].labels()
+    d.pull("d1", decode_params(p, "pd-w"), 0, 2)
+    wait_for(lambda: waiting.read() == 2, 10, "two fetches waiting on the prefiller")
+    assert p.leg("p1", "pd-w")
+    assert p.store("p1", 0, 2) == 2
+    landed = d.collect(2)
+    p.close_leg("p1")
+
+    assert [landed[i][0] for i in range(2)] == [True, True]
+    assert waiting.read() == 0
+    d.manager.close_request("d1")
+
+
 def test_concurrent_legs(prefiller, decoder):
     """Both legs at once (llm-d's order): every chunk arrives. Fails when a fetch of an id
     whose leg opens meanwhile is refused (e.g. `arrival_timeout_s` not waited)."""

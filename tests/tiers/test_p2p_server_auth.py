@@ -105,6 +105,8 @@ def _refused(server, replies) -> None:
     stats = server.stats()
     assert (stats.get("auth_failed", 0), stats.get("chunks_served", 0),
             stats.get("malformed", 0)) == (1, 0, 0)
+    refused = server.metrics["handshakes_refused"].series()
+    assert {k: c.read() for k, c in refused.items() if c.read()} == {("auth_failed",): 1}
     wait_for(lambda: server.stats()["connections"] == 0, REPLY_S, "connection closed")
 
 

@@ -81,6 +81,7 @@ def test_chunks_a_peer_gains_later_appear_without_probing(peers, tiers):
     peer = peers(config(), count=1)
     tier, _ = tiers(config(peers=[peer.identity]))
     assert tier.wait_synced(20)
+    assert tier.metrics["peers_connected"].labels().read() == 1
 
     assert peer.command("store 1 2") == "stored"
 

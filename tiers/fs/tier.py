@@ -34,6 +34,7 @@ import numpy as np
 from kvhal.keys import ChunkKey
 
 from kvhal.tier import JobKind, TierError, TierJob, job_problem
+from kvhal.tier_metrics import MetricSpec
 from ..chunk_format import ALIGN, CorruptChunk, SizeMismatch, record_nbytes
 from ..index import ChunkIndex, StoresInFlight
 from ..jobs import IndexedTier, JobBoard, LanePool, internal_error
@@ -82,6 +83,13 @@ class FsTier(IndexedTier):
     """
 
     name = "fs"
+    metric_specs = (
+        MetricSpec("sync_write_seconds", "histogram", "Wall time of writing one chunk file "
+                   "durably (durability power-loss: write, fdatasync, rename, folder fsync; a "
+                   "batch written in one call counts its mean per file), seconds"),
+        MetricSpec("budget_removed_files", "counter", "Chunk files removed to keep the "
+                   "namespace within max_bytes (evictions whose file was not recycled)"),
+    )
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes, *,
                  os_module=os):
@@ -110,6 +118,8 @@ class FsTier(IndexedTier):
         self.o_direct_writes_below = self._direct_io.writes_below
         self.o_direct_reads_below = self._direct_io.reads_below
         self._sync = cfg.durability == "power-loss"
+        self._sync_seconds = self.metrics["sync_write_seconds"].labels()
+        self._budget_removed = self.metrics["budget_removed_files"].labels()
         self._jobs = JobBoard("fs")
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
         self._index = ChunkIndex()
@@ -323,6 +333,7 @@ class FsTier(IndexedTier):
                 begun.append((i, reservation))
         if not begun:
             return outcomes
+        t0 = time.perf_counter()
         try:
             written = write_chunks(
                 self.ns_dir, [(jobs[i].key, self._payload(jobs[i]), self._direct(jobs[i]))
@@ -331,6 +342,10 @@ class FsTier(IndexedTier):
             for i, reservation in begun:
                 self._release(jobs[i], reservation, None)
             raise
+        if self._sync:
+            mean = (time.perf_counter() - t0) / len(begun)
+            for _ in begun:
+                self._sync_seconds.observe(mean)
         for (i, reservation), error in zip(begun, written):
             outcomes[i] = self._store_end(jobs[i], reservation, error)
         return outcomes
@@ -353,10 +368,13 @@ class FsTier(IndexedTier):
         reuse = reservation.reuse
         transfer = self._direct_io.begin(job.kind, job.nbytes, self._aligned(job))
         error, recycled = None, False
+        t0 = time.perf_counter()
         try:
             recycled = write_chunk(self._os, self.ns_dir, job.key, self._payload(job),
                                    transfer.direct, self._scratch_buffers(), self._sync,
                                    None if reuse is None else chunk_path(self.ns_dir, reuse))
+            if self._sync:
+                self._sync_seconds.observe(time.perf_counter() - t0)
         except OSError as exc:
             error = exc
         except BaseException:
@@ -565,6 +583,8 @@ class FsTier(IndexedTier):
             if key != keep:
                 try:
                     os.unlink(chunk_path(self.ns_dir, key))
+                    if counter == "evictions":
+                        self._budget_removed.inc()
                 except OSError:
                     pass
             self._index.discard(key)

@@ -33,6 +33,9 @@ kvhal's own keys:
         whole seconds, set from it unless already set) and of the RETRY answers while an
         existence check is pending (default 10 s). Mooncake's own RPC gives up on a dead
         master after ~4.3 s (measured), so a job ends then even if `timeout_s` is shorter.
+    master_metrics_url (str, optional): "http://host:port/metrics" of mooncake_master's
+        `-metrics_port`; given, the tier's `pool_used_bytes` / `pool_capacity_bytes` gauges
+        show the pool's fill as the master reports it, read every `refresh_interval_s`.
 Errors name the key (`global_segment_size: ...`); the config loader prefixes the list position.
 """
 from __future__ import annotations
@@ -59,12 +62,13 @@ MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 3600.0
 PROTOCOLS = ("tcp", "rdma")
 _HOST_PORT_RE = re.compile(r"^(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
 _HOST_RE = re.compile(r"^(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?$")
+_METRICS_URL_RE = re.compile(r"^https?://[A-Za-z0-9.\[\]:-]+(?::\d{1,5})?/\S*$")
 _METADATA_RE = re.compile(r"^(?:https?|etcd)://[A-Za-z0-9.\[\]:-]+(?::\d{1,5})?(?:/\S*)?$")
 _DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$")
 _KEYS = frozenset({"master_server_address", "metadata_server", "local_hostname", "protocol",
                    "device_name", "global_segment_size", "local_buffer_size", "replica_num",
                    "prefix", "io_threads", "refresh_interval_s", "sweep_interval_s",
-                   "timeout_s"})
+                   "timeout_s", "master_metrics_url"})
 _PASSTHROUGH = frozenset({"type", "module_path"})
 
 
@@ -85,6 +89,7 @@ class MooncakeConfig:
     refresh_interval_s: float
     sweep_interval_s: float
     timeout_s: float
+    master_metrics_url: str | None = None
 
 
 def _string(cfg: Mapping[str, Any], name: str, default: str | None, pattern: re.Pattern,
@@ -148,4 +153,7 @@ def parse_config(config: Mapping[str, Any]) -> MooncakeConfig:
         sweep_interval_s=float(number(config, "sweep_interval_s", DEFAULT_SWEEP_INTERVAL_S,
                                       MIN_REFRESH_INTERVAL_S, MAX_REFRESH_INTERVAL_S)),
         timeout_s=float(number(config, "timeout_s", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S,
-                               MAX_TIMEOUT_S)))
+                               MAX_TIMEOUT_S)),
+        master_metrics_url=None if config.get("master_metrics_url") is None else _string(
+            config, "master_metrics_url", None, _METRICS_URL_RE,
+            "\"http://host:port/metrics\" of mooncake_master's -metrics_port"))

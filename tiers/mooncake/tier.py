@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 from kvhal.keys import ChunkKey
 
 from kvhal.tier import Lookup, TierError, TierJob, job_problem
+from kvhal.tier_metrics import MetricSpec
 from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             check_record_size, checked_header, encode_header,
                             payload_checksum, record_nbytes, verify_payload)
@@ -45,6 +46,7 @@ from ..jobs import IndexedTier, JobBoard, JobPool, LanePool
 from .client import (GONE, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, connect,
                      error_name, register, replicate_config)
 from .config import parse_config
+from .pool_figures import PoolFigures
 from .probe import Prober
 
 #: Most chunks one pool thread moves in one Mooncake batch call.
@@ -73,6 +75,15 @@ class MooncakeTier(IndexedTier):
     medium = "CPU"          # pooled DRAM of other nodes
     locality = "REMOTE"
     hit_source = "p2p"      # vLLM's CacheHitSource for KV from other hosts' memory
+    metric_specs = (
+        MetricSpec("pool_used_bytes", "gauge", "Bytes allocated in the pool, as its master "
+                   "reports them (config master_metrics_url; 0 without)"),
+        MetricSpec("pool_capacity_bytes", "gauge", "Bytes the pool's mounted segments hold, "
+                   "as its master reports them (config master_metrics_url; 0 without)"),
+        MetricSpec("puts_refused", "counter", "Chunks whose put the pool refused, by reason "
+                   "(pool_full: no space, NO_AVAILABLE_HANDLE; error: any other code)",
+                   labels={"reason": ("pool_full", "error")}),
+    )
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes):
         cfg = parse_config(config)
@@ -102,6 +113,13 @@ class MooncakeTier(IndexedTier):
         self._local = threading.local()
         self._replicate = replicate_config(cfg.replica_num)
         self._jobs = JobBoard("mooncake")
+        self._puts_refused = self.metrics["puts_refused"]
+        self._pool_figures = None if cfg.master_metrics_url is None else PoolFigures(
+            cfg.master_metrics_url, cfg.refresh_interval_s)
+        if self._pool_figures is not None:
+            figures = self._pool_figures
+            self.metrics["pool_used_bytes"].set_function(lambda: figures.used)
+            self.metrics["pool_capacity_bytes"].set_function(lambda: figures.capacity)
         self._index = ChunkIndex()
         self._prober = Prober(self._index, self._exist, cfg.refresh_interval_s,
                               cfg.sweep_interval_s, cfg.timeout_s, self._jobs.count)
@@ -162,6 +180,8 @@ class MooncakeTier(IndexedTier):
         self._pool.shutdown(wait=True)
         self._remover.shutdown(wait=True)
         self._prober.close()
+        if self._pool_figures is not None:
+            self._pool_figures.close()
         self._close_store()
 
     def _close_store(self) -> None:
@@ -281,6 +301,8 @@ class MooncakeTier(IndexedTier):
                     tally["already_stored"] += 1
                 continue
             tally["pool_full" if code == NO_AVAILABLE_HANDLE else "request_errors"] += 1
+            self._puts_refused.labels("pool_full" if code == NO_AVAILABLE_HANDLE
+                                      else "error").inc()
             errors[i] = f"put: {error_name(code)}"
         self._index.add_many(stored)      # ends their doubt (`forget`)
         self._prober.forget_absent([key for key, _ in stored])

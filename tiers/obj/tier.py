@@ -35,7 +35,7 @@ from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
                             payload_checksum, record_nbytes, verify_payload)
 from ..index import ChunkIndex, StoresInFlight
 from ..jobs import IndexedTier, JobBoard, JobPool
-from .client import S3Client, StoreFailure
+from .client import METRIC_SPECS, S3Client, StoreFailure
 from .config import parse_config
 from .names import key_from_object, namespace_prefix, object_name
 
@@ -68,6 +68,7 @@ class ObjTier(IndexedTier):
 
     name = "obj"
     locality = "REMOTE"     # medium STORAGE, hit source disk (vLLM's obj tier names)
+    metric_specs = METRIC_SPECS
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes):
         cfg = parse_config(config)
@@ -78,7 +79,8 @@ class ObjTier(IndexedTier):
         self.namespace = bytes(namespace)
         self.ns_prefix = namespace_prefix(cfg.prefix, self.namespace)
         self.max_bytes = cfg.max_bytes
-        self._client = S3Client(cfg.store, cfg.timeout_s, 2 * cfg.io_threads + 2)
+        self._client = S3Client(cfg.store, cfg.timeout_s, 2 * cfg.io_threads + 2,
+                                self.metrics)
         self._jobs = JobBoard("obj")
         self._index = ChunkIndex()
         self._scan_lock = threading.Lock()

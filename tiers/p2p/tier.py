@@ -9,6 +9,7 @@ from typing import Any, Hashable, Mapping, Sequence
 from kvhal.keys import ChunkKey
 
 from kvhal.tier import HostAccess, Lookup, TierError, TierJob, job_problem
+from kvhal.tier_metrics import MetricSpec
 from ..index import MAX_REMEMBERED_REMOVALS
 from ..jobs import BoardedTier, JobBoard, JobPool
 from .client import FeedLink, Puller, PullError, format_peer
@@ -25,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 #: Longest silence of a feed (seconds) before its peer counts as gone: 3 heartbeats.
 MISSED_HEARTBEATS = 3
+#: `stats()` counters that are refused or failed handshakes → `handshakes_refused` reason.
+_REFUSALS = {"auth_failed": "auth_failed", "handshake_timeouts": "timeout",
+             "handshakes_dropped": "dropped", "connections_refused": "full"}
 
 
 def heartbeat_s(timeout_s: float) -> float:
@@ -59,6 +63,15 @@ class P2PTier(BoardedTier):
     medium = "CPU"          # a peer's host memory (vLLM's p2p tier: CacheHitSource.P2P)
     locality = "REMOTE"
     hit_source = "p2p"
+    metric_specs = (
+        MetricSpec("handshakes_refused", "counter", "Handshakes that failed or were refused, "
+                   "by reason (auth_failed: a peer failed our challenge or refused our proof; "
+                   "timeout; dropped: too many handshaking; full: too many connections)",
+                   labels={"reason": tuple(_REFUSALS.values())}),
+        MetricSpec("peers_connected", "gauge", "Configured peers whose feed is installed now"),
+        MetricSpec("pulls_waiting", "gauge", "Decode legs' pulls waiting now on their "
+                   "prefiller for a parked chunk"),
+    )
 
     def __init__(self, config: Mapping[str, Any], host: memoryview, namespace: bytes, *,
                  transport: Transport | None = None, data_parallel_index: int = 0):
@@ -70,6 +83,9 @@ class P2PTier(BoardedTier):
         self.namespace = bytes(namespace)
         self._host = host
         self._jobs = JobBoard("p2p")
+        for name, reason in _REFUSALS.items():
+            self._jobs.meter(name, self.metrics["handshakes_refused"].labels(reason))
+        self._waiting = self.metrics["pulls_waiting"].labels()
         self._feed = Feed()
         self._source: OwnStore | HostSource = OwnStore(cfg.max_bytes, self._feed,
                                                             self._jobs.count)
@@ -116,6 +132,8 @@ class P2PTier(BoardedTier):
                                 on_lost=self._puller.forget_peer)
                        for peer in cfg.peers
                        if peer not in (self._self_peer, (cfg.host, self._self_peer[1]))]
+        self.metrics["peers_connected"].set_function(
+            lambda: sum(link.synced.is_set() for link in self._links))
 
     def __repr__(self) -> str:
         return f"P2PTier(identity={self.identity!r}, peers={len(self._links)})"
@@ -363,6 +381,8 @@ class P2PTier(BoardedTier):
         if orch.parked:
             parked = (orch.fetch_id, max(0.0, deadline - time.monotonic()
                                          - self.config.timeout_s))
+        if parked is not None:
+            self._waiting.inc()
         try:
             gen = self._puller.pull(orch.source, job.key,
                                     self._host[job.offset:job.offset + job.nbytes], deadline,
@@ -373,6 +393,9 @@ class P2PTier(BoardedTier):
             if not orch.parked:       # the peer lost it since it said it held it
                 self._probes.failed(job.request_id, job.key)
             return str(exc)
+        finally:
+            if parked is not None:
+                self._waiting.inc(-1)
         if orch.parked:
             with self._lock:
                 if job.request_id in self._requests:   # its `done` not sent yet
