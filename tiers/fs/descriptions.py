@@ -172,6 +172,7 @@ class DescriptionLogs:
         """Stop appending. Idempotent."""
         with self._lock:
             fd, self._fd, self._open = self._fd, None, False
+            _OWN.discard(self._own)        # a later tier of this process folds it
         if fd is not None:
             os.close(fd)
 
@@ -202,7 +203,8 @@ def _read_at(path: str, offset: int, length: int) -> bytes | None:
     return data if len(data) == length else None
 
 
-#: Logs this process writes (a log of this pid not among them is a former process's).
+#: Logs this process writes now (a log of this pid not among them is a closed tier's, or a
+#: former process's of the same pid).
 _OWN: set[str] = set()
 
 
