@@ -10,6 +10,7 @@ import pytest
 
 from kvhal.tier import JobKind, TierJob
 from kvhal.tiers.fs import FsTier
+from kvhal.tiers.fs import descriptions
 from kvhal.tiers.fs.descriptions import DESCRIPTIONS_DIR, MAGIC, read_records
 from kvhal.tiers.fs.format import chunk_path
 
@@ -147,3 +148,31 @@ def test_chunks_another_process_stores_are_found_with_their_description(tmp_path
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_running_tier_rewrites_its_log_once_most_records_are_of_chunks_gone(
+        tmp_path, region, monkeypatch):
+    """A long run's log does not grow without bound: once more of its records name chunks no
+    longer held than held ones, a listing rewrites it with the live ones. Fails without
+    `prune` (6 records stay)."""
+    monkeypatch.setattr(descriptions, "FOLD_MIN", 2)
+    host, array = region
+    tier = _open(tmp_path, host)
+    try:
+        _store(tier, array, {i: b"d%d" % i for i in range(6)})
+        for i in range(1, 6):
+            os.unlink(chunk_path(tier.ns_dir, chunk_key(NAMESPACE, i)))
+        tier.refresh()                                 # the listing loses 5 of 6 chunks
+        (log,) = _logs(tier)
+        records, _ = read_records(log)
+        assert [block_hash for _, _, block_hash, _ in records] == [
+            chunk_key(NAMESPACE, 0).block_hash]
+        _store(tier, array, {7: b"seven"})             # appends go to the new file
+    finally:
+        tier.close()
+    again = _open(tmp_path, host)
+    try:
+        assert dict(again.take_found()) == {chunk_key(NAMESPACE, 0): b"d0",
+                                            chunk_key(NAMESPACE, 7): b"seven"}
+    finally:
+        again.close()

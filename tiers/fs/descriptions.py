@@ -14,8 +14,10 @@ are. Chunk files are untouched: their format and write rules (`fileio.py`) stay 
 
 At start the tier folds every log into one of its own (written under a temp name and renamed,
 like chunk files), keeping only keys whose chunk files exist, and deletes the logs whose writer
-is gone; a running tier appends to its own. Only the location of each record is kept in memory
-(descriptions are read when a found chunk is announced, on the thread that lists the folder).
+is gone; a running tier appends to its own and rewrites it once it holds more records of chunks
+gone than of chunks held (`prune`, on the listing thread). Only the location of each record is
+kept in memory (descriptions are read when a found chunk is announced, on the thread that lists
+the folder).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from kvhal.keys import ChunkKey
 from kvhal.tier import MAX_DESCRIPTION_BYTES
@@ -32,6 +34,8 @@ from .scan import pid_alive
 
 DESCRIPTIONS_DIR = "descriptions"
 LOG_SUFFIX = ".log"
+#: Dead records of a process's own log (`prune`) below which it is never rewritten.
+FOLD_MIN = 4096
 #: First bytes of every log: format version 1.
 MAGIC = b"KVHALD1\n"
 _FRAME = struct.Struct("<II")
@@ -96,6 +100,7 @@ class DescriptionLogs:
         self._own: str | None = None
         self._fd: int | None = None
         self._open = False
+        self._dead = 0          # records of this process's log for chunks no longer held
 
     def open(self, held: Iterable[ChunkKey]) -> None:
         """Fold every log into a new one of this process's, keeping the records of `held`
@@ -161,6 +166,40 @@ class DescriptionLogs:
     def refresh(self) -> None:
         """Read what other processes appended to their logs since the last call."""
         self._read_new()
+
+    def prune(self, held: Container[ChunkKey]) -> None:
+        """Forget the records of chunks no longer `held` (evicted, deleted); once the records
+        this process's log holds for such chunks outnumber the live ones (and `FOLD_MIN`),
+        rewrite that log with the live ones only (temp name, then rename), so a long run's log
+        stays within about twice its live records. Never raises for I/O errors (the log is
+        then left as it was)."""
+        with self._lock:
+            for key in [k for k in self._where if k not in held]:
+                if self._where.pop(key)[0] == self._own:
+                    self._dead += 1
+            live = {k: w for k, w in self._where.items() if w[0] == self._own}
+            if self._fd is None or self._dead < max(FOLD_MIN, len(live)):
+                return
+            temp = f"{self._own}.{os.urandom(4).hex()}.tmp"
+            chunks, where, pos = [MAGIC], {}, len(MAGIC)
+            for key, (path, offset, length) in live.items():
+                description = _read_at(path, offset, length)
+                if description is None:
+                    continue
+                record = encode_record(key, description)
+                chunks.append(record)
+                where[key] = (self._own, pos + len(record) - length, length)
+                pos += len(record)
+            try:
+                with open(temp, "wb") as f:
+                    f.write(b"".join(chunks))
+                os.rename(temp, self._own)
+                fd = os.open(self._own, os.O_WRONLY | os.O_APPEND)
+            except OSError:
+                return
+            os.close(self._fd)
+            self._fd, self._dead = fd, 0
+            self._where.update(where)
 
     def get(self, key: ChunkKey) -> bytes | None:
         """The last description recorded of `key`, or None (reads it from its log)."""

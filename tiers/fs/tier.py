@@ -216,6 +216,7 @@ class FsTier(IndexedTier):
                 described = [(key, self._descriptions.get(key)) for key in found]
                 with self._found_lock:
                     self._found.extend(described)
+            self._descriptions.prune(self._index)
             self._remove_temps(scan.orphans)
             now = time.monotonic()
             if now >= self._next_root_scan:
