@@ -2,11 +2,14 @@
 
 Field names follow vLLM's `vllm/distributed/kv_events.py` (`BlockStored.block_hashes`,
 `.medium`, `.locality`; `BlockRemoved`; `AllBlocksCleared`) so an integration can forward them
-as vLLM's msgpack events; fields kvhal does not know (token ids, parent hash, the hashes of a
-chunk's other blocks, LoRA) are the integration's to fill. Block hashes are the hashes of each
-chunk's last block (the chunk key's `block_hash`). `medium` and `locality` are vLLM's names
-(`MEDIUM_CPU`/`MEDIUM_STORAGE`, `Locality.LOCAL`/`REMOTE`): each secondary tier declares its
-own (`SecondaryTier.medium`, `.locality`); `tier` names the tier (its metrics label).
+as vLLM's msgpack events; fields kvhal does not know (token ids, parent hash, LoRA) are the
+integration's to fill: it describes each chunk (`Manager.describe`, opaque bytes), tiers that can
+keep the description beside the chunk, and a chunk a tier finds (at start, or by a listing of a
+shared store) is announced with the description it kept (`BlockStored.descriptions`). Block
+hashes are the hashes of each chunk's last block (the chunk key's `block_hash`). `medium`
+and `locality` are vLLM's names (`MEDIUM_CPU`/`MEDIUM_STORAGE`, `Locality.LOCAL`/`REMOTE`):
+each secondary tier declares its own (`SecondaryTier.medium`, `.locality`); `tier` names the
+tier (its metrics label).
 Events reach every `kvhal_kv_event` hook implementation through `kvhal.plugins.emit_kv_event`.
 """
 from __future__ import annotations
@@ -40,7 +43,12 @@ class BlockStored(_BlockEvent):
         medium: "CPU" for the host tier, else the secondary tier's `medium` ("CPU", "STORAGE").
         locality: "LOCAL" (on this instance) or "REMOTE" (an object store, a peer).
         tier: "host" or the secondary tier's metrics label (`kvhal.metrics.tier_labels`).
+        descriptions: For chunks a tier found rather than stored (`SecondaryTier.take_found`),
+            the description it kept of each (None where it kept none), aligned with
+            `block_hashes`; empty for chunks this process stored or promoted.
     """
+
+    descriptions: tuple[bytes | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,10 @@ class JobKind(enum.Enum):
     LOAD = "load"
 
 
+#: Largest `TierJob.description` in bytes (a chunk's token ids, parent hash and LoRA name).
+MAX_DESCRIPTION_BYTES = 1 << 20
+
+
 class TierError(ValueError):
     """A tier is misconfigured; the message names the config key and the accepted values."""
 
@@ -64,6 +68,10 @@ class TierJob:
         request_id: The request the job serves, for a tier that took part in it
             (`SecondaryTier.open_request` answered True); None otherwise. (`request` is
             its former name, still readable.)
+        description: For a STORE: what the integration says of the chunk for routers
+            (`Manager.describe`: opaque bytes, at most `MAX_DESCRIPTION_BYTES`), for a tier
+            that keeps it beside the chunk and gives it back from `take_found`; None if not
+            described.
     """
 
     job_id: int
@@ -72,6 +80,7 @@ class TierJob:
     offset: int
     nbytes: int
     request_id: Hashable | None = None
+    description: bytes | None = None
 
     @property
     def request(self) -> Hashable | None:
@@ -243,6 +252,16 @@ class SecondaryTier(abc.ABC):
         corrupt or missing, deleted by another instance), each once. The engine turns them
         into `BlockRemoved` events. Never blocks on I/O. Default: none (a tier that never
         drops chunks on its own)."""
+        return []
+
+    def take_found(self) -> list[tuple[ChunkKey, bytes | None]]:
+        """Chunks this tier came to hold other than by this process's stores, since the last
+        call, each once: at start, what its store already holds (a restarted instance
+        announces it); later, what a listing found that another process wrote. Each with the
+        description it kept (`TierJob.description` of the store that wrote it; None if it
+        kept none). The engine announces them as `BlockStored` events
+        (`BlockStored.descriptions`). Never blocks on I/O. Default: none (a tier without an
+        index of its store)."""
         return []
 
     def forget(self, keys: Sequence[ChunkKey]) -> None:

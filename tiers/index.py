@@ -58,6 +58,8 @@ class ChunkIndex:
         #: `MAX_REMEMBERED_REMOVALS` (the oldest are dropped: such a key's record may then be
         #: taken as stored, which costs one more failed load and forget).
         self._doubted: dict[ChunkKey, None] = {}
+        #: Keys a listing added (`reconcile`) and `take_found` has not handed out yet.
+        self._found: list[ChunkKey] = []
 
     def __contains__(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -98,6 +100,7 @@ class ChunkIndex:
                     self._lru[key] = nbytes
                     self._indexed += nbytes
                     self._added_epoch[key] = epoch
+                    self._found.append(key)
 
     def touch(self, key: ChunkKey) -> bool:
         """Mark `key` most recently used; False if it is not indexed."""
@@ -239,6 +242,14 @@ class ChunkIndex:
                 victims.append(self._pop_lru())
                 freed += victims[-1][1]
             return victims
+
+    def take_found(self) -> list[ChunkKey]:
+        """Keys listings added since the last call (`reconcile`: what the store held at start,
+        then what other processes wrote), in the order found; each once, unless it left the
+        index and a listing found it again."""
+        with self._lock:
+            out, self._found = self._found, []
+            return out
 
     def take_removed(self) -> list[ChunkKey]:
         """Keys that left the index since the last call (each once), oldest first."""

@@ -434,6 +434,11 @@ class IndexedTier(BoardedTier):
         holds (`ChunkIndex.forget`: doubted until stored). No I/O."""
         self._index.forget(keys)
 
+    def take_found(self) -> list[tuple[ChunkKey, bytes | None]]:
+        """Keys a listing of the store added to the index since the last call (at start: what
+        the store held), without descriptions (see `SecondaryTier.take_found`)."""
+        return [(key, None) for key in self._index.take_found()]
+
     def take_removed(self) -> list[ChunkKey]:
         """Keys that left the index since the last call, each once: evicted, found corrupt or
         missing by a load, forgotten after a failed load (`forget`), or gone from a listing

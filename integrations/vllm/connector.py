@@ -24,6 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvhal.config import parse_config
 
+from .events import group_specs
 from .geometry import check_kv_scales, deployment
 from .identity import cache_namespace
 from .metadata import KVHalMetadata, KVHalWorkerMetadata
@@ -69,7 +70,8 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = SchedulerSide(
                 dep, config, transfer.engine_id, cache_namespace(vllm_config, dep, config),
                 kv_events=bool(kv_events and kv_events.enable_kv_cache_events),
-                data_parallel_index=vllm_config.parallel_config.data_parallel_index)
+                data_parallel_index=vllm_config.parallel_config.data_parallel_index,
+                group_specs=group_specs(kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -185,6 +187,11 @@ class KVHalConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self) -> list:
         """kvhal's KV events as vLLM's `BlockStored`/`BlockRemoved` (`events.py`)."""
         return self.scheduler_side.take_events()
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while a job is in flight or events are untaken
+        (`SchedulerSide.has_pending_push_work`); False on workers."""
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:

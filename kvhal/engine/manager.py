@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -81,6 +81,10 @@ class Manager:
         tier_labels: The `tier` label of each secondary tier, in order.
         promotions_deferred: Tier hits answered RETRY without a promotion because
             `max_promotions` slots were held.
+        describe: `describe(key)` → bytes describing a chunk for routers (the integration's:
+            token ids, parent, LoRA), handed to the tiers with each store of the chunk
+            (`TierJob.description`) and given back when a tier finds the chunk
+            (`BlockStored.descriptions`); None (default): chunks are not described.
 
     Raises:
         ValueError: `max_promotions` < 1.
@@ -145,10 +149,12 @@ class Manager:
         self.lock = threading.RLock()
         #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.
         self.host_listeners: list = []
+        self.describe: Callable[[ChunkKey], bytes | None] | None = None
         if len(slots.capacities) == 1:  # pools of different slot sizes: no shared host access
             access = ManagerHostAccess(self)
             for tier in self.tiers:
                 tier.attach_host(access)
+        self._announce_found()    # what the tiers hold at start: a restarted instance tells
 
     # -- lookup ------------------------------------------------------------------------------
     @_locked
@@ -389,6 +395,7 @@ class Manager:
         """Submit a store of each (key, slot) to every secondary tier (`only_taking`: to the
         tiers that took part in `request_id` only), with `request_id` for those that took part."""
         taking = self._requests.get(request_id, ()) if request_id is not None else ()
+        describe = self.describe
         for t, tier in enumerate(self.tiers):
             if only_taking and t not in taking:
                 continue
@@ -398,7 +405,8 @@ class Manager:
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key, ())
                 tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot),
-                                          request_id=request))
+                                          request_id=request,
+                                          description=describe(key) if describe else None))
 
     # -- requests tiers take part in --------------------------------------------------------
     @_locked
@@ -604,7 +612,31 @@ class Manager:
             gone = tier.take_removed()
             if gone:
                 self._removed(gone, t)
+        self._announce_found()
         return results
+
+    def _announce_found(self) -> None:
+        """Announce the chunks each tier found rather than stored (`SecondaryTier.take_found`:
+        at start, or by a listing of a store others write), with what the tier kept of each
+        one's description."""
+        for t, tier in enumerate(self.tiers):
+            found = tier.take_found()
+            if not found:
+                continue
+            label, medium, locality = self._where(t)
+            by_group: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
+            for key, description in found:
+                by_group[key.group].append((key.block_hash, description))
+            for group, chunks in by_group.items():
+                hashes, descriptions = zip(*chunks)
+                self._event(BlockStored(hashes, group, medium, locality, label, descriptions))
+
+    @_locked
+    def has_pending_work(self) -> bool:
+        """Whether something will change without a new request: a secondary-tier job in
+        flight, or events not yet taken (`take_events`). The integration keeps its engine
+        stepping while this holds, so that events leave within a bounded time."""
+        return bool(self._tier_jobs or self._events)
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for every secondary-tier job, then `poll`.

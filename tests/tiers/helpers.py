@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from conformance.tier_fixtures import chunk_key, load, payload, store  # noqa: F401
+from conformance.tier_fixtures import chunk_key, load, payload, run_jobs, store  # noqa: F401
 
 NAMESPACE = bytes(range(16))
 OTHER_NAMESPACE = bytes(range(16, 32))

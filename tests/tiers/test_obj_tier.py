@@ -296,3 +296,35 @@ def test_secrets_reach_no_log_error_repr_or_stats(s3_server, open_obj, region, c
     assert "refresh failed: LIST failed (ECONNREFUSED)" in caplog.text
     for secret in (SECRET_KEY, ACCESS_KEY):
         assert secret not in text
+
+
+def test_a_shared_bucket_is_announced_by_every_instance_that_can_load_it(s3_server):
+    """Fleet-shared tier (README, "Metrics and KV events inside vLLM"): chunks another instance
+    stores in the bucket are announced by this one's engine once its listing finds them
+    (medium STORAGE, locality REMOTE), so a router credits both instances; and removed when
+    they leave the bucket. Fails when listings' finds are not announced (only the writer would
+    be credited)."""
+    from tests.engine.rig import make_rig
+
+    config = obj_config(s3_server.endpoint)
+    rig = make_rig(capacity=4, blocks_per_chunk=1, block_bytes=4096, num_blocks=8,
+                   tiers=[config], ns=NAMESPACE)
+    try:
+        rig.manager.take_events()
+        assert worker(config, "store", 0, 3, 4096)["ok"] == [0, 1, 2]   # another instance
+        keys = [chunk_key(NAMESPACE, i) for i in range(3)]
+        tier = rig.manager.tiers[0]
+        wait_for(lambda: all(tier.lookup(k) is Lookup.HIT for k in keys), what="listing")
+        rig.manager.poll()
+        found = rig.manager.take_events()
+        raw_client(config).delete([n for n in names_under(config)])
+        wait_for(lambda: all(tier.lookup(k) is Lookup.MISS for k in keys), what="deletion")
+        rig.manager.poll()
+        gone = rig.manager.take_events()
+    finally:
+        rig.close()
+    assert {(e.medium, e.locality, e.tier) for e in found + gone} == {("STORAGE", "REMOTE",
+                                                                       "obj")}
+    assert sorted(h for e in found for h in e.block_hashes) == sorted(k.block_hash for k in keys)
+    assert [type(e).__name__ for e in found + gone] == ["BlockStored", "BlockRemoved"]
+    assert sorted(h for e in gone for h in e.block_hashes) == sorted(k.block_hash for k in keys)

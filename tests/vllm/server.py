@@ -14,9 +14,14 @@ import re
 import secrets
 import shlex
 import subprocess
+import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Sequence
+
+import msgpack
+import zmq
 
 from kvhal.integrations.harness.vllm.server import ServerProcess, free_port
 
@@ -104,3 +109,55 @@ def readme_proxy(log: Path, order: str, prefiller: ServerProcess, p2p_port: int,
         ["bash", "-c", readme_block("pd proxy command")], log,
         env={**os.environ, "PORT": "0", "ORDER": order, "DECODER": decoder.base_url,
              "PREFILLER": f"{prefiller.base_url},127.0.0.1:{p2p_port}"})
+
+
+#: Field order of `vllm.distributed.kv_events` (decoding events sent as arrays).
+_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                    "kv_cache_spec_sliding_window", "locality", "ownership", "session_id"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
+    "AllBlocksCleared": (),
+}
+
+
+def decode_batch(payload: bytes) -> list[dict]:
+    """The events of one msgpack `KVEventBatch` as a router decodes them: dicts with a "type"
+    key and the fields vLLM sent (it omits fields at their defaults)."""
+    return [event if isinstance(event, dict) else
+            dict(zip(_FIELDS[event[0]], event[1:]), type=event[0])
+            for event in msgpack.unpackb(payload, raw=False)[1]]
+
+
+class Subscriber(threading.Thread):
+    """A router's side: binds a ZMQ SUB socket (vLLM's publisher connects to a non-wildcard
+    endpoint) and keeps receiving, as libzmq sends the subscription only while the socket is
+    used; decodes vLLM's msgpack batches into `events` (dicts with a "type" key and
+    "received_at", this host's `time.time()` when the batch arrived)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.events: list[dict] = []
+        self._done = threading.Event()
+        self._ready = threading.Event()
+        self.start()
+        self._ready.wait(10)
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        self.endpoint = f"tcp://127.0.0.1:{sub.bind_to_random_port('tcp://127.0.0.1')}"
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._ready.set()
+        while not self._done.is_set():
+            if sub.poll(100):
+                _topic, _seq, payload = sub.recv_multipart()
+                now = time.time()
+                self.events.extend(event | {"received_at": now}
+                                   for event in decode_batch(payload))
+        sub.close(0)
+        ctx.term()
+
+    def close(self) -> None:
+        self._done.set()
+        self.join(10)

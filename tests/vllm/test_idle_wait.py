@@ -53,7 +53,29 @@ def test_a_lookup_a_tier_is_still_deciding_waits_too():
     flight: the idle steps wait as for a transfer. Seen failing without `deciding` in the
     condition: no wait at all (`[] == [0.0005, 0.001]`)."""
     side = SimpleNamespace(lookup=SimpleNamespace(deciding={"r"}),
-                           loads=SimpleNamespace(in_flight=lambda: False))
+                           loads=SimpleNamespace(in_flight=lambda: False),
+                           has_pending_push_work=lambda: False)
     assert SchedulerSide._waiting(side)
     side.lookup.deciding.clear()
     assert not SchedulerSide._waiting(side)
+
+
+def test_steps_kept_for_pending_tier_work_wait_too():
+    """With no request, vLLM steps while the connector has pending push work (a tier job in
+    flight, events untaken: `has_pending_push_work`); those steps wait as for a transfer, so an
+    idle engine does not spin a core for them. Fails without that term in `_waiting`."""
+    pending = [True]
+    side = SimpleNamespace(lookup=SimpleNamespace(deciding=set()),
+                           loads=SimpleNamespace(in_flight=lambda: False),
+                           has_pending_push_work=lambda: pending[0])
+    assert SchedulerSide._waiting(side)
+    pending[0] = False
+    assert not SchedulerSide._waiting(side)
+    manager = SimpleNamespace(has_pending_work=lambda: False)
+    jobs: list = []
+    side = SimpleNamespace(jobs=jobs, manager=manager)
+    assert not SchedulerSide.has_pending_push_work(side)
+    jobs.append("a host job on the workers")
+    assert SchedulerSide.has_pending_push_work(side)
+    side = SimpleNamespace(jobs=[], manager=SimpleNamespace(has_pending_work=lambda: True))
+    assert SchedulerSide.has_pending_push_work(side)

