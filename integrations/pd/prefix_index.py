@@ -19,8 +19,9 @@ the rest as orphans. `BlockRemoved` uncredits its known hashes in its tier; `All
 empties the instance's index. `ownership` is ignored (kvhal's older events set it to the tier's
 label; vLLM leaves it unset except for its kvcr tier).
 
-Tiers (`tier_of`): medium "GPU" or None → "device"; "CPU" → "host"; "STORAGE" → "disk", or
-"shared" when its `locality` is "REMOTE" (a fleet-shared tier: obj, mooncake). A block held
+Tiers (`tier_of`): medium "GPU" or None → "device"; "CPU" → "host"; "STORAGE" → "disk";
+either of the last two is "shared" when its `locality` is "REMOTE" (a fleet-shared tier: obj
+publishes STORAGE/REMOTE, mooncake's pool CPU/REMOTE). A block held
 in several tiers counts once, in the fastest (`InstanceIndex.held`).
 
 A prompt's first block's extra keys (vLLM's `extra_keys[0]` of an event whose parent is None:
@@ -59,10 +60,10 @@ def tier_of(medium: str | None, locality: str | None) -> str:
     """
     if medium is None or medium == "GPU":
         return "device"
-    if medium == "CPU":
-        return "host"
-    if medium == "STORAGE":
-        return "shared" if locality == "REMOTE" else "disk"
+    if medium in ("CPU", "STORAGE"):
+        if locality == "REMOTE":
+            return "shared"
+        return "host" if medium == "CPU" else "disk"
     raise EventError(f"medium: unknown {medium!r} (expected GPU, CPU, STORAGE or null)")
 
 

@@ -77,16 +77,19 @@ def test_chunk_events_credit_only_announced_chunk_ends():
 
 def test_per_block_host_events_with_ownership_are_accepted():
     """kvhal's events before contract A: per-block hashes of a chunk, `ownership` = tier
-    label; ownership is ignored, STORAGE is disk, STORAGE + REMOTE is shared."""
+    label; ownership is ignored, STORAGE is disk, STORAGE + REMOTE and CPU + REMOTE (a
+    mooncake pool) are shared."""
     index = InstanceIndex()
     for e in wire(stored([b"h0", b"h1"], None, TOKENS[:2 * B], medium="CPU", ownership="cpu"),
                   stored([b"s0", b"s1", b"s2"], None, TOKENS[:3 * B], medium="STORAGE",
                          ownership="fs"),
                   stored([b"r0", b"r1", b"r2", b"r3"], None, TOKENS[:4 * B],
-                         medium="STORAGE", locality="REMOTE")):
+                         medium="STORAGE", locality="REMOTE"),
+                  stored([b"m0", b"m1", b"m2", b"m3", b"m4"], None, TOKENS[:5 * B],
+                         medium="CPU", locality="REMOTE")):
         index.apply(e)
     assert index.hits(prefix_keys(TOKENS)) == {"device": 0, "host": 2 * B, "disk": B,
-                                               "shared": B}
+                                               "shared": 2 * B}
 
 
 def test_removed_blocks_orphans_and_token_less_events():
