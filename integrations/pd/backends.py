@@ -17,6 +17,10 @@ import itertools
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+#: Default seconds a fleet instance may take to send the first byte of its answer (`kvhal
+#: proxy --first-byte-timeout-s`): far above a 4,000-token prefill of the demo model on a
+#: loaded 2-core vLLM-CPU server queued behind a few others (README, "Fleet routing").
+FIRST_BYTE_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True, slots=True)
 class P2PAddress:

@@ -12,7 +12,7 @@ import logging
 
 from kvhal.argtypes import non_negative_float
 
-from .backends import parse_decoder, parse_prefiller
+from .backends import FIRST_BYTE_TIMEOUT_S, parse_decoder, parse_prefiller
 from .route import POLICIES, parse_instance
 
 ORDERS = ("prefill-first", "concurrent", "decode-first")
@@ -86,6 +86,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="kv-p2p: fewest tokens worth pulling (default: %(default)s)")
     fleet.add_argument("--replay-timeout-s", type=_positive_seconds, default=2.0,
                        help="seconds an event replay may take (default: %(default)s)")
+    fleet.add_argument("--first-byte-timeout-s", type=_positive_seconds,
+                       default=FIRST_BYTE_TIMEOUT_S,
+                       help="seconds an instance may take to send the first byte of its "
+                       "answer (queueing and prefill included; for a non-streamed request, "
+                       "the whole generation) before it is marked unhealthy and the request "
+                       "is re-sent once to another instance; also the most seconds between "
+                       "two chunks of an answer, after which the answer ends incomplete "
+                       "(default: %(default)s)")
     fleet.add_argument("--events-silence-s", type=_positive_seconds, default=10.0,
                        help="seconds without events after requests that store blocks before "
                        "an instance's index is cleared (default: %(default)s)")
@@ -149,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             tuple(args.instance), args.route, args.tokenizer, args.host, args.port,
             args.health_interval_s, args.connect_timeout_s, args.shutdown_timeout_s,
             args.load_tokens, args.p2p_busy, args.p2p_min_tokens, args.replay_timeout_s,
-            args.events_silence_s)))
+            args.events_silence_s, args.first_byte_timeout_s)))
         return 0
     config = ProxyConfig(tuple(args.prefiller), tuple(args.decoder), Order(args.order),
                          args.host, args.port, args.health_interval_s, args.connect_timeout_s,

@@ -21,8 +21,15 @@ Faults, each with a log line naming the instance, never a crash or a hung reques
       byte reached the client: marked unhealthy, its index dropped, and the request sent to
       the next choice among the others (each instance tried once); the last answer or a 502
       when all failed. Health polls bring it back when `/health` answers 200 again.
-    - an instance failing mid-answer: the client's response ends without its terminating
-      chunk (an incomplete body, never a clean truncated answer); it is marked unhealthy.
+    - an instance that accepts the request but sends no byte of its answer (status line,
+      headers and first body chunk) within `first_byte_timeout_s` (frozen, hung): marked
+      unhealthy, its index dropped, and the request sent once more, to the next choice among
+      the others; a 504 naming it when no other is left or the request was re-sent once
+      already. The client's response starts only with the instance's first body chunk, so
+      nothing has reached the client before that deadline.
+    - an instance failing mid-answer (an error, or `first_byte_timeout_s` without a byte
+      between two chunks): the client's response ends without its terminating chunk (an
+      incomplete body, never a clean truncated answer), never re-sent; it is marked unhealthy.
     - no healthy instance: 503 naming each and why.
     - event-stream faults: `events_sub`; tokenizer faults: `prompts`.
 400 for a body that is not a JSON object (or whose `kv_transfer_params` is not one), 413 over
@@ -44,7 +51,7 @@ import aiohttp
 import zmq.asyncio
 from aiohttp import web
 
-from .backends import Backend, NoHealthyBackend, Pool
+from .backends import FIRST_BYTE_TIMEOUT_S, Backend, NoHealthyBackend, Pool
 from .events_sub import EventFeed
 from .legs import BodyError, client_params
 from .prompts import Prompts
@@ -68,6 +75,9 @@ class FleetConfig:
         host, port: Listen address; port 0 picks a free port.
         health_interval_s: Seconds between polls of each instance's `/health` and `/metrics`.
         connect_timeout_s: Seconds to connect to an instance.
+        first_byte_timeout_s: Seconds from sending a request to an instance until its first
+            body byte (then the request is re-sent elsewhere, module docstring), and the most
+            seconds between two chunks of an answer.
         shutdown_timeout_s: Seconds requests in flight get to finish on SIGTERM/SIGINT.
         load_tokens, p2p_busy, p2p_min_tokens: The router's knobs (`route.Router`).
         replay_timeout_s, silence_s: The event feeds' knobs (`events_sub.EventFeed`).
@@ -86,6 +96,7 @@ class FleetConfig:
     p2p_min_tokens: int = 256
     replay_timeout_s: float = 2.0
     silence_s: float = 10.0
+    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
 
 
 def parse_queue(text: bytes) -> int:
@@ -225,7 +236,7 @@ class Fleet:
             return _error(503, str(exc))
         inst.backend.outstanding += 1
         resp, _ = await self._relay(request, inst, "GET", "/v1/models", None, None,
-                                    last=True)
+                                    last=True, resend_slow=False)
         return resp
 
     async def _route(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -248,6 +259,7 @@ class Fleet:
         headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried: tuple[Instance, ...] = ()
+        resent_slow = False     # re-sent once already after a first-byte timeout
         while True:
             try:
                 decision = self.router.choose(tokens, conversation, exclude=tried,
@@ -258,67 +270,91 @@ class Fleet:
             last = len(tried) == len(self.router.instances) or not any(
                 i.backend.healthy is not False for i in self.router.instances
                 if i not in tried)
-            resp, served = await self._relay(request, decision.instance, "POST", path,
-                                             _with_transfer(body, decision), headers,
-                                             last=last)
-            if resp is not None:
-                if served and decision.expects_store and decision.instance.feed is not None:
-                    decision.instance.feed.expect_batch()
-                return resp
+            try:
+                resp, served = await self._relay(request, decision.instance, "POST", path,
+                                                 _with_transfer(body, decision), headers,
+                                                 last=last, resend_slow=not resent_slow)
+            except _TryAnother as retry:
+                resent_slow = resent_slow or retry.slow
+                continue
+            if served and decision.expects_store and decision.instance.feed is not None:
+                decision.instance.feed.expect_batch()
+            return resp
 
     async def _relay(self, request: web.Request, inst: Instance, method: str, path: str,
-                     body: dict | None, headers: dict | None, *, last: bool
-                     ) -> tuple[web.StreamResponse | None, bool]:
+                     body: dict | None, headers: dict | None, *, last: bool, resend_slow: bool
+                     ) -> tuple[web.StreamResponse, bool]:
         """Send one request to `inst` (counted in its `outstanding`, ended here) and stream
-        its answer to the client. Returns (None, False) when another instance should be
-        tried: `inst` was not reached or answered 5xx, and `last` is False. Otherwise
-        (response, whether it was a complete 2xx answer)."""
-        backend = inst.backend
+        its answer to the client, which gets nothing before the answer's first body chunk.
+        Returns (response, whether it was a complete 2xx answer).
+
+        Raises:
+            _TryAnother: another instance should be tried: `inst` was not reached, answered
+                5xx or failed before its first body chunk and `last` is False, or sent
+                nothing within `first_byte_timeout_s` and `resend_slow` and not `last`.
+        """
+        backend, url = inst.backend, inst.spec.url
+        limit = self.config.first_byte_timeout_s
+        upstream = None
         try:
-            upstream = await self.session.request(method, f"{inst.spec.url}{path}", json=body,
-                                                  headers=headers)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            why = _failure(exc)
+            async with asyncio.timeout(limit) as first_byte:
+                upstream = await self.session.request(method, f"{url}{path}", json=body,
+                                                      headers=headers)
+                if upstream.status >= 500 and not last:
+                    upstream.close()
+                    Pool.done(backend, f"HTTP {upstream.status}")
+                    self._unhealthy(inst, f"answered HTTP {upstream.status}")
+                    log.warning("request sent on from %s (HTTP %d) to another instance",
+                                url, upstream.status)
+                    raise _TryAnother(slow=False)
+                first = await upstream.content.readany()
+        except TimeoutError as exc:
+            if upstream is not None:
+                upstream.close()    # closing the connection aborts the request in vLLM
+            if not first_byte.expired():     # aiohttp's connect timeout: not reached
+                return self._not_reached(inst, exc, last)
+            why = f"no byte of its answer within {limit:g} s (--first-byte-timeout-s)"
             Pool.done(backend, why)
-            self._unhealthy(inst, f"unreachable: {why}")
-            if not last:
-                return None, False
-            return _error(502, f"instance {inst.spec.url} unreachable: {why}",
-                          inst.spec.url), False
+            self._unhealthy(inst, why)
+            if resend_slow and not last:
+                log.warning("request re-sent from %s (%s) to another instance", url, why)
+                raise _TryAnother(slow=True) from None
+            return _error(504, f"instance {url} sent {why}", url), False
+        except (aiohttp.ClientError, OSError) as exc:
+            if upstream is not None:
+                upstream.close()
+            return self._not_reached(inst, exc, last)
+        except _TryAnother:
+            raise
         except BaseException:
+            if upstream is not None:
+                upstream.close()
             Pool.done(backend)
             raise
-        if upstream.status >= 500 and not last:
-            upstream.close()
-            Pool.done(backend, f"HTTP {upstream.status}")
-            self._unhealthy(inst, f"answered HTTP {upstream.status}")
-            log.warning("request sent on from %s (HTTP %d) to another instance",
-                        inst.spec.url, upstream.status)
-            return None, False
         resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for name in PASSED_HEADERS:
             if name in upstream.headers:
                 resp.headers[name] = upstream.headers[name]
         if upstream.content_length is not None:
             resp.content_length = upstream.content_length
-        error, finished = None, False
+        error, finished, chunk = None, False, first
         try:
             await resp.prepare(request)
-            while True:
+            while chunk:
+                await resp.write(chunk)
                 try:
-                    chunk = await upstream.content.readany()
-                except (aiohttp.ClientError, OSError) as exc:
-                    error = _failure(exc)
+                    async with asyncio.timeout(limit):
+                        chunk = await upstream.content.readany()
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    error = (f"no byte for {limit:g} s" if isinstance(
+                        exc, TimeoutError) else _failure(exc))
                     self._unhealthy(inst, f"failed mid-answer: {error}")
                     if request.transport is not None:
                         request.transport.abort()   # the client sees an incomplete body
                     return resp, False
-                if not chunk:
-                    break
-                await resp.write(chunk)
             finished = True
         except ConnectionResetError:    # the client left
-            log.info("client left; closing its request to %s", inst.spec.url)
+            log.info("client left; closing its request to %s", url)
             return resp, False
         finally:
             if finished:
@@ -330,6 +366,30 @@ class Fleet:
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()
         return resp, upstream.status < 300
+
+    def _not_reached(self, inst: Instance, exc: BaseException, last: bool
+                     ) -> tuple[web.StreamResponse, bool]:
+        """`inst` failed before its first body byte (refused, reset, connect timeout): mark
+        it unhealthy; a 502 when `last`.
+
+        Raises:
+            _TryAnother: not `last`.
+        """
+        why = _failure(exc)
+        Pool.done(inst.backend, why)
+        self._unhealthy(inst, f"unreachable: {why}")
+        if not last:
+            raise _TryAnother(slow=False)
+        return _error(502, f"instance {inst.spec.url} unreachable: {why}", inst.spec.url), False
+
+
+class _TryAnother(Exception):
+    """`Fleet._relay`: send the request to another instance; `slow`: after a first-byte
+    timeout (re-sent once at most)."""
+
+    def __init__(self, *, slow: bool):
+        super().__init__()
+        self.slow = slow
 
 
 def _with_transfer(body: dict, decision: Decision) -> dict:

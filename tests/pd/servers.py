@@ -299,3 +299,41 @@ class SSEStream:
     def close(self) -> None:
         """Drop the connection."""
         self.conn.close()
+
+
+class BackendProcess:
+    """`backend_process.py NAME`: a tiny echo backend in its own process, which `freeze()`
+    stops with SIGSTOP (it keeps accepting connections, the kernel queues them, but never
+    answers) and `thaw()` resumes with SIGCONT.
+
+    Raises:
+        RuntimeError: it printed no `listening on URL` line within `timeout_s`.
+    """
+
+    def __init__(self, name: str, timeout_s: float = 30.0):
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("backend_process.py")), name],
+            text=True, stdout=subprocess.PIPE, preexec_fn=die_with_parent)
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        line = self.proc.stdout.readline().strip() if sel.select(timeout_s) else ""
+        if not line.startswith("listening on http://"):
+            self.stop()
+            raise RuntimeError(f"backend process {name}: no startup line, got {line!r}")
+        self.url = line.removeprefix("listening on ")
+
+    def freeze(self) -> None:
+        """SIGSTOP: connections are still accepted, nothing is answered."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT: it answers again (what it queued meanwhile too)."""
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        """SIGKILL it (a stopped process too) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.proc.stdout.close()

@@ -28,3 +28,18 @@ def test_a_prefiller_spec_names_its_p2p_address_and_dp_size():
     (p,), (d,) = args.prefiller, args.decoder
     assert (p.url, p.p2p, p.dp_size) == ("http://p:8100", P2PAddress("::1", 7100), 4)
     assert (d.url, d.p2p, args.order) == ("https://d:8200", None, "prefill-first")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_a_first_byte_timeout_must_be_positive_seconds(capsys, value):
+    """Fails when a zero, negative or non-numeric --first-byte-timeout-s is accepted."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["proxy", "--route", "kv", "--instance", "http://a:1",
+                                   "--first-byte-timeout-s", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--first-byte-timeout-s" in err and repr(value) in err
+
+
+def test_the_first_byte_timeout_defaults_to_120_s():
+    args = build_parser().parse_args(["proxy", "--route", "kv", "--instance", "http://a:1"])
+    assert args.first_byte_timeout_s == 120.0

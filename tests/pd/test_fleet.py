@@ -3,6 +3,7 @@
 What real vLLM instances do behind it: tests/vllm/test_fleet_e2e.py."""
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import time
@@ -17,6 +18,7 @@ from kvhal.procs import free_port
 
 from .servers import (
     KVHAL,
+    BackendProcess,
     FaultyBackend,
     ProxyProcess,
     RecordingBackend,
@@ -36,6 +38,20 @@ def backend():
 
     def make(name: str, cls=RecordingBackend, **kw) -> RecordingBackend:
         made.append(cls(name, **kw))
+        return made[-1]
+    yield make
+    for b in made:
+        b.stop()
+
+
+@pytest.fixture
+def backend_process():
+    """Factory of echo backends in their own processes (`freeze()` = SIGSTOP), killed at
+    teardown."""
+    made = []
+
+    def make(name: str) -> BackendProcess:
+        made.append(BackendProcess(name))
         return made[-1]
     yield make
     for b in made:
@@ -159,6 +175,105 @@ def test_an_instance_answering_5xx_or_dead_is_routed_around(backend, fleet):
     log = px.log.read_text()
     assert "answered HTTP 503): routed around, its index dropped" in log
     assert f"instance {dead.url} is unhealthy (ClientConnectorError" in log
+
+
+def test_a_frozen_instance_s_request_is_re_sent_after_the_first_byte_timeout(
+        backend_process, fleet):
+    """Instance a is SIGSTOPped after the router saw it healthy (health polls too rare to
+    notice): the request sent to it is answered by b once the first-byte timeout passed, and
+    a is marked unhealthy. Fails when the router waits on a frozen instance (the request
+    hangs past the client's 30 s) or does not mark it down (the next request goes to a)."""
+    a, b = backend_process("a"), backend_process("b")
+    px = fleet("round-robin", [a.url, b.url], "--first-byte-timeout-s", "2",
+               "--health-interval-s", "600")
+    a.freeze()
+    t0 = time.monotonic()
+    status, out = request(f"{px.url}/v1/completions", BODY, timeout_s=30)
+    assert (status, out["backend"]) == (200, "b")
+    assert 2 <= time.monotonic() - t0 < 30
+    sa, sb = stats(px)["instances"]
+    assert (sa["healthy"], sa["in_flight"], sa["routed"], sb["routed"]) == (False, 0, 1, 1)
+    assert sa["last_error"] == "no byte of its answer within 2 s (--first-byte-timeout-s)"
+    status, out = request(f"{px.url}/v1/completions", BODY | {"stream": True}, timeout_s=30)
+    assert status == 200 and '"backend": "b"' in out
+    assert f"request re-sent from {a.url} (no byte of its answer" in px.log.read_text()
+
+
+def test_a_request_is_re_sent_once_then_504(backend_process, fleet):
+    """a and b frozen, c fine: the request tries a, is re-sent to b, and then ends with a 504
+    naming b; c never sees it. Fails when a slow request is re-sent more than once (c
+    answers) or hangs."""
+    a, b, c = (backend_process(n) for n in "abc")
+    px = fleet("round-robin", [a.url, b.url, c.url], "--first-byte-timeout-s", "1",
+               "--health-interval-s", "600")
+    a.freeze()
+    b.freeze()
+    status, out = request(f"{px.url}/v1/completions", BODY, timeout_s=30)
+    assert status == 504, out
+    assert out["error"]["message"] == (f"instance {b.url} sent no byte of its answer within "
+                                       f"1 s (--first-byte-timeout-s)")
+    assert [i["routed"] for i in stats(px)["instances"]] == [1, 1, 0]
+
+
+def test_health_polls_catch_a_frozen_instance_within_seconds_and_it_recovers(
+        backend_process, fleet):
+    """SIGSTOP: `/health` polls (every 0.5 s, each timing out after 1 s) mark it unhealthy
+    within a few seconds, SIGCONT brings it back. Fails when a poll has no timeout (it
+    waits forever on the frozen instance, which stays healthy)."""
+    a, b = backend_process("a"), backend_process("b")
+    px = fleet("round-robin", [a.url, b.url])
+    a.freeze()
+    t0 = time.monotonic()
+    state = px.wait_health(lambda s: s["instances"][0]["healthy"] is False, timeout_s=10)
+    assert time.monotonic() - t0 < 5
+    assert state["instances"][0]["last_error"] == "timed out"
+    a.thaw()
+    px.wait_health(lambda s: s["instances"][0]["healthy"] is True, timeout_s=10)
+    got = {request(f"{px.url}/v1/completions", BODY)[1]["backend"] for _ in range(2)}
+    assert got == {"a", "b"}
+
+
+def test_an_answer_frozen_after_its_first_bytes_ends_incomplete_and_is_not_re_sent(
+        backend_process, fleet):
+    """a streams an event every 50 ms; once the client has one, a is SIGSTOPped. The client's
+    body ends incomplete within the first-byte timeout (used between chunks), and b never
+    gets the request. Fails when the router waits forever between chunks (the client's read
+    times out) or re-sends a request whose bytes reached the client."""
+    a, b = backend_process("a"), backend_process("b")
+    px = fleet("round-robin", [a.url, b.url], "--first-byte-timeout-s", "2",
+               "--health-interval-s", "600")
+    stream = SSEStream(f"{px.url}/v1/completions",
+                       BODY | {"stream": True, "events": 10_000, "interval_s": 0.05},
+                       timeout_s=15)
+    try:
+        assert json.loads(stream.next_event())["backend"] == "a"
+        a.freeze()
+        with pytest.raises(http.client.IncompleteRead):
+            while True:
+                assert stream.next_event() != "[DONE]"
+    finally:
+        stream.close()
+    sa, sb = stats(px)["instances"]
+    assert (sa["healthy"], sa["routed"], sb["routed"]) == (False, 1, 0)
+    assert sa["last_error"] == "failed mid-answer: no byte for 2 s"
+
+
+def test_a_silent_event_stream_clears_the_index(backend, fleet, publisher):
+    """b announced the prompt, then its publisher goes quiet while the router sends it
+    requests that must store blocks: after --events-silence-s its index is cleared and its
+    events state is "silent". Fails when the proxy never checks for silence."""
+    a, b = backend("a"), backend("b")
+    pub = publisher()
+    pub.blocks(TOKENS)
+    px = fleet("kv", [a.url, f"{b.url},{pub.spec}"], "--events-silence-s", "1")
+    wait(lambda: stats(px)["instances"][1]["index_blocks"]["device"] == 8,
+         "b's events in the index")
+    longer = BODY | {"prompt": TOKENS + list(range(9000, 9000 + 2 * B))}
+    assert request(f"{px.url}/v1/completions", longer)[1]["backend"] == "b"
+    s = wait(lambda: (s := stats(px)["instances"][1])["events"]["state"] == "silent" and s,
+             "b's stream found silent", 15)
+    assert (s["events"]["silences"], s["index_blocks"]["device"], s["healthy"]) == (1, 0, True)
+    assert "no event batch for 1 s after requests that store blocks" in px.log.read_text()
 
 
 def test_the_last_instance_s_5xx_is_passed_through_and_503_when_none_is_healthy(
