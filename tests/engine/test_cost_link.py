@@ -14,9 +14,10 @@ from kvhal.integrations.harness import link as links
 
 REASON = links.unavailable()
 ROOT = Path(__file__).resolve().parents[2]
-#: Recompute of the 8-chunk prefix (2048 tokens) at 8000 tokens/s: 0.256 s. Its 2 MiB load
-#: takes ~0.025 s at 10 Gbit/s (the local S3 server's own pace) and 2.1 s at 8 Mbit/s.
-COST_MODEL = {"prefill_tokens_per_s": 8000, "probe_every": 2}
+#: Recompute of the 8-chunk prefix (2048 tokens) at 4000 tokens/s: 0.51 s. Its 2 MiB load
+#: takes ~0.025 s at 10 Gbit/s (the local S3 server's own pace; 20× that on a loaded machine
+#: still loads) and 2.1 s at 8 Mbit/s.
+COST_MODEL = {"prefill_tokens_per_s": 4000, "probe_every": 2}
 FAST, SLOW = 10e9, 8e6
 
 
@@ -33,10 +34,13 @@ def test_the_decision_flips_when_the_link_slows_and_back_when_it_recovers():
         try:
             assert json.loads(proc.stdout.readline()) == {"ready": True}
 
+            seen = []
+
             def phase(name: str, n: int) -> list[str]:
                 proc.stdin.write(f"{name} {n}\n")
                 proc.stdin.flush()
-                return json.loads(proc.stdout.readline())["decisions"]
+                seen.append(json.loads(proc.stdout.readline()))
+                return seen[-1]["decisions"]
 
             fast = phase("fast", 3)
             link.set_rate(SLOW)
@@ -46,8 +50,8 @@ def test_the_decision_flips_when_the_link_slows_and_back_when_it_recovers():
         finally:
             proc.kill()
             proc.wait()
-    assert fast == ["load"] * 3
-    assert slow == ["load"] + ["recompute"] * 3
+    assert fast == ["load"] * 3, seen
+    assert slow == ["load"] + ["recompute"] * 3, seen
     flip = recovered.index("load")
-    assert 2 <= flip <= 12                  # at least one probe, at most six
-    assert recovered[flip:] == ["load"] * (14 - flip)
+    assert 2 <= flip <= 12, seen            # at least one probe, at most six
+    assert recovered[flip:] == ["load"] * (14 - flip), seen
