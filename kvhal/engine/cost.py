@@ -3,8 +3,9 @@ recomputing it.
 
 Each secondary tier keeps a live estimate of its promotions: a latency (seconds until a first
 chunk lands) and a bandwidth (bytes per second while chunks land), both from its own finished
-promotions (`LinkEstimate`), starting from `cost_model.tiers.<label>` when configured and
-unknown otherwise. The serving engine's prefill throughput (tokens per second) is kept per
+promotions (`LinkEstimate`), starting from `cost_model.tiers.<label>` when configured. A tier
+with neither starts from its cascades (stores cross the same link): until its first
+promotion is measured, its stores' estimate stands in for its loads'. The serving engine's prefill throughput (tokens per second) is kept per
 band of tokens per step (powers of two) from the integration's step timings
 (`PrefillEstimate`, fed by `CostModel.observe_prefill`), starting from
 `cost_model.prefill_tokens_per_s` when configured.
@@ -36,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from kvhal.config import CostModelConfig, TierCost
+from kvhal.tier import JobKind
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +160,7 @@ class CostModel:
         self.tokens_per_chunk = tokens_per_chunk or 0
         self.links = [LinkEstimate(config.tiers.get(label, TierCost()))
                       for label in tier_labels]
+        self.store_links = [LinkEstimate(TierCost()) for _ in tier_labels]
         self.prefill = PrefillEstimate(config.prefill_tokens_per_s)
         self._labels = tier_labels
         self._skips = [0] * len(tier_labels)
@@ -173,7 +176,7 @@ class CostModel:
         Logs the decision (debug)."""
         if not self.enabled:
             return Decision(True)
-        link = self.links[t]
+        link = self.links[t] if self.links[t].known else self.store_links[t]
         tokens = num_chunks * self.tokens_per_chunk
         rate = self.prefill.tokens_per_s(tokens)
         if not link.known or not rate:
@@ -198,13 +201,15 @@ class CostModel:
             return True
         return False
 
-    def started(self, t: int) -> None:
-        """A promotion from tier `t` was submitted."""
-        self.links[t].started(time.monotonic())
+    def started(self, t: int, kind: JobKind = JobKind.LOAD) -> None:
+        """A promotion (LOAD) or a cascade (STORE) of tier `t` was submitted."""
+        (self.links if kind is JobKind.LOAD else self.store_links)[t].started(time.monotonic())
 
-    def finished(self, t: int, nbytes: int, seconds: float, ok: bool) -> None:
-        """A promotion from tier `t` was collected (`JobResult`)."""
-        self.links[t].finished(nbytes, seconds, ok, time.monotonic())
+    def finished(self, t: int, nbytes: int, seconds: float, ok: bool,
+                 kind: JobKind = JobKind.LOAD) -> None:
+        """A promotion (LOAD) or a cascade (STORE) of tier `t` was collected (`JobResult`)."""
+        (self.links if kind is JobKind.LOAD else self.store_links)[t].finished(
+            nbytes, seconds, ok, time.monotonic())
 
 
 def _blend(old: float | None, new: float) -> float:

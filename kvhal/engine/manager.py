@@ -457,6 +457,7 @@ class Manager:
                 self.slots.acquire(slot)
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key, ())
+                self.cost.started(t, JobKind.STORE)
                 tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot),
                                           request_id=request))
 
@@ -655,6 +656,8 @@ class Manager:
                                 self._promo[slot] = owner
                 else:
                     self.slots.release(slot)
+                    self.cost.finished(t, self._span(slot)[1], result.seconds, result.ok,
+                                       JobKind.STORE)
                     if result.ok:
                         count("store_bytes", label, self._span(slot)[1])
                         landed[t].append(key)

@@ -8,7 +8,7 @@ import pytest
 
 from kvhal.config import ConfigError, CostModelConfig, TierCost, parse_config
 from kvhal.engine.cost import CostModel, LinkEstimate, PrefillEstimate
-from kvhal.tier import Lookup
+from kvhal.tier import JobKind, Lookup
 
 from .rig import chunk_blocks, make_rig, synthetic_keys
 
@@ -176,3 +176,18 @@ def test_a_cost_for_a_tier_label_no_tier_has_is_refused_at_start():
         _rig({"tiers": {"obj": {"bandwidth_bytes_per_s": 1e6}}})
     assert err.value.path == "cost_model.tiers.obj"
     assert "labels: memory" in str(err.value)
+
+
+def test_a_tier_whose_loads_are_unmeasured_is_judged_by_its_stores():
+    """No promotion measured, none configured: its cascades' 1 MB/s stands in (8 chunks of
+    1 MB: 8 s against 2048 tokens at 1000 tokens/s, 2 s → recompute); once a promotion is
+    measured (fast), the loads' estimate decides."""
+    model = CostModel(CostModelConfig(prefill_tokens_per_s=PREFILL), ["obj"], TPC)
+    assert model.decide(0, 8, 1_000_000, True).load              # nothing known: load
+    model.started(0, JobKind.STORE)                              # one 1 MB cascade: 1 s
+    model.finished(0, 1_000_000, 1.0, True, JobKind.STORE)
+    decision = model.decide(0, 8, 1_000_000, True)
+    assert not decision.load and decision.load_s == pytest.approx(8.0, rel=0.05)
+    model.started(0)
+    model.finished(0, 1_000_000, 0.001, True)
+    assert model.decide(0, 8, 1_000_000, True).load
