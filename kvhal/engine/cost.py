@@ -48,7 +48,10 @@ EWMA_WEIGHT = 0.5
 
 class LinkEstimate:
     """Latency and bandwidth of one tier's promotions, from its busy periods: from the first
-    promotion submitted while none was in flight to the poll that collected the last one.
+    promotion submitted while none was in flight to the poll that collected the last one, but
+    at most the sum of its jobs' own seconds (a poll that comes late, e.g. an idle serving
+    engine collecting a cascade only with its next request, does not count; jobs that
+    overlapped make that bound up to the tier's concurrency too long: a slower estimate).
     A period of `n` chunks, `nbytes` landed in `T` seconds, whose fastest job took `t_min`
     (the tier's own `JobResult.seconds`), gives latency ≈ t_min − chunk/bandwidth and
     bandwidth ≈ nbytes / (T − latency) (a period of one chunk keeps the latency believed and
@@ -65,6 +68,7 @@ class LinkEstimate:
         self._nbytes = 0
         self._chunks = 0
         self._fastest_s = math.inf
+        self._busy_s = 0.0
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:
@@ -80,6 +84,7 @@ class LinkEstimate:
         """A promotion was submitted at `now` (`time.monotonic()`)."""
         if not self.in_flight:
             self._since, self._nbytes, self._chunks, self._fastest_s = now, 0, 0, math.inf
+            self._busy_s = 0.0
         self.in_flight += 1
 
     def finished(self, nbytes: int, seconds: float, ok: bool, now: float) -> None:
@@ -90,9 +95,10 @@ class LinkEstimate:
             self._nbytes += nbytes
             self._chunks += 1
             self._fastest_s = min(self._fastest_s, seconds)
+            self._busy_s += seconds
         if self.in_flight or not self._chunks:
             return
-        period = max(now - self._since, self._fastest_s, 1e-6)
+        period = max(min(now - self._since, self._busy_s), self._fastest_s, 1e-6)
         chunk = self._nbytes / self._chunks
         s_per_byte = self._s_per_byte if self._s_per_byte is not None else period / self._nbytes
         if self._chunks == 1 and self.latency_s is not None:   # cannot tell the two apart

@@ -191,3 +191,14 @@ def test_a_tier_whose_loads_are_unmeasured_is_judged_by_its_stores():
     model.started(0)
     model.finished(0, 1_000_000, 0.001, True)
     assert model.decide(0, 8, 1_000_000, True).load
+
+
+def test_a_late_poll_does_not_make_a_tier_look_slow():
+    """Two 1 MB jobs of 0.1 s each, collected 30 s later (an idle engine polls with its next
+    request): the period is bounded by the jobs' own 0.2 s, not the 30 s."""
+    link = LinkEstimate(TierCost())
+    link.started(0.0)
+    link.started(0.0)
+    link.finished(1_000_000, 0.1, True, 30.0)
+    link.finished(1_000_000, 0.1, True, 30.0)
+    assert link.bandwidth_bytes_per_s >= 2_000_000 / 0.2
