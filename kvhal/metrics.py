@@ -57,6 +57,9 @@ METRICS: dict[str, MetricDef] = {
     "skipped_chunks": MetricDef("counter", (), "Chunks due for storing that never got a slot "
                                 "before their request ended (the host tier is smaller than "
                                 "one step's stores)"),
+    "cost_skipped_tokens": MetricDef("counter", (), "Tokens a secondary tier held that the "
+                                     "cost model left to recompute (its load was predicted "
+                                     "slower), once per request"),
     "store_bytes": MetricDef("counter", (), "Payload bytes stored into a tier"),
     "load_bytes": MetricDef("counter", (), "Payload bytes loaded from a tier"),
     "store_latency_seconds": MetricDef("histogram", (), "Wall time of one store job (host: "

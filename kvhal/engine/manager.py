@@ -25,6 +25,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import numpy as np
 
 from kvhal import metrics, plugins
+from kvhal.config import CostModelConfig
 from kvhal.events import HOST_MEDIUM, LOCAL, AllBlocksCleared, BlockRemoved, BlockStored
 from kvhal.host.region import HostLayout
 from kvhal.host.slots import IDLE, SlotTable
@@ -33,6 +34,7 @@ from kvhal.tier import JobKind, JobResult, Lookup, SecondaryTier, TierJob
 from kvhal.tier_metrics import TierMetrics
 
 from .access import ManagerHostAccess
+from .cost import CostModel
 from .types import EngineError, FinishedJob, LoadPlan, StorePlan
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,9 @@ class Manager:
         chunk_nbytes: Payload bytes per chunk (≤ slot_bytes).
         tiers: Secondary tiers, fastest first; every stored chunk cascades to all of them and
             a lookup miss in the host asks them in order.
+        tokens_per_chunk: Tokens per chunk, for the cost model's recompute predictions (None:
+            the model has nothing to compare against and every tier hit loads).
+        cost_model: The `cost_model` config (`kvhal.engine.cost`; None: the default model).
         layout: The host region's pools (hybrid models: one slot size per KV cache group,
             `slots` cut with the same capacities); None: one pool of `slot_bytes` slots.
         emit_events: Deliver KV events to `kvhal_kv_event` hooks (they also queue for
@@ -87,12 +92,14 @@ class Manager:
             (`BlockStored.descriptions`); None (default): chunks are not described.
 
     Raises:
-        ValueError: `max_promotions` < 1.
+        ValueError: `max_promotions` < 1; "cost_model.tiers.<label>: ..." for a configured
+            label no tier has.
     """
 
     def __init__(self, slots: SlotTable, *, slot_bytes: int, chunk_nbytes: int,
                  tiers: Sequence[SecondaryTier] = (), emit_events: bool = True,
-                 layout: HostLayout | None = None, max_promotions: int | None = None):
+                 layout: HostLayout | None = None, max_promotions: int | None = None,
+                 tokens_per_chunk: int | None = None, cost_model: CostModelConfig | None = None):
         if max_promotions is not None and max_promotions < 1:
             raise ValueError(f"max_promotions must be ≥ 1, got {max_promotions}")
         self.slots = slots
@@ -145,6 +152,12 @@ class Manager:
         for label, figures in own:
             figures.label = label
         self.metrics = metrics.EngineMetrics(self.sizes, [m for _, m in own])
+        #: Load or recompute, per secondary tier (`kvhal.engine.cost`).
+        self.cost = CostModel(cost_model or CostModelConfig(), self.tier_labels,
+                              tokens_per_chunk)
+        # (request id, first skipped key, tier) of skips already counted: a request asked
+        # again step after step counts its skipped tokens once.
+        self._skips_counted: dict[tuple, None] = {}
         #: Guards slot state against tiers pinning slots from their threads (`access.py`).
         self.lock = threading.RLock()
         #: `listener(gained, lost)` of tiers that subscribed to host-tier changes.
@@ -195,6 +208,7 @@ class Manager:
         out: list[Lookup] = []
         pins: list[int] = []
         protect: frozenset | None = None       # the prefix, never evicted for a promotion
+        decided: dict[int, bool] = {}          # tier index → load (the cost model, once)
         for i, key in enumerate(keys):
             slot = index.get(key)
             if slot is not None:
@@ -206,7 +220,8 @@ class Manager:
                 continue
             if protect is None and self.tiers:
                 protect = frozenset(keys)
-            answer = self._promote(keys, i, protect, pin_owner, request_id)
+            answer = self._promote(keys, i, protect, pin_owner, request_id, decided,
+                                   _RETRY not in out)
             out.append(answer)
             if answer is _MISS:
                 break
@@ -224,9 +239,12 @@ class Manager:
         return out
 
     def _promote(self, keys: Sequence[ChunkKey], i: int, protect: frozenset | None,
-                 owner: Hashable | None, request_id: Hashable | None = None) -> Lookup:
+                 owner: Hashable | None, request_id: Hashable | None,
+                 decided: dict[int, bool], first: bool) -> Lookup:
         """Answer for `keys[i]`, absent from host memory: start its promotion from the first
-        tier holding it (see `lookup`)."""
+        tier holding it whose load the cost model expects to pay (`decided`: this lookup's
+        decisions so far, by tier index; `first`: nothing of this prefix is on its way yet),
+        see `lookup`."""
         key = keys[i]
         if not self.tiers:
             return _MISS
@@ -241,6 +259,8 @@ class Manager:
             if found is _RETRY:
                 answer = _UNDECIDED
             elif found is _HIT:
+                if not self._worth_loading(t, keys, i, request_id, decided, first):
+                    continue
                 if len(self._promo) >= self.max_promotions:
                     self.promotions_deferred += 1
                     return _RETRY
@@ -248,14 +268,61 @@ class Manager:
                 self._removed(evicted)
                 if not placed:
                     return _MISS
-                job_id = next(self._ids)
-                self._promo[placed[0]] = owner
-                self._tier_jobs[(t, job_id)] = (JobKind.LOAD, placed[0], key,
-                                                tuple(keys[i + 1:]))
-                tier.submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(placed[0]),
-                                         request_id=request_id if t in taking else None))
+                self._submit_promotion(t, placed[0], key, tuple(keys[i + 1:]), owner,
+                                       request_id if t in taking else None)
                 return _RETRY
         return answer
+
+    def _submit_promotion(self, t: int, slot: int, key: ChunkKey, later: tuple[ChunkKey, ...],
+                          owner: Hashable | None, request_id: Hashable | None) -> None:
+        """Promote `key` from tier `t` into the reserved host `slot` for `owner`."""
+        job_id = next(self._ids)
+        self._promo[slot] = owner
+        self._tier_jobs[(t, job_id)] = (JobKind.LOAD, slot, key, later)
+        self.cost.started(t)
+        self.tiers[t].submit_load(TierJob(job_id, JobKind.LOAD, key, *self._span(slot),
+                                          request_id=request_id))
+
+    def _worth_loading(self, t: int, keys: Sequence[ChunkKey], i: int,
+                       request_id: Hashable | None, decided: dict[int, bool],
+                       first: bool) -> bool:
+        """Whether to load `keys[i:]` from tier `t` rather than recompute them (the cost
+        model, asked once per tier per lookup). A skip counts the run's tokens once per
+        request in `cost_skipped_tokens` and may start a background probe of the tier."""
+        load = decided.get(t)
+        if load is not None:
+            return load
+        cost = self.cost
+        if not cost.enabled:
+            decided[t] = True
+            return True
+        nbytes = (self._layout.pools[self.slots.pool_of(keys[i])].chunk_nbytes
+                  if self._layout is not None else self.chunk_nbytes)
+        load = decided[t] = cost.decide(t, len(keys) - i, nbytes, first).load
+        if load:
+            return True
+        counted = (request_id, keys[i], t)
+        if counted not in self._skips_counted:
+            self._skips_counted[counted] = None
+            if len(self._skips_counted) > 4096:
+                del self._skips_counted[next(iter(self._skips_counted))]
+            self.metrics.count("cost_skipped_tokens", self.tier_labels[t],
+                               (len(keys) - i) * cost.tokens_per_chunk)
+        if cost.probe_due(t):
+            self._probe(t, keys, i)
+        return False
+
+    def _probe(self, t: int, keys: Sequence[ChunkKey], i: int) -> None:
+        """Re-measure tier `t`: promote the last chunk of `keys[i:]` it holds and host memory
+        lacks, owned by nobody (it lands cold; no request waits for it)."""
+        index, tier = self.slots.index, self.tiers[t]
+        for key in reversed(keys[i:]):
+            if key not in index and tier.lookup(key) is _HIT:
+                placed, evicted = self.slots.reserve([key], frozenset(keys))
+                self._removed(evicted)
+                if placed:
+                    self._submit_promotion(t, placed[0], key, (), _RELEASED, None)
+                return
 
     @_locked
     def release(self, pin_owner: Hashable) -> None:
@@ -404,6 +471,7 @@ class Manager:
                 self.slots.acquire(slot)
                 job_id = next(self._ids)
                 self._tier_jobs[(t, job_id)] = (JobKind.STORE, slot, key, ())
+                self.cost.started(t, JobKind.STORE)
                 tier.submit_store(TierJob(job_id, JobKind.STORE, key, *self._span(slot),
                                           request_id=request,
                                           description=describe(key) if describe else None))
@@ -583,6 +651,7 @@ class Manager:
                         "%s tier: %s of chunk %s failed after %.3f s: %s", label, kind.value,
                         key.block_hash.hex()[:16], result.seconds, result.error)
                 if kind is JobKind.LOAD:
+                    self.cost.finished(t, self._span(slot)[1], result.seconds, result.ok)
                     owner = self._promo.pop(slot, None)
                     if not result.ok:
                         self.slots.abort(slot)
@@ -602,6 +671,8 @@ class Manager:
                                 self._promo[slot] = owner
                 else:
                     self.slots.release(slot)
+                    self.cost.finished(t, self._span(slot)[1], result.seconds, result.ok,
+                                       JobKind.STORE)
                     if result.ok:
                         count("store_bytes", label, self._span(slot)[1])
                         landed[t].append(key)

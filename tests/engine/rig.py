@@ -89,17 +89,20 @@ class Rig:
 def make_rig(*, capacity: int = 64, blocks_per_chunk: int = 2, block_bytes: int = 512,
              num_blocks: int = 256, chaos_seed: int | None = None, policy: str = "lru",
              tiers: Sequence[dict] = (), backend: CpuBackend | None = None,
-             ns: bytes | None = None) -> Rig:
-    """A rig whose host tier holds exactly `capacity` chunks (slot = chunk rounded to a page)."""
+             ns: bytes | None = None, config: dict | None = None,
+             tokens_per_chunk: int | None = None) -> Rig:
+    """A rig whose host tier holds exactly `capacity` chunks (slot = chunk rounded to a page);
+    `config`: more config keys; `tokens_per_chunk`: for the cost model."""
     backend = backend or CpuBackend(chaos_seed=chaos_seed)
     chunk_nbytes = blocks_per_chunk * block_bytes
     slot_bytes = host_geometry(chunk_nbytes, 1 << 40).slot_bytes
     cfg = parse_config({"cpu_bytes_to_use": capacity * slot_bytes,
                         "blocks_per_chunk": blocks_per_chunk, "eviction_policy": policy,
-                        "secondary_tiers": list(tiers)})
+                        "secondary_tiers": list(tiers), **(config or {})})
     geo = host_geometry(chunk_nbytes, cfg.cpu_bytes_to_use)
     region = HostRegion.allocate(backend, geo)
-    manager = build_manager(cfg, geo, region.view, ns or namespace(), emit_events=False)
+    manager = build_manager(cfg, geo, region.view, ns or namespace(), emit_events=False,
+                            tokens_per_chunk=tokens_per_chunk)
     dev_alloc = backend.alloc_device(num_blocks * block_bytes)
     dev = address_array(dev_alloc.ptr, dev_alloc.nbytes).reshape(num_blocks, block_bytes)
     worker = Worker(backend, BlockPlanner(dev_alloc.ptr, block_bytes, num_blocks),

@@ -7,7 +7,9 @@ import random
 import numpy as np
 import pytest
 
+from kvhal.config import CostModelConfig
 from kvhal.engine import EngineError, PrefixHit, chunks_to_store, leading_hits, prefix_hit
+from kvhal.engine.cost import CostModel
 from kvhal.events import BlockRemoved, BlockStored
 from kvhal.tier import Lookup
 from kvhal.tiers.memory import MemoryTier
@@ -222,6 +224,7 @@ def only_in_a_faulty_tier():
     rig = make_rig(capacity=4, blocks_per_chunk=1, block_bytes=1024, num_blocks=16)
     tier = FaultyLoadTier({}, rig.region.view, namespace())
     rig.manager.tiers, rig.manager.tier_labels = (tier,), ["faulty"]
+    rig.manager.cost = CostModel(CostModelConfig(), ["faulty"], None)
     try:
         (key,) = synthetic_keys(1)
         rig.store([key], chunk_blocks(0, 1, 1))

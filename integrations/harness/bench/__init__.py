@@ -18,6 +18,7 @@ BENCH_MODULES = (
     "kvhal.integrations.harness.bench.p2p",
     "kvhal.integrations.harness.bench.replay",
     "kvhal.integrations.harness.bench.vllm",
+    "kvhal.integrations.harness.bench.vllm_link",
     "kvhal.integrations.harness.bench.serve",
 )
 

@@ -39,7 +39,7 @@ import xxhash
 from kvhal.argtypes import non_negative_float, positive_int
 from kvhal.report import print_json, print_table, progress
 
-from . import p2p_pd
+from . import links, p2p_pd
 from .copy import _size
 from .p2p_loops import (AUTH_KEY, INDEX, NAMESPACE, RawTcp, chunk_key, connected, cpu_s,
                         finish_pulls, payload, run_threads, serve_raw_tcp, serving,
@@ -222,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
         ValueError: the prefill of `--count` chunks at `--prefill-ms-per-chunk` would outlast
             half of the decoder's wait for a chunk (`p2p_pd.FETCH_WAIT_S`).
     """
+    if args.link:
+        return _run_on_links(args)
     prefill_s = args.count * args.prefill_ms_per_chunk / 1e3
     if prefill_s > p2p_pd.FETCH_WAIT_S / 2:
         raise ValueError(f"--prefill-ms-per-chunk {args.prefill_ms_per_chunk:g} x --count "
@@ -266,6 +268,35 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _run_on_links(args: argparse.Namespace) -> int:
+    """`--link`: the bench inside each emulated link (`links.run_on_links`), one row per link
+    and the crossover; exit 1 if the slowest link is already below the target ratio."""
+    argv = ["bench", "p2p", "--chunk-bytes", str(args.chunk_bytes), "--count", str(args.count),
+            "--concurrency", str(args.concurrency), "--repeats", str(args.repeats),
+            "--prefill-ms-per-chunk", str(args.prefill_ms_per_chunk)]
+    runs = links.run_on_links(argv, args.link)
+    best = links.crossover([(s.rate_bps, r["ratio"]) for s, r in runs], TARGET_RATIO)
+    if args.json:
+        print_json({"links": [{"link": s.label, "rate_bps": s.rate_bps, "rtt_s": s.rtt_s, **r}
+                              for s, r in runs],
+                    "target_ratio": TARGET_RATIO, "crossover_bps": best})
+    else:
+        rows = [[s.label, round(r["p2p_gbps"], 3), round(r["raw_tcp_gbps"], 3),
+                 round(r["ratio"], 3), round(r["pd"]["tail_ms"]["pd"], 2),
+                 round(r["pd"]["tail_vs_raw"]["pd"], 2)] for s, r in runs]
+        print_table(f"kvhal bench p2p on emulated links — {args.count} × {args.chunk_bytes} B "
+                    f"chunks, {args.concurrency} threads, both processes in a network "
+                    f"namespace whose loopback runs at the link's rate (tc tbf), medians of "
+                    f"{args.repeats} alternating passes",
+                    ["link", "p2p GB/s (checked)", "raw TCP GB/s", "× raw TCP",
+                     "P/D tail ms (decode leg first)", "P/D tail × raw"], rows)
+        print(f"crossover: verified pulls stay >= {TARGET_RATIO} x raw TCP up to "
+              f"{links.LinkSpec(best).label}" if best else
+              f"crossover: verified pulls are below {TARGET_RATIO} x raw TCP at every link "
+              f"measured")
+    return 0 if best else 1
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvhal bench p2p`."""
     p = sub.add_parser("p2p", help="p2p pull throughput between two processes vs raw TCP/zmq")
@@ -278,5 +309,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-ms-per-chunk", type=non_negative_float, default=2.0,
                    help="P/D row: simulated prefill compute per chunk, ms (default 2): your "
                         "model's prefill ms per token x tokens per chunk")
+    links.add_link_option(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

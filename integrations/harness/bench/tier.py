@@ -67,6 +67,7 @@ from kvhal.tier import HostSlots, JobKind, TierJob
 from kvhal.tiers.chunk_format import record_nbytes
 from kvhal.tiers.fs.remove import remove_tree
 
+from . import links
 from .copy import _size
 from .tier_disk import DiskLoop
 from .vllm_fs import VllmFsTier, vllm_available
@@ -468,6 +469,8 @@ def to_json(result: TierBenchResult) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvhal bench tier` and print the table (or JSON)."""
+    if args.link:
+        return _run_on_links(args)
     registered = plugins.tiers()
     if args.tier not in registered:
         raise ValueError(f"--tier: {args.tier!r} is not a registered tier type; registered: "
@@ -543,6 +546,49 @@ def _store(args: argparse.Namespace, config: dict):
     return contextlib.nullcontext(config)
 
 
+#: `--link`: kvhal's loads at least this × the raw loop's count as keeping up with the link.
+LINK_TARGET_RATIO = 0.9
+
+
+def _run_on_links(args: argparse.Namespace) -> int:
+    """`--link`: the bench inside each emulated link (`links.run_on_links`; obj: its local
+    S3 server too), one row per link (write and cold read of kvhal and the raw loop, GB/s)
+    and the crossover of cold reads at `LINK_TARGET_RATIO`; exit 1 if the slowest link is
+    already below it."""
+    if args.root_dir is not None:
+        raise ValueError("--root-dir: not with --link (each link's run uses a folder of its "
+                         "own, removed afterwards)")
+    argv = ["bench", "tier", "--tier", args.tier, "--chunk-bytes", str(args.chunk_bytes),
+            "--count", str(args.count), "--repeats", str(args.repeats),
+            *(["--config", args.config] if args.config else []),
+            *(["--no-vllm"] if args.no_vllm else []), *(["--full"] if args.full else [])]
+    runs = links.run_on_links(argv, args.link)
+    best = links.crossover([(s.rate_bps, r["read_vs_raw"]) for s, r in runs], LINK_TARGET_RATIO)
+    if args.json:
+        print_json({"links": [{"link": s.label, "rate_bps": s.rate_bps, "rtt_s": s.rtt_s, **r}
+                              for s, r in runs],
+                    "target_ratio": LINK_TARGET_RATIO, "crossover_bps": best})
+        return 0 if best else 1
+    rows = []
+    for spec, r in runs:
+        kvhal, raw = r["contenders"][0], r["contenders"][1]
+        rows.append([spec.label, round(kvhal["write_median_gbps"], 3),
+                     round(raw["write_median_gbps"], 3), round(r["write_vs_raw"], 3),
+                     round(kvhal["read_median_gbps"], 3), round(raw["read_median_gbps"], 3),
+                     round(r["read_vs_raw"], 3)])
+    raw_name = runs[0][1]["contenders"][1]["name"] if runs else "raw"
+    print_table(f"kvhal bench tier — {args.tier} on emulated links, {args.count} × "
+                f"{args.chunk_bytes} B chunks, every process in a network namespace whose "
+                f"loopback runs at the link's rate (tc tbf), medians of {args.repeats} passes "
+                f"(GB/s)", ["link", "kvhal write", f"{raw_name} write", "× raw",
+                            "kvhal cold read", f"{raw_name} cold read", "× raw"], rows)
+    print(f"crossover: kvhal's verified loads stay >= {LINK_TARGET_RATIO} x {raw_name} up to "
+          f"{links.LinkSpec(best).label}" if best else
+          f"crossover: kvhal's verified loads are below {LINK_TARGET_RATIO} x {raw_name} at "
+          f"every link measured")
+    return 0 if best else 1
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvhal bench tier`."""
     p = sub.add_parser("tier", help="tier write / cold-read throughput vs a raw loop (files, "
@@ -566,5 +612,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fs: measure a full tier (max_bytes of exactly --count chunks, filled "
                         "first): every store evicts; the raw loop deletes a file per write; "
                         "vLLM's tier (no capacity bound) is left out")
+    links.add_link_option(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

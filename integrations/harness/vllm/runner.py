@@ -18,7 +18,8 @@ Steps ("op"):
                  "kv_transfer_params"?: {...}, "lora"?: {"name", "id", "path"},
                  "prompt_logprobs"?: int}
         → {name: `engine.Completion` fields, "wall_s": seconds of the whole call}
-    "reset": vLLM's `reset_prefix_cache()`; kvhal keeps its tiers → null
+    "reset": {"connector"?: bool}: vLLM's `reset_prefix_cache()`; kvhal keeps its tiers, and
+        its host tier too unless "connector" (then only the secondary tiers keep theirs) → null
     "drop_page_cache": {"root": folder}: evict every file under it from the OS page cache
         (`kvhal.integrations.harness.bench.tier.drop_page_cache`, so fs-tier reads hit the disk) → null
 Extra ops (e.g. the tests' fault injection) register in `OPS` before `run` is called.
@@ -60,7 +61,7 @@ def _generate(llm: Any, step: dict) -> dict:
 
 
 def _reset(llm: Any, step: dict) -> None:
-    if not llm.reset_prefix_cache():
+    if not llm.reset_prefix_cache(reset_connector=step.get("connector", False)):
         raise ScenarioError("vLLM refused reset_prefix_cache()")
 
 

@@ -10,6 +10,7 @@ group)) until its load is planned or the request is not scheduled (`release`).
 """
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any, Sequence
 
@@ -20,6 +21,34 @@ from kvhal.tier import Lookup
 from ..events import ChunkEvents
 from ..geometry import Deployment, check_vllm_hash_seed
 from .requests import RequestTable
+
+
+class StepTimer:
+    """vLLM's step timings for the cost model's prefill estimate (`kvhal.engine.cost`): a
+    step's seconds run from `build_connector_meta` (the scheduler's output is final) to the
+    `update_connector_output` of its model output, in order (vLLM 0.32 calls both once per
+    step: `Scheduler.schedule`, `update_from_output`); its tokens are the step's
+    `total_num_scheduled_tokens`. Under asynchronous scheduling a step also waits for the one
+    before it, which makes prefill look slower and only favours loading."""
+
+    #: Steps awaiting their output at most (more means a missed output: start over).
+    MAX_OPEN = 4
+
+    def __init__(self, manager: Manager):
+        self._cost = manager.cost
+        self._open: collections.deque[tuple[float, int]] = collections.deque()
+
+    def scheduled(self, num_tokens: int) -> None:
+        """A step of `num_tokens` tokens was scheduled now."""
+        if len(self._open) >= self.MAX_OPEN:
+            self._open.clear()
+        self._open.append((time.perf_counter(), num_tokens))
+
+    def finished(self) -> None:
+        """The oldest open step's model output arrived now."""
+        if self._open:
+            started, num_tokens = self._open.popleft()
+            self._cost.observe_prefill(num_tokens, time.perf_counter() - started)
 
 
 class HitLookup:
@@ -34,6 +63,7 @@ class HitLookup:
     Attributes:
         asked: Requests looked up this step and not (yet) allocated.
         deciding: Requests whose last lookup was undecided: vLLM asks again.
+        steps: vLLM's step timings, for the cost model (`StepTimer`).
     """
 
     def __init__(self, deployment: Deployment, manager: Manager, requests: RequestTable,
@@ -53,6 +83,7 @@ class HitLookup:
         self._seed_checked = False
         self.asked: set[str] = set()
         self.deciding: set[str] = set()
+        self.steps = StepTimer(manager)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:

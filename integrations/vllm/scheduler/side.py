@@ -99,7 +99,8 @@ class SchedulerSide:
         self.region = HostRegion.create_shared(plugins.select_backend("cpu"), layout,
                                                f"{REGION_NAME_PREFIX}{engine_id}")
         self.manager = manager = build_manager(config, layout, self.region.view, namespace,
-                                               data_parallel_index=data_parallel_index)
+                                               data_parallel_index=data_parallel_index,
+                                               tokens_per_chunk=deployment.tokens_per_chunk)
         manager.metrics.keep_samples = True       # shipped each step (`stats.py`)
         self.chunk_events = (ChunkEvents(deployment.block_size, deployment.blocks_per_chunk,
                                          sum(layout.capacities), group_specs)
@@ -163,6 +164,7 @@ class SchedulerSide:
         flush and delayed-free reports. Requests looked up but not scheduled this step hold
         no pins afterwards."""
         stores, report_sending = self.stores.take_pending()
+        self.lookup.steps.scheduled(scheduler_output.total_num_scheduled_tokens)
         scheduled = scheduler_output.num_scheduled_tokens
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -223,6 +225,7 @@ class SchedulerSide:
         """Complete every job that all TP ranks have finished, then settle the asynchronous
         loads vLLM is about to see in `finished_recving` (vLLM calls this before it reads
         them)."""
+        self.lookup.steps.finished()
         if worker_meta is not None:
             for job in self.jobs.finish(worker_meta):
                 self._complete(job)
