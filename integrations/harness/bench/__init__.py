@@ -19,6 +19,7 @@ BENCH_MODULES = (
     "kvhal.integrations.harness.bench.replay",
     "kvhal.integrations.harness.bench.vllm",
     "kvhal.integrations.harness.bench.serve",
+    "kvhal.integrations.harness.bench.fleet",
 )
 
 
