@@ -87,6 +87,10 @@ def summarize(conversations: int, results: list[RequestResult], d: dict[str, flo
         "computed_tokens": prompt_tokens - cached,
         "loaded_tokens": sum(n for src, n in hits.items() if src != "device"),
         "hits_by_source": hits,
+        "prefix_cache": {  # vLLM's prefix-cache counters: device, and its connector's
+            key: int(d.get(f"vllm:{key}_total", 0)) for key in (
+                "prefix_cache_queries", "prefix_cache_hits", "external_prefix_cache_queries",
+                "external_prefix_cache_hits")},
         "scheduler": {
             "preemptions": int(d.get("vllm:num_preemptions_total", 0)),
             "mean_queue_s": serve_metrics.mean(d, "vllm:request_queue_time_seconds"),
