@@ -25,13 +25,16 @@ def test_routers_are_kept_in_their_order_and_unknown_ones_named():
 
 def test_router_stats_delta_subtracts_numbers_at_every_depth():
     """Fails when a nested counter is taken as it is after the point (7, not 4), or a key
-    new after the point is dropped."""
+    new after the point is dropped; seen with lists (the per-instance counts of a stats
+    answer) taken as they are."""
     before = {"instances": {"a": {"routed": 3, "reason": {"kv": 1}}}, "policy": "kv"}
     after = {"instances": {"a": {"routed": 7, "reason": {"kv": 2, "load": 1}}},
              "policy": "kv", "up": True}
     assert numeric_delta(before, after) == {
         "instances": {"a": {"routed": 4, "reason": {"kv": 1, "load": 1}}}, "policy": "kv",
         "up": True}
+    assert numeric_delta({"i": [{"routed": 2}]}, {"i": [{"routed": 5}, {"routed": 1}]}) == {
+        "i": [{"routed": 3}, {"routed": 1}]}
     assert flatten_numbers({"i": [{"routed": 4}, {"routed": 0}], "up": True, "p": "kv"}) == {
         "i.0.routed": 4, "i.1.routed": 0}
 

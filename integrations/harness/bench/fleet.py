@@ -142,11 +142,15 @@ def parse_routers(text: str) -> list[str]:
 
 def numeric_delta(before: Any, after: Any) -> Any:
     """`after - before` for every number of `after`, recursively through dicts (a key absent
-    before counts from 0); anything else is `after`'s value. For `/router/stats`, whose
-    counters only grow."""
+    before counts from 0) and lists (by index); anything else is `after`'s value. For
+    `/router/stats`, whose counters only grow."""
     if isinstance(after, dict):
         before = before if isinstance(before, dict) else {}
         return {k: numeric_delta(before.get(k), v) for k, v in after.items()}
+    if isinstance(after, list):
+        before = before if isinstance(before, list) else []
+        return [numeric_delta(before[i] if i < len(before) else None, v)
+                for i, v in enumerate(after)]
     if isinstance(after, (int, float)) and not isinstance(after, bool):
         prior = before if isinstance(before, (int, float)) and not isinstance(before, bool) \
             else 0
