@@ -1,0 +1,373 @@
+"""`kvhal proxy --route POLICY --instance SPEC ...`: one router in front of N equal vLLM
+instances (aiohttp), steering each request by where its KV lives (`route.py`).
+
+Routes:
+    POST /v1/completions, /v1/chat/completions: the request goes to the instance the router
+        chooses (its body unchanged, except kv-p2p's `kv_transfer_params.remote_kv_source`);
+        the answer is passed through: status, content type, body bytes, streamed (SSE) chunks
+        written as they arrive.
+    GET /v1/models: a healthy instance's answer, passed through.
+    GET /health: 200 with every instance's state while one is healthy, else 503.
+    GET /router/stats: per instance: health, in flight, load, requests routed by reason,
+        predicted hit tokens per tier, index blocks per tier, its event stream's counters.
+
+Background: every `health_interval_s`, each instance's `/health` and `/metrics`
+(`vllm:num_requests_running` + `vllm:num_requests_waiting`, the router's load view of
+requests it did not send) are polled, and silent event streams checked; one asyncio task per
+instance subscribes to its events (`events_sub.EventFeed`).
+
+Faults, each with a log line naming the instance, never a crash or a hung request:
+    - an instance not reached (refused, reset, connect timeout) or answering 5xx before any
+      byte reached the client: marked unhealthy, its index dropped, and the request sent to
+      the next choice among the others (each instance tried once); the last answer or a 502
+      when all failed. Health polls bring it back when `/health` answers 200 again.
+    - an instance failing mid-answer: the client's response ends without its terminating
+      chunk (an incomplete body, never a clean truncated answer); it is marked unhealthy.
+    - no healthy instance: 503 naming each and why.
+    - event-stream faults: `events_sub`; tokenizer faults: `prompts`.
+400 for a body that is not a JSON object (or whose `kv_transfer_params` is not one), 413 over
+`MAX_BODY_BYTES`, as in P/D mode.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import zmq.asyncio
+from aiohttp import web
+
+from .backends import Backend, NoHealthyBackend, Pool
+from .events_sub import EventFeed
+from .legs import BodyError, client_params
+from .prompts import Prompts
+from .proxy import FORWARDED_HEADERS, MAX_BODY_BYTES, PASSED_HEADERS, _error, _failure
+from .route import Decision, Instance, InstanceSpec, Router, conversation_of
+
+log = logging.getLogger("kvhal.proxy")
+
+#: The queue gauges read from an instance's `/metrics` (summed over their label sets).
+_QUEUE = re.compile(rb"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)", re.MULTILINE)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """Everything fleet mode runs with.
+
+    Attributes:
+        instances: The `--instance` specs.
+        policy: The `--route` policy (`route.POLICIES`).
+        tokenizer: `--tokenizer` folder, or None.
+        host, port: Listen address; port 0 picks a free port.
+        health_interval_s: Seconds between polls of each instance's `/health` and `/metrics`.
+        connect_timeout_s: Seconds to connect to an instance.
+        shutdown_timeout_s: Seconds requests in flight get to finish on SIGTERM/SIGINT.
+        load_tokens, p2p_busy, p2p_min_tokens: The router's knobs (`route.Router`).
+        replay_timeout_s, silence_s: The event feeds' knobs (`events_sub.EventFeed`).
+    """
+
+    instances: tuple[InstanceSpec, ...]
+    policy: str = "kv"
+    tokenizer: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    health_interval_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    shutdown_timeout_s: float = 60.0
+    load_tokens: int = 512
+    p2p_busy: int = 2
+    p2p_min_tokens: int = 256
+    replay_timeout_s: float = 2.0
+    silence_s: float = 10.0
+
+
+def parse_queue(text: bytes) -> int:
+    """Running + waiting requests in a vLLM `/metrics` answer (0 when it has neither)."""
+    return int(sum(float(v) for v in _QUEUE.findall(text)))
+
+
+class Fleet:
+    """The aiohttp application's state: router, client session, pollers and event feeds."""
+
+    def __init__(self, config: FleetConfig):
+        self.config = config
+        instances = []
+        for spec in config.instances:
+            inst = Instance(spec, Backend(spec.url))
+            if spec.events is not None:
+                inst.feed = EventFeed(spec.url, spec.events, spec.replay, inst.index,
+                                      config.replay_timeout_s, config.silence_s)
+            instances.append(inst)
+        self.router = Router(instances, config.policy, load_tokens=config.load_tokens,
+                             p2p_busy=config.p2p_busy, p2p_min_tokens=config.p2p_min_tokens)
+        self.prompts = Prompts(config.tokenizer)
+        self.session: aiohttp.ClientSession | None = None
+        self._zmq: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        """The aiohttp application serving the routes of the module docstring."""
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/router/stats", self.stats)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
+            auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
+        self._zmq = zmq.asyncio.Context()
+        self._tasks = [asyncio.create_task(i.feed.run(self._zmq), name=f"events {i.spec.url}")
+                       for i in self.router.instances if i.feed is not None]
+        await self._poll_all()
+        self._tasks.append(asyncio.create_task(self._poll_forever()))
+
+    async def _stop(self, _app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.session is not None:
+            await self.session.close()
+        if self._zmq is not None:
+            self._zmq.term()
+
+    # -- health and load -------------------------------------------------------------------
+
+    def _unhealthy(self, inst: Instance, why: str) -> None:
+        """Mark `inst` down (routed around) and drop its index."""
+        if inst.backend.mark(False, why):
+            log.warning("instance %s is unhealthy (%s): routed around, its index dropped",
+                        inst.spec.url, why)
+        inst.queued = 0
+        if inst.feed is not None:
+            if inst.feed.stats.state != "down":
+                inst.feed.drop(why)
+        else:
+            inst.index.clear()
+
+    async def _poll(self, inst: Instance) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, min(5.0, self.config.health_interval_s)))
+        try:
+            async with self.session.get(f"{inst.spec.url}/health", timeout=timeout) as resp:
+                ok, why = resp.status == 200, f"/health answered HTTP {resp.status}"
+            if ok:
+                async with self.session.get(f"{inst.spec.url}/metrics",
+                                            timeout=timeout) as resp:
+                    if resp.status == 200:
+                        inst.queued = parse_queue(await resp.read())
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            ok, why = False, _failure(exc)
+        if not ok:
+            self._unhealthy(inst, why)
+        elif inst.backend.mark(True):
+            log.info("instance %s is healthy", inst.spec.url)
+        if inst.feed is not None and ok:
+            inst.feed.check_silence()
+
+    async def _poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(i) for i in self.router.instances))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self._poll_all()
+
+    async def health(self, _request: web.Request) -> web.Response:
+        """`GET /health`: every instance's state; 503 when none is healthy."""
+        serving = any(i.backend.healthy is not False for i in self.router.instances)
+        return web.json_response({
+            "status": "ok" if serving else "no healthy instance",
+            "route": self.config.policy,
+            "instances": [i.backend.describe() for i in self.router.instances]},
+            status=200 if serving else 503)
+
+    async def stats(self, _request: web.Request) -> web.Response:
+        """`GET /router/stats` (module docstring)."""
+        instances = [i.describe() for i in self.router.instances]
+        return web.json_response({
+            "route": self.config.policy,
+            "tokenizer": self.prompts.problem or "loaded",
+            "requests": sum(i["routed"] for i in instances),
+            "instances": instances})
+
+    # -- routes ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/completions` (module docstring)."""
+        return await self._route(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/chat/completions` (module docstring)."""
+        return await self._route(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """`GET /v1/models`: a healthy instance's answer, passed through."""
+        try:
+            inst = self.router.live()[0]
+        except NoHealthyBackend as exc:
+            return _error(503, str(exc))
+        inst.backend.outstanding += 1
+        resp, _ = await self._relay(request, inst, "GET", "/v1/models", None, None,
+                                    last=True)
+        return resp
+
+    async def _route(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
+        except ValueError as exc:
+            return _error(400, f"request body is not JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, f"request body must be a JSON object, got "
+                               f"{type(body).__name__}")
+        try:
+            client_params(body)
+        except BodyError as exc:
+            return _error(400, str(exc))
+        tokens = self.prompts.tokens(body, chat=chat)
+        conversation = conversation_of(body, tokens)
+        headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        tried: tuple[Instance, ...] = ()
+        while True:
+            try:
+                decision = self.router.choose(tokens, conversation, exclude=tried)
+            except NoHealthyBackend as exc:
+                return _error(503, str(exc))
+            tried += (decision.instance,)
+            last = len(tried) == len(self.router.instances) or not any(
+                i.backend.healthy is not False for i in self.router.instances
+                if i not in tried)
+            resp, served = await self._relay(request, decision.instance, "POST", path,
+                                             _with_transfer(body, decision), headers,
+                                             last=last)
+            if resp is not None:
+                if served and decision.expects_store and decision.instance.feed is not None:
+                    decision.instance.feed.expect_batch()
+                return resp
+
+    async def _relay(self, request: web.Request, inst: Instance, method: str, path: str,
+                     body: dict | None, headers: dict | None, *, last: bool
+                     ) -> tuple[web.StreamResponse | None, bool]:
+        """Send one request to `inst` (counted in its `outstanding`, ended here) and stream
+        its answer to the client. Returns (None, False) when another instance should be
+        tried: `inst` was not reached or answered 5xx, and `last` is False. Otherwise
+        (response, whether it was a complete 2xx answer)."""
+        backend = inst.backend
+        try:
+            upstream = await self.session.request(method, f"{inst.spec.url}{path}", json=body,
+                                                  headers=headers)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            why = _failure(exc)
+            Pool.done(backend, why)
+            self._unhealthy(inst, f"unreachable: {why}")
+            if not last:
+                return None, False
+            return _error(502, f"instance {inst.spec.url} unreachable: {why}",
+                          inst.spec.url), False
+        except BaseException:
+            Pool.done(backend)
+            raise
+        if upstream.status >= 500 and not last:
+            upstream.close()
+            Pool.done(backend, f"HTTP {upstream.status}")
+            self._unhealthy(inst, f"answered HTTP {upstream.status}")
+            log.warning("request sent on from %s (HTTP %d) to another instance",
+                        inst.spec.url, upstream.status)
+            return None, False
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for name in PASSED_HEADERS:
+            if name in upstream.headers:
+                resp.headers[name] = upstream.headers[name]
+        if upstream.content_length is not None:
+            resp.content_length = upstream.content_length
+        error, finished = None, False
+        try:
+            await resp.prepare(request)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, OSError) as exc:
+                    error = _failure(exc)
+                    self._unhealthy(inst, f"failed mid-answer: {error}")
+                    if request.transport is not None:
+                        request.transport.abort()   # the client sees an incomplete body
+                    return resp, False
+                if not chunk:
+                    break
+                await resp.write(chunk)
+            finished = True
+        except ConnectionResetError:    # the client left
+            log.info("client left; closing its request to %s", inst.spec.url)
+            return resp, False
+        finally:
+            if finished:
+                upstream.release()
+            else:
+                upstream.close()    # closing the connection aborts the request in vLLM
+            Pool.done(backend, error or (f"HTTP {upstream.status}"
+                                         if upstream.status >= 500 else None))
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
+        return resp, upstream.status < 300
+
+
+def _with_transfer(body: dict, decision: Decision) -> dict:
+    """The body sent to the instance: the client's, plus kv-p2p's `remote_kv_source` (the
+    client's own `kv_transfer_params` keys kept)."""
+    if decision.kv_transfer is None:
+        return body
+    return body | {"kv_transfer_params": client_params(body) | decision.kv_transfer}
+
+
+async def serve(config: FleetConfig, announce: Callable[[str], Any] = print) -> None:
+    """Run the fleet router until SIGTERM or SIGINT, then shut down gracefully.
+
+    `announce` receives one startup line naming the listen address, the policy and every
+    instance with its first health verdict.
+
+    Raises:
+        OSError: the listen address cannot be bound.
+    """
+    fleet = Fleet(config)
+    runner = web.AppRunner(fleet.app(), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=config.shutdown_timeout_s)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+        def state(i: Instance) -> str:
+            b = i.backend
+            return f"{b.url} ({'healthy' if b.healthy else 'unhealthy: ' + str(b.last_error)})"
+
+        announce(f"kvhal proxy: listening on http://{host}:{port} (route {config.policy}); "
+                 f"instances: {', '.join(state(i) for i in fleet.router.instances)}")
+        sys.stdout.flush()
+        await stop.wait()
+        log.info("shutting down: finishing requests in flight")
+    finally:
+        await runner.cleanup()

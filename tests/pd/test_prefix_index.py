@@ -1,0 +1,203 @@
+"""The fleet router's prefix index and policies (`integrations/pd/prefix_index.py`,
+`route.py`), fed real event bytes: vLLM's own msgspec classes encoded as its publisher
+encodes them, decoded by the router's structs."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("msgspec", reason="the router needs the `proxy` extra")
+kv_events = pytest.importorskip("vllm.distributed.kv_events",
+                                reason="vLLM's event classes encode the test events")
+
+import msgspec
+from kvhal.integrations.pd.backends import Backend, NoHealthyBackend, P2PAddress
+from kvhal.integrations.pd.events_sub import _DECODER
+from kvhal.integrations.pd.prefix_index import EventError, InstanceIndex, prefix_keys
+from kvhal.integrations.pd.route import (
+    AFFINITY_TOKENS,
+    Instance,
+    InstanceSpec,
+    Router,
+    conversation_of,
+    parse_instance,
+)
+
+B = 16      # vLLM's block size in these events
+TOKENS = list(range(1000, 1000 + 6 * B))      # a 6-block prompt
+
+
+def wire(*events) -> list:
+    """`events` (vLLM's classes) through vLLM's msgpack encoding and the router's decoder."""
+    raw = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=list(events)))
+    return _DECODER.decode(raw).events
+
+
+def stored(hashes, parent, tokens, size=B, medium="GPU", **kw):
+    return kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                 token_ids=tokens, block_size=size, lora_id=None,
+                                 medium=medium, lora_name=None, **kw)
+
+
+def device_blocks(index: InstanceIndex, n: int, tokens=TOKENS) -> None:
+    """vLLM's device events for the first n blocks of `tokens` (engine hashes b"d0"...)."""
+    for e in wire(stored([f"d{i}".encode() for i in range(n)], None, tokens[:n * B])):
+        index.apply(e)
+
+
+def test_device_blocks_credit_their_full_prefixes():
+    index = InstanceIndex()
+    device_blocks(index, 3)
+    assert index.hits(prefix_keys(TOKENS)) == {"device": 3 * B, "host": 0, "disk": 0,
+                                               "shared": 0}
+    other = TOKENS[:2 * B] + [7] * (4 * B)      # shares 2 blocks
+    assert index.hits(prefix_keys(other))["device"] == 2 * B
+    assert index.hits(prefix_keys(TOKENS[:B - 1]))["device"] == 0
+
+
+def test_chunk_events_credit_only_announced_chunk_ends():
+    """Contract A: one `BlockStored` per chunk of 2 blocks (`block_size` 32, the chunk's last
+    block hash, parent = the block before the chunk). A prompt sharing 3 blocks is predicted
+    2 host blocks (kvhal can load chunk 0 only), not 3. Fails when the index credits inside an
+    event's block (e.g. per vLLM block of the chunk)."""
+    index = InstanceIndex()
+    device_blocks(index, 1)
+    for e in wire(stored([b"c1"], None, TOKENS[:2 * B], size=2 * B, medium="CPU"),
+                  stored([b"c3"], b"c1", TOKENS[2 * B:4 * B], size=2 * B, medium="CPU")):
+        index.apply(e)
+    three = TOKENS[:3 * B] + [7] * (3 * B)
+    assert index.hits(prefix_keys(three)) == {"device": B, "host": B, "disk": 0, "shared": 0}
+    assert index.hits(prefix_keys(TOKENS))["host"] == 3 * B
+    assert index.prefix(prefix_keys(TOKENS), "host") == 4 * B
+
+
+def test_per_block_host_events_with_ownership_are_accepted():
+    """kvhal's events before contract A: per-block hashes of a chunk, `ownership` = tier
+    label; ownership is ignored, STORAGE is disk, STORAGE + REMOTE is shared."""
+    index = InstanceIndex()
+    for e in wire(stored([b"h0", b"h1"], None, TOKENS[:2 * B], medium="CPU", ownership="cpu"),
+                  stored([b"s0", b"s1", b"s2"], None, TOKENS[:3 * B], medium="STORAGE",
+                         ownership="fs"),
+                  stored([b"r0", b"r1", b"r2", b"r3"], None, TOKENS[:4 * B],
+                         medium="STORAGE", locality="REMOTE")):
+        index.apply(e)
+    assert index.hits(prefix_keys(TOKENS)) == {"device": 0, "host": 2 * B, "disk": B,
+                                               "shared": B}
+
+
+def test_removed_blocks_orphans_and_token_less_events():
+    index = InstanceIndex()
+    device_blocks(index, 3)
+    (removed,) = wire(kv_events.BlockRemoved(block_hashes=[b"d2"], medium="GPU"))
+    index.apply(removed)
+    assert index.prefix(prefix_keys(TOKENS), "device") == 2 * B
+    # a parent never seen: dropped, counted
+    for e in wire(stored([b"x"], b"unknown", TOKENS[3 * B:4 * B])):
+        index.apply(e)
+    assert index.orphans == 1 and index.prefix(prefix_keys(TOKENS), "device") == 2 * B
+    # no token ids: known hashes credited (d2 back on the host tier), unknown counted
+    for e in wire(stored([b"d2", b"nope"], b"d1", [], medium="CPU")):
+        index.apply(e)
+    assert index.prefix(prefix_keys(TOKENS), "host") == 3 * B and index.orphans == 2
+    (cleared,) = wire(kv_events.AllBlocksCleared())
+    index.apply(cleared)
+    assert index.counts() == {"device": 0, "host": 0, "disk": 0, "shared": 0}
+
+
+def test_bad_events_raise_naming_the_field():
+    index = InstanceIndex()
+    with pytest.raises(EventError, match="medium: unknown 'TAPE'"):
+        index.apply(wire(stored([b"a"], None, TOKENS[:B], medium="TAPE"))[0])
+    with pytest.raises(EventError, match="block_size"):
+        index.apply(wire(stored([b"a"], None, TOKENS[:B], size=0))[0])
+
+
+def fleet(n=2, p2p=True) -> list[Instance]:
+    return [Instance(InstanceSpec(f"http://127.0.0.1:{9000 + i}", None, None,
+                                  P2PAddress("127.0.0.1", 7000 + i) if p2p else None),
+                     Backend(f"http://127.0.0.1:{9000 + i}")) for i in range(n)]
+
+
+def test_kv_routes_to_the_holder_until_its_load_outweighs_the_prefix():
+    a, b = fleet()
+    device_blocks(b.index, 6)
+    router = Router([a, b], "kv", load_tokens=B)
+    first = router.choose(TOKENS, None)
+    assert (first.instance, first.reason, first.predicted) == (b, "kv", {"device": 6 * B})
+    assert router.choose(TOKENS, None).instance is b       # 1 in flight: 16 < 96 tokens
+    b.backend.outstanding = 7                               # 7 * 16 > 96: go elsewhere
+    assert router.choose(TOKENS, None).instance is a
+
+
+def test_no_prefix_anywhere_routes_by_load_and_unknown_tokens_fall_back():
+    a, b = fleet()
+    a.backend.outstanding = 1
+    router = Router([a, b], "kv")
+    assert (router.choose(TOKENS, None).instance, b.by_reason["load"]) == (b, 1)
+    b.queued = 5       # its /metrics queue counts too
+    assert router.choose(None, None).instance is a and a.by_reason["fallback"] == 1
+
+
+def test_kv_p2p_sends_a_busy_holders_prefix_to_a_free_instance_with_remote_kv_source():
+    """Fails without kv-p2p's pull credit (the request would stay on the busy holder or go
+    to `a` without `remote_kv_source`)."""
+    a, b = fleet()
+    for e in wire(stored([b"h1"], None, TOKENS[:2 * B], size=2 * B, medium="CPU"),
+                  stored([b"h2"], b"h1", TOKENS[2 * B:6 * B], size=4 * B, medium="CPU")):
+        b.index.apply(e)
+    b.backend.outstanding = 3
+    router = Router([a, b], "kv-p2p", load_tokens=40, p2p_busy=2, p2p_min_tokens=32)
+    d = router.choose(TOKENS, None)
+    assert (d.instance, d.reason, d.predicted) == (a, "p2p", {"p2p": 6 * B})
+    source = d.kv_transfer["remote_kv_source"]
+    assert (source["remote_host"], source["remote_port"]) == ("127.0.0.1", 7001)
+    assert len(source["kv_request_id"]) == 32
+    b.backend.outstanding = 1      # not busy: served by the holder itself
+    assert router.choose(TOKENS, None).instance is b
+    plain = Router([a, b], "kv", load_tokens=40)
+    b.backend.outstanding = 3
+    assert plain.choose(TOKENS, None).kv_transfer is None
+
+
+def test_unhealthy_instances_are_routed_around_and_none_left_raises():
+    a, b = fleet()
+    device_blocks(b.index, 6)
+    b.backend.mark(False, "connection refused")
+    router = Router([a, b], "kv")
+    assert router.choose(TOKENS, None).instance is a
+    with pytest.raises(NoHealthyBackend, match="connection refused"):
+        router.choose(TOKENS, None, exclude=(a,))
+
+
+def test_affinity_keeps_a_conversation_on_its_instance_and_round_robin_alternates():
+    a, b = fleet()
+    router = Router([a, b], "affinity")
+    conv = conversation_of({"user": "alice"}, TOKENS)
+    first = router.choose(TOKENS, conv).instance
+    b.backend.outstanding = a.backend.outstanding = 0
+    assert [router.choose(TOKENS, conv).instance for _ in range(3)] == [first] * 3
+    turn1 = list(range(AFFINITY_TOKENS + 1))     # a later turn extends the prompt
+    assert conversation_of({"prompt": turn1 + [1]}, turn1 + [1]) == conversation_of(
+        {"prompt": turn1}, turn1) != conversation_of({"prompt": TOKENS}, TOKENS)
+    rr = Router(fleet(), "round-robin")
+    assert [rr.choose(TOKENS, None).instance.spec.url[-4:] for _ in range(3)] == [
+        "9000", "9001", "9000"]
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("http://h:1,events=udp://x:1", "ZMQ endpoint"),
+    ("http://h:1,replay=tcp://x:2", "replay= needs events="),
+    ("http://h:1,p2p=h:0", "p2p must be HOST:PORT"),
+    ("http://h:1,color=red", "not one of"),
+    ("h:1", "http"),
+], ids=["scheme", "replay-alone", "port", "key", "url"])
+def test_bad_instance_specs_are_refused_naming_the_part(spec, why):
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError, match=why):
+        parse_instance(spec)
+
+
+def test_instance_spec_parts():
+    assert parse_instance("http://10.0.0.5:8001/,events=tcp://10.0.0.5:5557,"
+                          "replay=tcp://10.0.0.5:5558,p2p=10.0.0.5:7001") == InstanceSpec(
+        "http://10.0.0.5:8001", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558",
+        P2PAddress("10.0.0.5", 7001))
