@@ -12,6 +12,7 @@ from kvhal.integrations.harness.bench.fleet import (
     numeric_delta,
     parse_routers,
     ratios,
+    stats_line,
     targets,
 )
 from kvhal.integrations.harness.vllm.chat import ChatShape, shared_prefix, user_tokens
@@ -37,6 +38,17 @@ def test_router_stats_delta_subtracts_numbers_at_every_depth():
         "i": [{"routed": 3}, {"routed": 1}]}
     assert flatten_numbers({"i": [{"routed": 4}, {"routed": 0}], "up": True, "p": "kv"}) == {
         "i.0.routed": 4, "i.1.routed": 0}
+
+
+def test_the_stats_line_names_each_instances_reasons_and_predicted_hits():
+    stats = {"route": "kv", "instances": [
+        {"routed": 5, "by_reason": {"kv": 4, "load": 1, "p2p": 0},
+         "predicted_hit_tokens": {"device": 512, "host": 0}, "load": 3},
+        {"routed": 0, "by_reason": {"kv": 0}, "predicted_hit_tokens": {"device": 0}}]}
+    assert stats_line(stats) == ("instance 0: routed 5 (kv 4 load 1), predicted hits "
+                                 "(device 512); instance 1: routed 0 (), predicted hits (none)")
+    assert stats_line({"error": "URLError: refused"}) == "(nothing counted)"
+    assert stats_line({"requests": 3}) == "requests 3"
 
 
 def _point(rps, p90):

@@ -262,6 +262,7 @@ def _run_points(base_url: str, model_dir: Path, shapes_: dict[str, ChatShape], *
         if stats_url is not None:
             after = router_stats(stats_url)
             figures["router_stats"] = numeric_delta(before, after)
+            figures["router_stats_after"] = after
         bar.update(task, description=desc, completed=figures["requests"])
         points.append(figures)
     return points
@@ -427,9 +428,21 @@ def run(args: argparse.Namespace) -> int:
     return 1 if unanswered or report["not_run"] else 0
 
 
-def _stats_line(stats: dict | None) -> str:
-    numbers = {k: v for k, v in flatten_numbers(stats or {}).items() if v}
-    return ", ".join(f"{k} {v:g}" for k, v in numbers.items()) or "(nothing counted)"
+def _nonzero(counts: dict) -> str:
+    return " ".join(f"{k} {v:g}" for k, v in flatten_numbers(counts).items() if v)
+
+
+def stats_line(stats: dict | None) -> str:
+    """A `/router/stats` delta in one line: per instance, requests routed by reason and the
+    prompt tokens the router predicted each tier would serve (the contract's keys), or every
+    number that changed where the answer has no `instances` list."""
+    instances = (stats or {}).get("instances")
+    if not isinstance(instances, list):
+        return _nonzero(stats or {}) or "(nothing counted)"
+    return "; ".join(
+        f"instance {i}: routed {inst.get('routed', 0):g} ({_nonzero(inst.get('by_reason', {}))})"
+        f", predicted hits ({_nonzero(inst.get('predicted_hit_tokens', {})) or 'none'})"
+        for i, inst in enumerate(instances))
 
 
 def print_report(report: dict, workdir: Path) -> None:
@@ -457,7 +470,7 @@ def print_report(report: dict, workdir: Path) -> None:
     for name, points in report["points"].items():
         for p in points:
             if "router_stats" in p:
-                print(f"{name} {p['point']} router stats: {_stats_line(p['router_stats'])}")
+                print(f"{name} {p['point']} router stats: {stats_line(p['router_stats'])}")
     for t in report["targets"]:
         state = {None: "not measured", True: "met", False: "NOT met"}[t["met"]]
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
