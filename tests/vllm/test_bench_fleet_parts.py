@@ -81,7 +81,10 @@ def test_an_instance_is_named_to_the_router_as_the_contract_says(tmp_path):
     assert [t["type"] for t in extra["secondary_tiers"]] == ["fs", "p2p"]
     assert "peers" not in extra["secondary_tiers"][1]      # pulls only what a request names
     assert extra["secondary_tiers"][1]["port"] == 7001
-    assert inst.kv_events_config()["endpoint"] == "tcp://127.0.0.1:5557"
+    # vLLM's publisher binds only a wildcard endpoint (it connects to 127.0.0.1:5557, and
+    # the router, which connects too, never hears it: seen, no event in 15 s)
+    assert inst.kv_events_config()["endpoint"] == "tcp://*:5557"
+    assert inst.kv_events_config()["replay_endpoint"] == "tcp://*:5558"
 
 
 def test_every_hot_prefix_session_starts_with_the_same_system_prompt():

@@ -120,10 +120,12 @@ class Instance:
                          "auth_key_file": str(key_file)}]}}
 
     def kv_events_config(self) -> dict:
-        """vLLM's `kv_events_config`: ZMQ publisher and replay socket on loopback."""
+        """vLLM's `kv_events_config`: its ZMQ publisher and replay socket bound on every
+        interface (vLLM's publisher binds only a wildcard endpoint, `tcp://*:PORT`, and
+        connects to any other as to a subscriber that binds)."""
         return {"enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{self.events_port}",
-                "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}
+                "endpoint": f"tcp://*:{self.events_port}",
+                "replay_endpoint": f"tcp://*:{self.replay_port}"}
 
 
 def parse_routers(text: str) -> list[str]:
