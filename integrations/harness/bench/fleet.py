@@ -16,8 +16,9 @@ reuses another's KV):
   set / N), not all of it: a router that spreads a conversation over every instance makes each
   instance hold every conversation.
 - `hot-prefix`: `--hot-sessions` sessions whose first prompt starts with the same
-  `--hot-prefix-tokens` system prompt: the instance holding it is the one every KV-aware choice
-  points at, and load balancing (`kv-p2p`) has the others pull it over p2p.
+  `--hot-prefix-tokens` system prompt, sent alone once before the point (`prime`), so one
+  instance holds it when the sessions arrive: every KV-aware choice points at that instance,
+  and load balancing (`kv-p2p`) has the others pull it over p2p.
 
 Per router and point: requests/s, TTFT and end-to-end p50/p90, prompt tokens by source summed
 over the servers' `/metrics` (`vllm:prompt_tokens_cached_by_source`: device, host, disk, p2p)
@@ -74,6 +75,8 @@ TARGETS = (
     ("kv_p2p_over_kv_ttft_p90", "hot prefix: KV-aware + p2p p90 TTFT < KV-aware's",
      lambda r: r < 1),
 )
+#: Seconds `prime` waits for the router to index the primed prefix.
+PRIME_WAIT_S = 10.0
 #: Seconds one `/router/stats` request may take.
 STATS_TIMEOUT_S = 10.0
 
@@ -238,6 +241,38 @@ def router_stats(proxy_url: str) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
+def _indexed_blocks(stats: dict) -> int:
+    instances = stats.get("instances")
+    if not isinstance(instances, list):
+        return 0
+    return sum(sum(flatten_numbers(i.get("index_blocks", {})).values()) for i in instances
+               if isinstance(i, dict))
+
+
+def prime(base_url: str, model: str, shape: ChatShape, *, kvhal: bool,
+          stats_url: str | None) -> None:
+    """Send the shared prefix alone (one request, one token) before the point, so that one
+    instance holds it when the sessions arrive, as a hot system prompt is held where it was
+    first served; then, behind a router, wait until its `/router/stats` index grew (its
+    `index_blocks`; at most `PRIME_WAIT_S`, not at all where the answer has no such counts).
+
+    Raises:
+        RuntimeError: the request was not answered 200.
+    """
+    from ..vllm.chat import shared_prefix
+    from ..vllm.model import DEMO
+
+    before = 0 if stats_url is None else _indexed_blocks(router_stats(stats_url))
+    body = {"model": model, "prompt": shared_prefix(shape, DEMO.vocab_size), "max_tokens": 1,
+            "temperature": 0, **({"kv_transfer_params": {}} if kvhal else {})}
+    asyncio.run(warmup(base_url, body))
+    deadline = time.monotonic() + PRIME_WAIT_S
+    while stats_url is not None and time.monotonic() < deadline:
+        if _indexed_blocks(router_stats(stats_url)) > before:
+            break
+        time.sleep(0.1)
+
+
 def _run_points(base_url: str, model_dir: Path, shapes_: dict[str, ChatShape], *,
                 metrics_urls: list[str], kvhal: bool, timeout_s: float, name: str, bar,
                 task, stats_url: str | None) -> list[dict]:
@@ -254,6 +289,9 @@ def _run_points(base_url: str, model_dir: Path, shapes_: dict[str, ChatShape], *
                 f"{desc} (running {sample['running']:.0f}, waiting "
                 f"{sample['waiting']:.0f}, {sample['t_s']:.0f} s)"))
 
+        if shape.shared_prefix_tokens:
+            bar.update(task, description=f"{desc}: priming the shared prefix")
+            prime(base_url, str(model_dir), shape, kvhal=kvhal, stats_url=stats_url)
         before = None if stats_url is None else router_stats(stats_url)
         figures = asyncio.run(run_point(
             base_url, str(model_dir), shape, vocab_size=DEMO.vocab_size,

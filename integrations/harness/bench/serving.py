@@ -211,7 +211,7 @@ def warmup_body(model: str, tokens: int, kvhal: bool) -> dict:
 
 
 async def warmup(base_url: str, body: dict) -> None:
-    """Send `warmup_body`'s request to `base_url`.
+    """Send one completion request `body` (`warmup_body`'s, or another) to `base_url`.
 
     Raises:
         RuntimeError: the server did not answer 200 (the message quotes its answer).
