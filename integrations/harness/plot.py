@@ -120,3 +120,35 @@ def plot_lines(path: str | os.PathLike, x_label: str,
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_bars(path: str | os.PathLike,
+              panels: Sequence[tuple[str, dict[str, dict[str, float | None]]]],
+              title: str) -> None:
+    """Draw panels side by side, each a grouped bar chart: one group per x category, one bar
+    per name in each group (a value of None leaves the bar out).
+
+    Args:
+        path: Output image (format from the suffix, e.g. .png).
+        panels: (y label, {category: {bar name: value}}) per panel; bar names keep their
+            first-seen order and colour across groups and panels.
+        title: Figure title.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (y_label, groups) in zip(axes[0], panels):
+        names = list(dict.fromkeys(n for bars in groups.values() for n in bars))
+        width = 0.8 / max(len(names), 1)
+        for i, name in enumerate(names):
+            xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
+            ys = [np.nan if bars.get(name) is None else bars[name] for bars in groups.values()]
+            ax.bar(xs, ys, width, label=name)
+        ax.set_xticks(range(len(groups)), list(groups))
+        ax.set_ylabel(y_label)
+        ax.grid(True, axis="y", alpha=0.3)
+        if names:
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

