@@ -53,6 +53,10 @@ _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 RESERVED_LABELS = frozenset({"tier", "model_name", "engine", "le", "quantile"})
 
 
+#: A label not given by name (never a kept series' key).
+_MISSING = object()
+
+
 class MetricDeclarationError(ValueError):
     """A tier's metric declaration is refused; the message names the tier and the metric."""
 
@@ -203,12 +207,17 @@ def _check_one(tier: str, spec: MetricSpec) -> None:
 
 class _Child:
     """One labelled series of one tier instance: its value (counter, gauge) or bucket counts
-    + sum + count (histogram), and the samples not yet shipped. Updates take `lock` once."""
+    + sum + count (histogram), and the samples not yet shipped. Updates take `lock` once and
+    refuse what the metric's kind has not (a kept series is the hot path: it checks too).
 
-    __slots__ = ("buckets", "fn", "hist", "keep", "lock", "samples", "value")
+    Raises (from updates): ValueError naming tier and metric."""
 
-    def __init__(self, buckets: tuple[float, ...], keep: list[bool]):
+    __slots__ = ("buckets", "fn", "hist", "keep", "kind", "lock", "samples", "value", "where")
+
+    def __init__(self, where: str, kind: str, buckets: tuple[float, ...], keep: list[bool]):
         self.lock = threading.Lock()
+        self.where = where    # "tier 'x' metric 'y'", for errors
+        self.kind = kind
         self.value = 0.0
         self.buckets = buckets
         self.hist = [0.0] * (len(buckets) + 3) if buckets else None  # buckets, +Inf, sum, count
@@ -220,24 +229,35 @@ class _Child:
         """A counter's or gauge's value now (a gauge's `set_function` called)."""
         fn = self.fn
         if fn is not None:
-            return float(fn())
+            return fn()
         with self.lock:
             return self.value
 
     def inc(self, amount: float = 1.0) -> None:
-        """Add `amount` (a counter's must be ≥ 0: checked by `Metric.inc`)."""
+        """Add `amount` (a counter's: ≥ 0 and not NaN; a histogram has no `inc`)."""
+        if self.kind != "gauge" and not (self.kind == "counter" and amount >= 0):
+            raise ValueError(f"{self.where}: inc({amount!r}) on a {self.kind}")
         with self.lock:
             self.value += amount
 
     def set(self, value: float) -> None:
         """Set a gauge to `value`."""
+        if self.kind != "gauge":
+            raise ValueError(f"{self.where}: set on a {self.kind}")
         with self.lock:
             self.value = value
 
     def observe(self, value: float) -> None:
-        """Record one sample of a histogram."""
+        """Record one sample of a histogram (a number, not NaN)."""
         h = self.hist
-        i = bisect.bisect_left(self.buckets, value)
+        if h is None:
+            raise ValueError(f"{self.where}: observe on a {self.kind}")
+        try:
+            i = bisect.bisect_left(self.buckets, value)
+        except TypeError:
+            i = -1
+        if i < 0 or math.isnan(value):
+            raise ValueError(f"{self.where}: observe({value!r}): not a number")
         with self.lock:
             h[i] += 1
             h[-2] += value
@@ -264,20 +284,26 @@ class Metric:
         self._seen = {n: set() for n, b in spec.labels.items() if not isinstance(b, tuple)}
         self._make_lock = threading.Lock()
         self._warned = False
+        self._where = f"tier {owner.tier!r} metric {spec.name!r}"
 
     def labels(self, *values: str, **by_name: str) -> _Child:
-        """The series of these label values (positional in declared order, or by name)."""
-        key = values or tuple([by_name.get(n, "") for n in self._names])
-        child = self._children.get(key)
+        """The series of these label values (positional in declared order, or by name; not
+        both)."""
+        if by_name:
+            if values or len(by_name) != len(self._names):
+                raise ValueError(f"{self._where}: labels are {list(self._names)}, got "
+                                 f"{[*values, *by_name]}")
+            values = tuple([by_name.get(n, _MISSING) for n in self._names])
+        child = self._children.get(values)
         if child is None:
-            child = self._make(key, by_name)
+            child = self._make(values, by_name)
         return child
 
-    def _make(self, key: tuple[str, ...], by_name: Mapping[str, str]) -> _Child:
-        where = f"tier {self._owner.tier!r} metric {self.spec.name!r}"
+    def _make(self, key: tuple, by_name: Mapping[str, str]) -> _Child:
+        where = self._where
         if by_name and set(by_name) != set(self._names) or len(key) != len(self._names):
             raise ValueError(f"{where}: labels are {list(self._names)}, got "
-                             f"{list(by_name) if by_name else list(key)}")
+                             f"{[*key, *by_name]}")
         with self._make_lock:
             child = self._children.get(key)
             if child is not None:
@@ -292,9 +318,9 @@ class Metric:
                 elif value not in seen:
                     if len(seen) >= bound:
                         if not self._warned:
-                            log.warning("%s: label %r has reached its max of %d values; %r "
-                                        "and later ones are counted as %r", where, name,
-                                        bound, value, OTHER)
+                            log.warning("%s: label %r has reached its max of %d values; "
+                                        "later values are counted as %r", where, name,
+                                        bound, OTHER)
                             self._warned = True
                         value = OTHER
                     else:
@@ -302,7 +328,8 @@ class Metric:
                 folded.append(str(value))
             child = self._series.get(tuple(folded))
             if child is None:
-                child = _Child(self.spec.bounds(), self._owner.keep_samples)
+                child = _Child(where, self.spec.kind, self.spec.bounds(),
+                               self._owner.keep_samples)
                 self._series[tuple(folded)] = child
             if OTHER not in folded or OTHER in key:   # an over-the-max value is not kept
                 self._children[key] = child
@@ -316,9 +343,6 @@ class Metric:
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         """Add `amount` (counter: ≥ 0; gauge: any)."""
-        if self.spec.kind == "histogram" or (self.spec.kind == "counter" and amount < 0):
-            raise ValueError(f"tier {self._owner.tier!r} metric {self.spec.name!r}: "
-                             f"inc({amount}) on a {self.spec.kind}")
         self._default(labels).inc(amount)
 
     def dec(self, amount: float = 1.0, **labels: str) -> None:
@@ -328,22 +352,31 @@ class Metric:
 
     def set(self, value: float, **labels: str) -> None:
         """Set a gauge."""
-        self._gauge_only("set")
         self._default(labels).set(value)
 
     def observe(self, value: float, **labels: str) -> None:
         """Record one sample of a histogram (in its unit, e.g. seconds)."""
-        if self.spec.kind != "histogram":
-            raise ValueError(f"tier {self._owner.tier!r} metric {self.spec.name!r}: "
-                             f"observe on a {self.spec.kind}")
         self._default(labels).observe(value)
 
     def set_function(self, fn: Callable[[], float], **labels: str) -> None:
         """Make a gauge read `fn()` whenever it is exported (a figure the tier already keeps,
         e.g. peers connected now: nothing to update on the hot path). `fn` runs on the scrape
-        or the engine's thread: it must be quick and thread-safe."""
+        or the engine's thread: it must be quick and thread-safe. An exception from `fn`
+        exports NaN (one warning naming tier, metric and the exception's type; not its
+        message, which may carry an address or a key)."""
         self._gauge_only("set_function")
-        self._default(labels).fn = fn
+        warned = []
+
+        def read() -> float:
+            try:
+                return float(fn())
+            except Exception as exc:  # noqa: BLE001 - a tier's bug must not fail a scrape or a step
+                if not warned:
+                    warned.append(True)
+                    log.warning("%s: its gauge function raised %s; exported as NaN",
+                                self._where, type(exc).__name__)
+                return math.nan
+        self._default(labels).fn = read
 
     def _gauge_only(self, verb: str) -> None:
         if self.spec.kind != "gauge":

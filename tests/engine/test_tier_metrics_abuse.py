@@ -1,0 +1,84 @@
+"""A tier's own metrics under misuse: updates its kind has not, made through a kept series
+(`labels(...)`, the hot path README recommends); unknown label names; a gauge function that
+raises; label values (peer addresses, tokens) kept out of kvhal's logs."""
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+
+from kvhal.tier_metrics import MetricSpec, TierMetrics
+
+
+def _metrics(tier: str) -> TierMetrics:
+    return TierMetrics(tier, (
+        MetricSpec("ops", "counter", "Ops by outcome", labels={"outcome": ("ok", "error")}),
+        MetricSpec("seconds", "histogram", "Op time, seconds", buckets=(0.1, 1.0)),
+        MetricSpec("open", "gauge", "Open connections"),
+        MetricSpec("pulls", "counter", "Pulls by peer", labels={"peer": 2}),
+    ))
+
+
+@pytest.mark.parametrize("update, match", [
+    (lambda m: m["ops"].labels(outcome="ok").inc(-1), r"inc\(-1\) on a counter"),
+    (lambda m: m["ops"].labels("ok").inc(math.nan), r"inc\(nan\) on a counter"),
+    (lambda m: m["ops"].inc(math.nan, outcome="ok"), r"inc\(nan\) on a counter"),
+    (lambda m: m["ops"].labels("ok").set(5), "set on a counter"),
+    (lambda m: m["ops"].labels("ok").observe(0.5), "observe on a counter"),
+    (lambda m: m["seconds"].labels().inc(), r"inc\(1.0\) on a histogram"),
+    (lambda m: m["seconds"].labels().set(1), "set on a histogram"),
+    (lambda m: m["seconds"].observe(math.nan), r"observe\(nan\)"),
+    (lambda m: m["seconds"].observe("0.5"), r"observe\('0.5'\)"),
+    (lambda m: m["open"].labels().observe(1), "observe on a gauge"),
+])
+def test_a_kept_series_refuses_updates_its_kind_has_not(update, match):
+    metrics = _metrics("abused_kind")
+    with pytest.raises(ValueError, match=f"tier 'abused_kind' metric '.*': {match}"):
+        update(metrics)
+    snapshot = metrics.snapshot()
+    assert all(v == [0.0] for v in snapshot.get("ops", {}).values()), snapshot
+    assert all(not math.isnan(x) and x == 0 for v in snapshot.get("seconds", {}).values()
+               for x in v), snapshot
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m["ops"].labels(outcome="ok", bogus="x"),
+    lambda m: m["ops"].labels("ok", outcome="error"),
+    lambda m: m["pulls"].labels(peer_id="a"),
+])
+def test_unknown_or_mixed_label_names_are_refused_once_the_series_is_kept(call):
+    metrics = _metrics("abused_labels")
+    metrics["ops"].labels(outcome="ok")             # kept: later lookups skip the checks
+    metrics["pulls"].labels(peer="a")
+    with pytest.raises(ValueError, match="tier 'abused_labels' metric '.*': labels are"):
+        call(metrics)
+
+
+def test_a_gauge_function_that_raises_breaks_neither_the_scrape_nor_the_deltas(caplog):
+    metrics = _metrics("abused_gauge")
+    metrics["ops"].labels("ok").inc()
+
+    def broken() -> float:
+        raise RuntimeError("s3://AKIASECRET:hunter2@bucket unreachable")
+    metrics["open"].set_function(broken)
+    with caplog.at_level(logging.WARNING, logger="kvhal.tier_metrics"):
+        for _ in range(3):
+            text = generate_latest(REGISTRY).decode()
+            blocks = metrics.take_delta()
+    assert 'kvhal_abused_gauge_ops_total{outcome="ok",tier="abused_gauge"} 1.0' in text
+    assert 'kvhal_abused_gauge_open{tier="abused_gauge"} NaN' in text
+    assert math.isnan(next(b["values"] for b in blocks if b["family"] == "abused_gauge_open")[0][1])
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "abused_gauge" in warned[0] and "RuntimeError" in warned[0]
+    assert "hunter2" not in caplog.text
+
+
+def test_the_max_warning_names_no_label_value(caplog):
+    metrics = _metrics("abused_max")
+    with caplog.at_level(logging.WARNING, logger="kvhal.tier_metrics"):
+        for token in ("tok-a", "tok-b", "tok-SECRET", "tok-SECRET2"):
+            metrics["pulls"].labels(peer=token).inc()
+    assert "abused_max" in caplog.text and "max of 2" in caplog.text
+    assert "SECRET" not in caplog.text
