@@ -409,7 +409,8 @@ def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes, *
             facts = {k: instance[k] for k in spec.instance_keys if k in instance}
             try:
                 built.append(spec.factory(tier.options, host_view, namespace, **facts))
-                getattr(built[-1], "metrics", None)    # its metric declarations checked now
+                if hasattr(type(built[-1]), "metrics"):  # declarations checked now; a
+                    _ = built[-1].metrics               # property's AttributeError is a bug
             except ValueError as exc:
                 key, sep, message = str(exc).partition(": ")
                 if sep and _KEY_PATH.fullmatch(key):

@@ -7,9 +7,13 @@ import logging
 import math
 
 import pytest
+from kvhal.tiers.memory import MemoryTier
 from prometheus_client import REGISTRY, generate_latest
 
+from kvhal.config import ConfigError
 from kvhal.tier_metrics import MetricSpec, TierMetrics
+
+from .rig import make_rig
 
 
 def _metrics(tier: str) -> TierMetrics:
@@ -82,3 +86,21 @@ def test_the_max_warning_names_no_label_value(caplog):
             metrics["pulls"].labels(peer=token).inc()
     assert "abused_max" in caplog.text and "max of 2" in caplog.text
     assert "SECRET" not in caplog.text
+
+
+class FaultyMetricsTier(MemoryTier):
+    """A fake: a tier whose `metrics` property has a bug (an attribute it never set)."""
+
+    name = "faulty_metrics_mem"
+
+    @property
+    def metrics(self):
+        """Raises AttributeError, as a typo in a tier's own property would."""
+        return self._never_set
+
+
+def test_a_tier_whose_metrics_raise_attribute_error_is_refused_at_start():
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*'faulty_metrics_mem' tier "
+                                          r"failed: AttributeError"):
+        make_rig(tiers=[{"type": "faulty_metrics_mem",
+                         "module_path": f"{__name__}:FaultyMetricsTier"}])
