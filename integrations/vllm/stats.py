@@ -145,22 +145,33 @@ class KVHalPromMetrics(KVConnectorPromMetrics):
         return known[1]
 
     def _observe_tiers(self, blocks: list[dict[str, Any]], engine_idx: int) -> None:
+        """Apply each block; a malformed one (another kvhal version's format) is dropped with
+        one error per family and fault, never raised into vLLM's output loop."""
         values_of_engine = self.per_engine_labelvalues[engine_idx]
         for block in blocks:
-            series = self._tier_family(block, engine_idx)
-            if series is None:
-                continue
-            kind = block["decl"][0]
-            for labels, value in block["values"]:
-                child = series.labels(*values_of_engine, *labels)
-                if kind == "counter":
-                    if value > 0:
-                        child.inc(value)
-                elif kind == "histogram":
-                    for sample in value:
-                        child.observe(sample)
-                else:
-                    child.set(value)
+            try:
+                series = self._tier_family(block, engine_idx)
+                if series is None:
+                    continue
+                kind = block["decl"][0]
+                for labels, value in block["values"]:
+                    child = series.labels(*values_of_engine, *labels)
+                    if kind == "counter":
+                        if value > 0:
+                            child.inc(value)
+                    elif kind == "histogram":
+                        for sample in value:
+                            child.observe(sample)
+                    else:
+                        child.set(value)
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                family = block.get("family") if isinstance(block, dict) else None
+                fault = (str(family), type(exc).__name__)
+                if fault not in self._refused:
+                    self._refused.add(fault)
+                    log.error("kvhal tier metric %s%s: engine %d shipped a malformed block "
+                              "(%s: %s; another kvhal version?); such blocks are dropped",
+                              PREFIX, family, engine_idx, type(exc).__name__, exc)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Apply one payload: counters `inc` by their (≥ 0) deltas, samples `observe`d,

@@ -76,3 +76,32 @@ def test_merged_stats_keep_each_block_and_sum_counters_for_the_log_line():
     assert len(stats.data["tier_metrics"]) == 2
     assert stats.reduce()["versioned_hits[versioned]"] == 10
     assert not stats.is_empty() and KVHalStats(data={}).is_empty()
+
+
+#: Blocks another kvhal version might ship (a changed block format): each is dropped with one
+#: error; the API server's output loop (which calls `observe`) must not fail on them.
+MALFORMED = [
+    {"family": "nodecl"},
+    {"decl": ["counter", "h", [], []], "values": []},
+    {"family": "arity", "decl": ["counter", "h", ["op"], []], "values": [[["t"], 1]]},
+    {"family": "histnum", "decl": ["histogram", "h", [], [1.0]], "values": [[["t"], 3]]},
+    {"family": "novalues", "decl": ["gauge", "h", [], []]},
+    "not a block",
+]
+
+
+def test_malformed_blocks_are_dropped_with_one_error_and_the_rest_applied(caplog):
+    prom, registry = _prom()
+    payload = _payload("counter")
+    payload = {"tier_metrics": [*MALFORMED, *payload["tier_metrics"]],
+               "counters": {"stored_chunks": {"host": 2}}}
+    with caplog.at_level(logging.ERROR, logger="kvhal.integrations.vllm.stats"):
+        prom.observe(payload, 0)
+        prom.observe(payload, 0)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == len(MALFORMED), errors
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:kv_offload_versioned_hits_total",
+                                     {**labels, "tier": "versioned"}) == 10
+    assert registry.get_sample_value("vllm:kv_offload_stored_chunks_total",
+                                     {**labels, "tier": "host"}) == 4
