@@ -184,10 +184,14 @@ def _check_one(tier: str, spec: MetricSpec) -> None:
                 or label in RESERVED_LABELS:
             raise MetricDeclarationError(f"{where}: label {label!r} is not a valid label name "
                                          f"or is reserved ({', '.join(sorted(RESERVED_LABELS))})")
+        if bound is None:
+            raise MetricDeclarationError(
+                f"{where}: label {label!r} has no bound: give its allowed values (a tuple of "
+                "str) or the most distinct values it takes (an int ≥ 1)")
         if isinstance(bound, bool) or not isinstance(bound, (int, tuple)):
             raise MetricDeclarationError(
-                f"{where}: label {label!r} has no bound ({bound!r}): give its allowed values "
-                "(a tuple of str) or the most distinct values it takes (an int ≥ 1)")
+                f"{where}: label {label!r} bound must be a tuple of str (its allowed values) "
+                f"or an int (the most distinct values it takes), got {type(bound).__name__}")
         if isinstance(bound, int) and bound < 1:
             raise MetricDeclarationError(f"{where}: label {label!r} max must be ≥ 1, got "
                                          f"{bound}")
@@ -197,8 +201,8 @@ def _check_one(tier: str, spec: MetricSpec) -> None:
                                          f"distinct non-empty str, got {bound!r}")
     if spec.kind == "histogram":
         bounds = spec.bounds()
-        if not bounds or not all(isinstance(b, (int, float)) and math.isfinite(b)
-                                 for b in bounds) or list(bounds) != sorted(set(bounds)):
+        if not bounds or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and
+                                 math.isfinite(b) for b in bounds) or list(bounds) != sorted(set(bounds)):
             raise MetricDeclarationError(f"{where}: buckets must be finite and strictly "
                                          f"increasing, got {spec.buckets!r}")
     elif spec.buckets is not None:

@@ -11,7 +11,7 @@ from kvhal.tiers.memory import MemoryTier
 from prometheus_client import REGISTRY, generate_latest
 
 from kvhal.config import ConfigError
-from kvhal.tier_metrics import MetricSpec, TierMetrics
+from kvhal.tier_metrics import MetricDeclarationError, MetricSpec, TierMetrics
 
 from .rig import make_rig
 
@@ -104,3 +104,13 @@ def test_a_tier_whose_metrics_raise_attribute_error_is_refused_at_start():
                                           r"failed: AttributeError"):
         make_rig(tiers=[{"type": "faulty_metrics_mem",
                          "module_path": f"{__name__}:FaultyMetricsTier"}])
+
+
+@pytest.mark.parametrize("spec, match", [
+    (MetricSpec("x", "counter", "x", labels={"op": ["get", "put"]}),
+     r"label 'op' bound must be a tuple of str .* or an int .*, got list"),
+    (MetricSpec("x", "histogram", "x", buckets=(True, 2.0)), "buckets must be"),
+], ids=["list of values", "bool bucket"])
+def test_declarations_a_tier_author_gets_wrong_are_named_as_such(spec, match):
+    with pytest.raises(MetricDeclarationError, match=f"tier 'abused_decl' metric 'x': {match}"):
+        TierMetrics("abused_decl", (spec,))
