@@ -319,7 +319,7 @@ class Metric:
                     if value not in bound:
                         raise ValueError(f"{where}: label {name!r} value {value!r} is not "
                                          f"one of {bound}")
-                elif value not in seen:
+                elif (value := str(value)) != OTHER and value not in seen:
                     if len(seen) >= bound:
                         if not self._warned:
                             log.warning("%s: label %r has reached its max of %d values; "
@@ -329,7 +329,7 @@ class Metric:
                         value = OTHER
                     else:
                         seen.add(value)
-                folded.append(str(value))
+                folded.append(value)
             child = self._series.get(tuple(folded))
             if child is None:
                 child = _Child(where, self.spec.kind, self.spec.bounds(),

@@ -114,3 +114,11 @@ def test_a_tier_whose_metrics_raise_attribute_error_is_refused_at_start():
 def test_declarations_a_tier_author_gets_wrong_are_named_as_such(spec, match):
     with pytest.raises(MetricDeclarationError, match=f"tier 'abused_decl' metric 'x': {match}"):
         TierMetrics("abused_decl", (spec,))
+
+
+def test_other_and_a_values_spellings_take_no_extra_place_under_a_max():
+    metrics = _metrics("abused_other")
+    for peer in ("other", 7, "7", "b", "c"):
+        metrics["pulls"].labels(peer=peer).inc()
+    assert {k: c.value for k, c in metrics["pulls"].series().items()} == {
+        ("other",): 2, ("7",): 2, ("b",): 1}
