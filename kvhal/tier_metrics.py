@@ -245,11 +245,15 @@ class _Child:
             self.value += amount
 
     def set(self, value: float) -> None:
-        """Set a gauge to `value`."""
+        """Set a gauge to `value` (a number)."""
         if self.kind != "gauge":
             raise ValueError(f"{self.where}: set on a {self.kind}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.where}: set({value!r}): not a number") from None
         with self.lock:
-            self.value = value
+            self.value = number
 
     def observe(self, value: float) -> None:
         """Record one sample of a histogram (a number, not NaN)."""

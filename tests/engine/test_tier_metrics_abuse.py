@@ -122,3 +122,14 @@ def test_other_and_a_values_spellings_take_no_extra_place_under_a_max():
         metrics["pulls"].labels(peer=peer).inc()
     assert {k: c.value for k, c in metrics["pulls"].series().items()} == {
         ("other",): 2, ("7",): 2, ("b",): 1}
+
+
+@pytest.mark.parametrize("value", ["3 peers", None, [1]], ids=repr)
+def test_a_gauge_set_to_a_non_number_is_refused_and_the_scrape_survives(value):
+    metrics = _metrics(f"abused_set_{type(value).__name__}")
+    metrics["open"].set(2)
+    with pytest.raises(ValueError, match=r"metric 'open': set\(.*\): not a number"):
+        metrics["open"].set(value)
+    text = generate_latest(REGISTRY).decode()
+    assert f'kvhal_abused_set_{type(value).__name__}_open{{tier=' in text
+    assert metrics.take_delta()[0]["values"][0][1] == 2
