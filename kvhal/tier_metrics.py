@@ -238,11 +238,15 @@ class _Child:
             return self.value
 
     def inc(self, amount: float = 1.0) -> None:
-        """Add `amount` (a counter's: ≥ 0 and not NaN; a histogram has no `inc`)."""
-        if self.kind != "gauge" and not (self.kind == "counter" and amount >= 0):
-            raise ValueError(f"{self.where}: inc({amount!r}) on a {self.kind}")
-        with self.lock:
-            self.value += amount
+        """Add `amount`, a number (a counter's: ≥ 0 and not NaN; a histogram has no `inc`)."""
+        try:
+            if self.kind == "gauge" or self.kind == "counter" and amount >= 0:
+                with self.lock:
+                    self.value += amount
+                return
+        except TypeError:
+            pass
+        raise ValueError(f"{self.where}: inc({amount!r}) on a {self.kind}")
 
     def set(self, value: float) -> None:
         """Set a gauge to `value` (a number)."""

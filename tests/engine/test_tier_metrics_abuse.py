@@ -36,6 +36,8 @@ def _metrics(tier: str) -> TierMetrics:
     (lambda m: m["seconds"].observe(math.nan), r"observe\(nan\)"),
     (lambda m: m["seconds"].observe("0.5"), r"observe\('0.5'\)"),
     (lambda m: m["open"].labels().observe(1), "observe on a gauge"),
+    (lambda m: m["ops"].labels("ok").inc("1"), r"inc\('1'\) on a counter"),
+    (lambda m: m["open"].inc("1"), r"inc\('1'\) on a gauge"),
 ])
 def test_a_kept_series_refuses_updates_its_kind_has_not(update, match):
     metrics = _metrics("abused_kind")
