@@ -43,7 +43,7 @@ from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
 from ..index import ChunkIndex
 from ..jobs import IndexedTier, JobBoard, JobPool, LanePool
 from .client import (GONE, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, connect,
-                     error_name, register, replicate_config)
+                     error_name, list_names, register, replicate_config)
 from .config import parse_config
 from .probe import Prober
 
@@ -103,8 +103,11 @@ class MooncakeTier(IndexedTier):
         self._replicate = replicate_config(cfg.replica_num)
         self._jobs = JobBoard("mooncake")
         self._index = ChunkIndex()
+        lister = (None if cfg.master_metrics_address is None else
+                  partial(list_names, cfg.master_metrics_address, cfg.timeout_s))
         self._prober = Prober(self._index, self._exist, cfg.refresh_interval_s,
-                              cfg.sweep_interval_s, cfg.timeout_s, self._jobs.count)
+                              cfg.sweep_interval_s, cfg.timeout_s, self._jobs.count,
+                              lister, self.object_name, cfg.list_interval_s)
         self._pool = LanePool((cfg.io_threads, cfg.io_threads), "kvhal-mooncake",
                               (partial(self._jobs.run_batch, self._load_batch),
                                partial(self._jobs.run_batch, self._store_batch)), MAX_BATCH)
@@ -175,7 +178,8 @@ class MooncakeTier(IndexedTier):
         buffer, module docstring), store_failed, load_failed, already_stored,
         corrupt, missing, size_mismatch, pool_full, request_errors, master_unreachable,
         removed, remove_errors (objects removed: corrupt ones, and forgotten ones before their
-        store), exist_checked, exist_errors, exist_timeouts, sweeps (re-checks of every
+        store), exist_checked, exist_errors, exist_timeouts, listings and list_errors
+        (`master_metrics_address`), sweeps (re-checks of every
         indexed chunk, `probe.py`) (absent while 0); plus chunks (indexed keys) and
         durability ("pool": chunks live in the pool's memory, with `replica_num` copies)."""
         return self._jobs.counters() | {"chunks": len(self._index), "durability": "pool"}
