@@ -53,7 +53,8 @@ def test_a_lookup_a_tier_is_still_deciding_waits_too():
     flight: the idle steps wait as for a transfer. Seen failing without `deciding` in the
     condition: no wait at all (`[] == [0.0005, 0.001]`)."""
     side = SimpleNamespace(lookup=SimpleNamespace(deciding={"r"}),
-                           loads=SimpleNamespace(in_flight=lambda: False))
+                           loads=SimpleNamespace(in_flight=lambda: False),
+                           _pending=lambda: False)
     assert SchedulerSide._waiting(side)
     side.lookup.deciding.clear()
     assert not SchedulerSide._waiting(side)
