@@ -64,6 +64,8 @@ class Faulter(threading.Thread):
         self.damaged: set[str] = set()
         self.down = [threading.Event(), threading.Event()]   # set while a server restarts
         self.stop = threading.Event()
+        self.restarts: list[threading.Thread] = []
+        self.refused: list[dict] = []       # server starts vLLM refused (then retried)
         self.error: str | None = None
 
     def run(self) -> None:
@@ -78,19 +80,45 @@ class Faulter(threading.Thread):
         except Exception as e:  # noqa: BLE001 - reported as the run's error
             self.error = f"{type(e).__name__}: {e}"
 
+    def _restart(self, i: int) -> None:
+        """Start server `i` again; a start vLLM refuses (e.g. kvhal's obj tier finding the S3
+        server down at start) is recorded in `refused` and tried again 5 s later, as a
+        supervisor would, up to 3 times."""
+        try:
+            for attempt in range(3):
+                try:
+                    self.servers[i].start()
+                    return
+                except Exception as e:  # noqa: BLE001 - recorded, then retried
+                    self.servers[i].kill()
+                    self.refused.append({"server": self.servers[i].name, "at_s": now(self.t0),
+                                         "error": str(e)[-300:]})
+                    if attempt == 2:
+                        self.error = f"restart of {self.servers[i].name}: {e}"[:500]
+                    time.sleep(5.0)
+        finally:
+            self.down[i].clear()
+
+    def join_restarts(self) -> None:
+        """Wait for every background restart."""
+        for thread in self.restarts:
+            thread.join()
+
     def apply(self, fault) -> str:
         kind = fault.kind
         if kind == "kill_restart":
+            if self.down[fault.target].is_set():
+                return "skipped: still restarting"
             server = self.servers[fault.target]
             self.scrape(fault.target)
             self.down[fault.target].set()
-            try:
-                server.kill()
-                self.restarted(fault.target)
-                server.start()
-            finally:
-                self.down[fault.target].clear()
-            return f"{server.name} killed and restarted"
+            server.kill()
+            self.restarted(fault.target)
+            restart = threading.Thread(target=self._restart, args=(fault.target,),
+                                       name="soak-restart", daemon=True)
+            restart.start()          # the schedule goes on while it restarts
+            self.restarts.append(restart)
+            return f"{server.name} killed (restarted in the background)"
         if kind == "stop_cont":
             server = self.servers[fault.target]
             server.signal_all(signal.SIGSTOP)
@@ -166,8 +194,10 @@ def run(args: argparse.Namespace) -> int:
         _drive(args, model, reference, servers, faulter, requests, t0, seconds)
         faulter.stop.set()
         faulter.join()
+        faulter.join_restarts()
         report["faults"] = faulter.done
         report["fault_error"] = faulter.error
+        report["starts_refused"] = faulter.refused
         for i in range(2):
             scrape(i)
             all_pids.update(p.pid for p in servers[i].processes())
@@ -268,6 +298,8 @@ def _ask(servers, i: int, faulter: Faulter, conv, req: Request, model: Path) -> 
             killed = faulter.down[i].is_set() or servers[i].starts != restarts
             if attempt or not (is_connection_error(e) and killed):
                 return None
+            # the cut attempt may have stored this prompt under this salt: reusable now
+            req.reusable_tokens = max(req.reusable_tokens, len(conv.prompt))
             if not faulter.down[1 - i].is_set():
                 i = 1 - i
                 continue
@@ -344,7 +376,8 @@ def _print(summary: dict, report: dict, workdir: Path) -> None:
                    f"{v.get('failed', 0)}")],
                  ["reusable prompt tokens", summary["reusable_prompt_tokens"]],
                  ["served by kvhal (host/disk/p2p)", summary["kvhal_served_tokens"]],
-                 ["by source", json.dumps(summary["served_by_source"])]]
+                 ["by source", json.dumps(summary["served_by_source"])],
+                 ["server starts refused (retried)", len(report.get("starts_refused", []))]]
                 + [[k, n] for k, n in summary["failures"].items()])
     print_table("faults", ["kind", "count", "requests during", "retries", "recomputed tokens",
                            "worst latency s"],

@@ -22,8 +22,9 @@ from ..vllm.server import ServerProcess, free_port, server_argv
 #: Size of the fs tier's filesystem, and the fs tier's byte budget within it.
 FS_BYTES = 48 << 20
 FS_BUDGET = 32 << 20
-#: kvhal's host tier per server (16 chunks of the tiny model: the rest spills to fs and S3).
-HOST_BYTES = 4 << 20
+#: kvhal's host tier per server: 48 chunks of the tiny model, twice vLLM's own cache (so it serves
+#: what vLLM evicted); the rest spills to fs and S3.
+HOST_BYTES = 12 << 20
 #: vLLM's own KV cache blocks per kvhal server (128 tokens each): small, so vLLM evicts and
 #: kvhal serves.
 NUM_BLOCKS = 24
@@ -123,7 +124,7 @@ class Server:
         procs = self.processes()
         try:
             self.proc.api_server().send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, StopIteration):   # it died: nothing to stop cleanly
             pass
         _, left = psutil.wait_procs(procs, timeout=timeout_s)
         self.proc.stop_all()
