@@ -152,3 +152,48 @@ def plot_bars(path: str | os.PathLike,
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_soak_timeline(path: str | os.PathLike, done_s: Sequence[float],
+                       cached_tokens: Sequence[int], prompt_tokens: Sequence[int],
+                       verdicts: Sequence[str],
+                       faults: Sequence[tuple[float, float, str]], title: str) -> None:
+    """Draw a soak on one time axis: requests/s (10 s bins), each request's cached share of
+    its prompt (marked by verdict), and every fault as a shaded span labelled by kind.
+
+    Args:
+        path: Output image (format from the suffix, e.g. .png).
+        done_s: Seconds after the load started each request ended.
+        cached_tokens, prompt_tokens: Per request (vLLM's `cached_tokens`, prompt length).
+        verdicts: Per request: "ok", "near_tie", "wrong" or "failed".
+        faults: (start s, end s, kind) per fault applied.
+        title: Figure title.
+    """
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(11, 6))
+    t = np.asarray(done_s, dtype=float)
+    end = max(float(t.max()) if len(t) else 0.0, max((f[1] for f in faults), default=0.0))
+    bins = np.arange(0.0, end + 10.0, 10.0)
+    counts, edges = np.histogram(t, bins=bins)
+    ax1.step(edges[:-1], counts / 10.0, where="post")
+    ax1.set_ylabel("requests/s")
+    share = np.asarray(cached_tokens, float) / np.maximum(np.asarray(prompt_tokens, float), 1)
+    for verdict, marker in (("ok", "."), ("near_tie", "x"), ("wrong", "X"), ("failed", "v")):
+        sel = np.asarray([v == verdict for v in verdicts], dtype=bool)
+        if sel.any():
+            ax2.scatter(t[sel], share[sel], marker=marker, label=verdict, s=16)
+    ax2.set_ylabel("cached share of prompt")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.set_xlabel("seconds since the load started")
+    for ax in (ax1, ax2):
+        for start, stop, kind in faults:
+            ax.axvspan(start, max(stop, start + 0.5), color="tab:red", alpha=0.15)
+        ax.grid(True, alpha=0.3)
+    for start, _, kind in faults:
+        ax1.annotate(kind, (start, 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                     fontsize=7, va="top")
+    ax2.legend(fontsize=8, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

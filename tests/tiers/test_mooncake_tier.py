@@ -4,6 +4,7 @@ removals, a killed and restarted master, a full pool, bad configs."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -287,10 +288,9 @@ def test_a_full_pool_fails_the_store_with_a_counter(open_tier):
 
 
 def test_the_pool_gauges_show_what_the_master_reports(mooncake_master, open_tier):
-    """`master_metrics_url`: the tier's pool gauges follow the master's own figures (its
+    """`master_metrics_address`: the tier's pool gauges follow the master's own figures (its
     `/metrics`): a 16 MiB segment mounted, then one record allocated."""
-    url = f"http://127.0.0.1:{mooncake_master.metrics_port}/metrics"
-    tier = open_tier(master_metrics_url=url)
+    tier = open_tier(master_metrics_address=f"127.0.0.1:{mooncake_master.metrics_port}")
     used, capacity = tier.metrics["pool_used_bytes"], tier.metrics["pool_capacity_bytes"]
 
     def figures():
@@ -370,6 +370,70 @@ def test_the_tiers_sweeps_leave_its_chunks_evictable(mooncake_master):
             tier.close()
 
     assert removed & set(swept), (i, len(removed), stats)
+
+
+#: Seconds between the tier's listings in the removal-bound test, and the bound it must meet
+#: from the pool dropping a chunk to `take_removed` reporting it (one period, one listing,
+#: slack for a loaded 2-core machine).
+LIST_INTERVAL_S = 0.5
+REMOVAL_BOUND_S = LIST_INTERVAL_S + 2.5
+
+
+def test_evictions_become_removals_within_seconds_and_listings_lease_nothing(mooncake_master):
+    """With the master's HTTP port set, the tier lists the pool every 0.5 s and the sweep is
+    off (an hour): every chunk the pool evicts (seen missing from the master's own listing,
+    polled here) must reach `take_removed` within `REMOVAL_BOUND_S`, and the listings must not
+    keep the listed chunks from being evicted (the first chunks go). Fails without the
+    listing (removals wait for the hourly sweep) and when it leases (`batch_is_exist` every
+    0.5 s for the listing, under the master's 2 s lease: the listed chunks stay leased and
+    the pool evicts none of them)."""
+    from kvhal.tiers.mooncake.client import list_names
+
+    mooncake_master.kill()
+    flags = {"client_ttl": "10", "default_kv_lease_ttl": "2000",
+             "eviction_high_watermark_ratio": "0.5", "eviction_ratio": "0.2"}
+    size = 2 << 20
+    with LocalMaster(flags) as master:
+        address = f"127.0.0.1:{master.metrics_port}"
+        host, array = host_region(size)
+        tier = MooncakeTier(master.tier_config(refresh_interval_s=0.05, sweep_interval_s=3600,
+                                               master_metrics_address=address,
+                                               list_interval_s=LIST_INTERVAL_S),
+                            host, NAMESPACE)
+        try:
+            first = [chunk_key(NAMESPACE, 500 + i) for i in range(3)]    # 6 MiB: no eviction
+            for i, key in enumerate(first):
+                array[:] = payload(500 + i, size)
+                assert store(tier, key, 0, size).ok
+            wait_for(lambda: tier.stats().get("listings", 0) >= 2, 10.0, "two listings")
+            stored, gone_at, removed_at = list(first), {}, {}
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline and not (
+                    len(gone_at) >= 3 and set(gone_at) <= set(removed_at)
+                    and set(first) & set(gone_at)):
+                if len(stored) < 12:
+                    key = chunk_key(NAMESPACE, 500 + len(stored))
+                    array[:] = payload(500 + len(stored), size)
+                    store(tier, key, 0, size)
+                    stored.append(key)
+                names = list_names(address, 5.0)
+                now = time.monotonic()
+                for key in stored:
+                    if tier.object_name(key) not in names:
+                        gone_at.setdefault(key, now)
+                for key in tier.take_removed():
+                    removed_at.setdefault(key, time.monotonic())
+                time.sleep(0.05)
+            stats = tier.stats()
+        finally:
+            tier.close()
+
+    assert set(first) & set(gone_at), ("the listed chunks were never evicted", stats)
+    late = {stored.index(k): round(removed_at.get(k, math.inf) - t, 2)
+            for k, t in gone_at.items()}
+    print(f"mooncake eviction → BlockRemoved: max {max(late.values()):.2f} s over "
+          f"{len(late)} evictions (listing every {LIST_INTERVAL_S} s)", file=sys.stderr)
+    assert len(late) >= 3 and max(late.values()) <= REMOVAL_BOUND_S, (late, stats)
 
 
 def test_loads_racing_the_pools_eviction_are_exact_or_misses(mooncake_master):
@@ -460,6 +524,9 @@ def test_loads_racing_the_pools_eviction_are_exact_or_misses(mooncake_master):
     ({"timeout_s": 0.1}, "timeout_s: must be a number in [1.0, 3600.0], got 0.1"),
     ({"refresh_interval_s": True}, "refresh_interval_s: must be a number"),
     ({"sweep_interval_s": 0}, "sweep_interval_s: must be a number in [0.001, 86400.0], got 0"),
+    ({"master_metrics_address": "h"}, "master_metrics_address: must be \"host:port\""),
+    ({"master_metrics_address": "h:0"}, "master_metrics_address: port must be in 1..65535"),
+    ({"list_interval_s": -1}, "list_interval_s: must be a number in [0.001, 86400.0], got -1"),
     ({"timeout_s": 10**400}, "timeout_s: must be a number in [1.0, 3600.0], got 1000000"),
     ({"io_threads": 2.5}, "io_threads: must be an integer in [1, 64], got 2.5"),
     ({"local_hostname": ""}, "local_hostname: must be a host name or address"),

@@ -54,7 +54,7 @@ def test_a_lookup_a_tier_is_still_deciding_waits_too():
     condition: no wait at all (`[] == [0.0005, 0.001]`)."""
     side = SimpleNamespace(lookup=SimpleNamespace(deciding={"r"}),
                            loads=SimpleNamespace(in_flight=lambda: False),
-                           has_pending_push_work=lambda: False)
+                           _pending=lambda: False)
     assert SchedulerSide._waiting(side)
     side.lookup.deciding.clear()
     assert not SchedulerSide._waiting(side)
@@ -67,15 +67,18 @@ def test_steps_kept_for_pending_tier_work_wait_too():
     pending = [True]
     side = SimpleNamespace(lookup=SimpleNamespace(deciding=set()),
                            loads=SimpleNamespace(in_flight=lambda: False),
-                           has_pending_push_work=lambda: pending[0])
+                           _pending=lambda: pending[0])
     assert SchedulerSide._waiting(side)
     pending[0] = False
     assert not SchedulerSide._waiting(side)
     manager = SimpleNamespace(has_pending_work=lambda: False)
     jobs: list = []
-    side = SimpleNamespace(jobs=jobs, manager=manager)
+    side = SimpleNamespace(jobs=jobs, manager=manager, _stop_signalled=False)
+    side._pending = lambda: SchedulerSide._pending(side)
     assert not SchedulerSide.has_pending_push_work(side)
     jobs.append("a host job on the workers")
     assert SchedulerSide.has_pending_push_work(side)
-    side = SimpleNamespace(jobs=[], manager=SimpleNamespace(has_pending_work=lambda: True))
+    side = SimpleNamespace(jobs=[], manager=SimpleNamespace(has_pending_work=lambda: True),
+                           _stop_signalled=False)
+    side._pending = lambda: SchedulerSide._pending(side)
     assert SchedulerSide.has_pending_push_work(side)

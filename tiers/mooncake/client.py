@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import urllib.request
 from typing import Any
 
 import numpy as np
@@ -106,3 +107,15 @@ def register(store: Any, buffer: memoryview, what: str) -> int:
         raise TierError(f"{what}: Mooncake refused to register {len(buffer)} bytes "
                         f"({error_name(rc)})")
     return ptr
+
+
+def list_names(address: str, timeout_s: float) -> set[str]:
+    """Every object name the pool holds, from `mooncake_master`'s HTTP port at `address`
+    ("host:port", its `-metrics_port`): `GET /get_all_keys`, one name per line. The master
+    grants no lease for it (unlike `batch_is_exist`).
+
+    Raises:
+        OSError: the master did not answer within `timeout_s` seconds or answered an error.
+    """
+    with urllib.request.urlopen(f"http://{address}/get_all_keys", timeout=timeout_s) as r:
+        return set(r.read().decode("utf-8", "replace").split())

@@ -28,14 +28,21 @@ kvhal's own keys:
         master's `default_kv_lease_ttl` (10 s by default) and the master evicts no leased
         chunk: keep it well above that lease, or the tier keeps its chunks from ever being
         evicted (`probe.py`).
+    master_metrics_address (str "host:port"): `mooncake_master`'s HTTP port (its
+        `-metrics_port`, 9003 by default), where it lists every object name (`/get_all_keys`)
+        without leasing any. Set, the tier lists the pool every `list_interval_s` and drops
+        the chunks it indexed that the listing lacks: an eviction becomes a removal within
+        about `list_interval_s` instead of `sweep_interval_s` (`probe.py`). Default: unset
+        (no listing). Set, the tier's `pool_used_bytes` / `pool_capacity_bytes` gauges also
+        show the pool's fill as the master reports it there (`/metrics`), read every
+        `refresh_interval_s`.
+    list_interval_s (number in [0.001, 86400]): period of those listings (default 2 s). Each
+        one moves every object name of the pool (~110 bytes each).
     timeout_s (number in [1, 3600]): bound of a TCP transfer that makes no progress (a hung
         segment owner: Mooncake's `MC_TCP_PROGRESS_TIMEOUT_SEC` / `MC_TCP_STATUS_TIMEOUT_SEC`,
         whole seconds, set from it unless already set) and of the RETRY answers while an
         existence check is pending (default 10 s). Mooncake's own RPC gives up on a dead
         master after ~4.3 s (measured), so a job ends then even if `timeout_s` is shorter.
-    master_metrics_url (str, optional): "http://host:port/metrics" of mooncake_master's
-        `-metrics_port`; given, the tier's `pool_used_bytes` / `pool_capacity_bytes` gauges
-        show the pool's fill as the master reports it, read every `refresh_interval_s`.
 Errors name the key (`global_segment_size: ...`); the config loader prefixes the list position.
 """
 from __future__ import annotations
@@ -58,17 +65,17 @@ DEFAULT_IO_THREADS = 2
 DEFAULT_REFRESH_INTERVAL_S = 1.0
 DEFAULT_SWEEP_INTERVAL_S = 300.0
 DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_LIST_INTERVAL_S = 2.0
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 3600.0
 PROTOCOLS = ("tcp", "rdma")
 _HOST_PORT_RE = re.compile(r"^(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})$")
 _HOST_RE = re.compile(r"^(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?$")
-_METRICS_URL_RE = re.compile(r"^https?://[A-Za-z0-9.\[\]:-]+(?::\d{1,5})?/\S*$")
 _METADATA_RE = re.compile(r"^(?:https?|etcd)://[A-Za-z0-9.\[\]:-]+(?::\d{1,5})?(?:/\S*)?$")
 _DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$")
 _KEYS = frozenset({"master_server_address", "metadata_server", "local_hostname", "protocol",
                    "device_name", "global_segment_size", "local_buffer_size", "replica_num",
                    "prefix", "io_threads", "refresh_interval_s", "sweep_interval_s",
-                   "timeout_s", "master_metrics_url"})
+                   "timeout_s", "master_metrics_address", "list_interval_s"})
 _PASSTHROUGH = frozenset({"type", "module_path"})
 
 
@@ -89,7 +96,8 @@ class MooncakeConfig:
     refresh_interval_s: float
     sweep_interval_s: float
     timeout_s: float
-    master_metrics_url: str | None = None
+    master_metrics_address: str | None = None
+    list_interval_s: float = DEFAULT_LIST_INTERVAL_S
 
 
 def _string(cfg: Mapping[str, Any], name: str, default: str | None, pattern: re.Pattern,
@@ -103,10 +111,10 @@ def _string(cfg: Mapping[str, Any], name: str, default: str | None, pattern: re.
     return value
 
 
-def _port_ok(address: str) -> str:
+def _port_ok(address: str, name: str = "master_server_address") -> str:
     port = int(address.rpartition(":")[2])
     if not 1 <= port <= 65535:
-        raise TierError(f"master_server_address: port must be in 1..65535, got {address!r}")
+        raise TierError(f"{name}: port must be in 1..65535, got {address!r}")
     return address
 
 
@@ -154,6 +162,9 @@ def parse_config(config: Mapping[str, Any]) -> MooncakeConfig:
                                       MIN_REFRESH_INTERVAL_S, MAX_REFRESH_INTERVAL_S)),
         timeout_s=float(number(config, "timeout_s", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S,
                                MAX_TIMEOUT_S)),
-        master_metrics_url=None if config.get("master_metrics_url") is None else _string(
-            config, "master_metrics_url", None, _METRICS_URL_RE,
-            "\"http://host:port/metrics\" of mooncake_master's -metrics_port"))
+        master_metrics_address=None if config.get("master_metrics_address") is None else
+        _port_ok(_string(config, "master_metrics_address", None, _HOST_PORT_RE,
+                         "\"host:port\" of mooncake_master's metrics port"),
+                 "master_metrics_address"),
+        list_interval_s=float(number(config, "list_interval_s", DEFAULT_LIST_INTERVAL_S,
+                                     MIN_REFRESH_INTERVAL_S, MAX_REFRESH_INTERVAL_S)))

@@ -17,6 +17,13 @@ them it filled and refused every put (seen in CI: 60 s of NO_AVAILABLE_HANDLE wi
 read). A sweep leases each chunk for one lease per `sweep_interval_s`, so the interval must be
 well above the master's lease (default 300 s: ~3% of the time at the default 10 s lease).
 Checks of looked-up keys lease too, as a get does: those chunks are in use.
+
+A listing leases nothing: with the master's HTTP port configured (`master_metrics_address`),
+the thread also fetches every object name of the pool (`/get_all_keys`) every
+`list_interval_s` and drops the indexed keys it lacks (those indexed before the listing
+began), so an eviction reaches `take_removed` within about `list_interval_s` plus one listing
+(measured in `tests/tiers/test_mooncake_tier.py`), while the sweep stays rare. A failed
+listing proves nothing and drops nothing (`list_errors`).
 """
 from __future__ import annotations
 
@@ -45,12 +52,21 @@ class Prober:
         sweep_interval_s: Period of the re-checks of every indexed key (module docstring).
         timeout_s: Longest a queued key answers RETRY.
         count: The tier's counter function (`JobBoard.count`).
+        list_names: `list_names()` → every object name the pool holds (raises on failure), or
+            None for no listings.
+        name_of: The object name of a key (with `list_names`).
+        list_interval_s: Period of the listings.
     """
 
     def __init__(self, index: ChunkIndex, exist: Callable[[list[ChunkKey]], list[int]],
                  refresh_interval_s: float, sweep_interval_s: float, timeout_s: float,
-                 count: Callable[..., Any]):
+                 count: Callable[..., Any],
+                 list_names: Callable[[], set[str]] | None = None,
+                 name_of: Callable[[ChunkKey], str] | None = None,
+                 list_interval_s: float = math.inf):
         self._index, self._exist = index, exist
+        self._list_names, self._name_of = list_names, name_of
+        self._list_s = list_interval_s if list_names is not None else math.inf
         self._interval, self._sweep_s = refresh_interval_s, sweep_interval_s
         self._timeout_s, self._count = timeout_s, count
         self._cond = threading.Condition()
@@ -109,15 +125,19 @@ class Prober:
 
     def _run(self) -> None:
         next_sweep = time.monotonic() + self._sweep_s
+        next_list = time.monotonic() + self._list_s
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stop or self._queued,
-                                    max(0.0, next_sweep - time.monotonic()))
+                                    max(0.0, min(next_sweep, next_list) - time.monotonic()))
                 if self._stop:
                     return
                 keys = list(self._queued)[:EXIST_BATCH]
             if keys:
                 self._check(keys)
+            if time.monotonic() >= next_list:
+                self._list()
+                next_list = time.monotonic() + self._list_s
             if time.monotonic() >= next_sweep:
                 self._sweep()
                 next_sweep = time.monotonic() + self._sweep_s
@@ -148,6 +168,18 @@ class Prober:
         answers = self._ask(keys)
         self._index.reconcile({k: held[k] for k, a in zip(keys, answers) if a != 0}, epoch)
         self._count("sweeps")
+
+    def _list(self) -> None:
+        """Drop the indexed keys the pool's listing lacks (no lease taken)."""
+        held, epoch = self._index.snapshot()
+        try:
+            names = self._list_names()
+        except Exception:  # noqa: BLE001 - a failed listing proves nothing
+            self._count("list_errors")
+            return
+        self._index.reconcile({k: n for k, n in held.items() if self._name_of(k) in names},
+                              epoch)
+        self._count("listings")
 
     def _ask(self, keys: list[ChunkKey]) -> list[int]:
         answers: list[int] = []

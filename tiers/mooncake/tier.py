@@ -44,7 +44,7 @@ from ..chunk_format import (ALIGN, HEADER_BYTES, CorruptChunk, SizeMismatch,
 from ..index import ChunkIndex
 from ..jobs import IndexedTier, JobBoard, JobPool, LanePool
 from .client import (GONE, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, connect,
-                     error_name, register, replicate_config)
+                     error_name, list_names, register, replicate_config)
 from .config import parse_config
 from .pool_figures import PoolFigures
 from .probe import Prober
@@ -77,9 +77,9 @@ class MooncakeTier(IndexedTier):
     hit_source = "p2p"      # vLLM's CacheHitSource for KV from other hosts' memory
     metric_specs = (
         MetricSpec("pool_used_bytes", "gauge", "Bytes allocated in the pool, as its master "
-                   "reports them (config master_metrics_url; 0 without)"),
+                   "reports them (config master_metrics_address; 0 without)"),
         MetricSpec("pool_capacity_bytes", "gauge", "Bytes the pool's mounted segments hold, "
-                   "as its master reports them (config master_metrics_url; 0 without)"),
+                   "as its master reports them (config master_metrics_address; 0 without)"),
         MetricSpec("puts_refused", "counter", "Chunks whose put the pool refused, by reason "
                    "(pool_full: no space, NO_AVAILABLE_HANDLE; error: any other code)",
                    labels={"reason": ("pool_full", "error")}),
@@ -114,15 +114,18 @@ class MooncakeTier(IndexedTier):
         self._replicate = replicate_config(cfg.replica_num)
         self._jobs = JobBoard("mooncake")
         self._puts_refused = self.metrics["puts_refused"]
-        self._pool_figures = None if cfg.master_metrics_url is None else PoolFigures(
-            cfg.master_metrics_url, cfg.refresh_interval_s)
+        self._pool_figures = None if cfg.master_metrics_address is None else PoolFigures(
+            f"http://{cfg.master_metrics_address}/metrics", cfg.refresh_interval_s)
         if self._pool_figures is not None:
             figures = self._pool_figures
             self.metrics["pool_used_bytes"].set_function(lambda: figures.used)
             self.metrics["pool_capacity_bytes"].set_function(lambda: figures.capacity)
         self._index = ChunkIndex()
+        lister = (None if cfg.master_metrics_address is None else
+                  partial(list_names, cfg.master_metrics_address, cfg.timeout_s))
         self._prober = Prober(self._index, self._exist, cfg.refresh_interval_s,
-                              cfg.sweep_interval_s, cfg.timeout_s, self._jobs.count)
+                              cfg.sweep_interval_s, cfg.timeout_s, self._jobs.count,
+                              lister, self.object_name, cfg.list_interval_s)
         self._pool = LanePool((cfg.io_threads, cfg.io_threads), "kvhal-mooncake",
                               (partial(self._jobs.run_batch, self._load_batch),
                                partial(self._jobs.run_batch, self._store_batch)), MAX_BATCH)
@@ -195,7 +198,8 @@ class MooncakeTier(IndexedTier):
         buffer, module docstring), store_failed, load_failed, already_stored,
         corrupt, missing, size_mismatch, pool_full, request_errors, master_unreachable,
         removed, remove_errors (objects removed: corrupt ones, and forgotten ones before their
-        store), exist_checked, exist_errors, exist_timeouts, sweeps (re-checks of every
+        store), exist_checked, exist_errors, exist_timeouts, listings and list_errors
+        (`master_metrics_address`), sweeps (re-checks of every
         indexed chunk, `probe.py`) (absent while 0); plus chunks (indexed keys) and
         durability ("pool": chunks live in the pool's memory, with `replica_num` copies)."""
         return self._jobs.counters() | {"chunks": len(self._index), "durability": "pool"}

@@ -12,7 +12,7 @@ from kvhal.host import HostLayout, HostRegion, host_layout
 
 from ..events import ChunkEvents, GroupSpec
 from ..geometry import Deployment, check_shareable
-from ..lifetime import exit_with_parent
+from ..lifetime import exit_with_parent, on_shutdown_signal
 from ..metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo
 from .counters import SideCounters, timeline
 from .jobs import InFlightJobs, Job
@@ -117,6 +117,9 @@ class SchedulerSide:
         self.stores = StorePlanner(deployment, config, manager, self.requests, self.jobs,
                                    self.counters, self._blocks, self.chunk_events)
         self._idle = IdleWait()
+        self._stop_signalled = False    # vLLM's engine core was told to stop
+        self._tiers_closed = False
+        on_shutdown_signal(self._on_stop_signal)
 
     @property
     def layout(self) -> HostLayout:
@@ -206,7 +209,7 @@ class SchedulerSide:
         """Something an idle step waits for: a lookup a tier is still deciding, an
         asynchronous load in flight, or work that changes a tier (`has_pending_push_work`)
         (`IdleWait`)."""
-        return bool(self.lookup.deciding) or self.loads.in_flight() or self.has_pending_push_work()
+        return bool(self.lookup.deciding) or self.loads.in_flight() or self._pending()
 
     def has_pending_push_work(self) -> bool:
         """Whether vLLM must keep stepping with no request (`KVConnectorBase_V1.
@@ -218,7 +221,26 @@ class SchedulerSide:
         request. Such steps compute nothing and wait in `IdleWait` (0.5 ms, doubling to 8 ms),
         so the bound on an event's delay is the job's own time plus at most
         `IDLE_WAIT_MAX_S` and one step (README, "Metrics and KV events inside vLLM")."""
+        if self._pending():
+            return True
+        if self._stop_signalled:
+            # vLLM's busy loop ends on this False; at TP > 1 the connector's `shutdown` may
+            # never run after it (`lifetime.on_shutdown_signal`), so the tiers drain and close
+            # now, while the engine core is sure to be alive.
+            self._close_tiers()
+        return False
+
+    def _pending(self) -> bool:
         return bool(self.jobs) or self.manager.has_pending_work()
+
+    def _on_stop_signal(self) -> None:
+        """SIGTERM/SIGINT reached the engine core (a signal handler: only sets a flag)."""
+        self._stop_signalled = True
+
+    def _close_tiers(self) -> None:
+        if not self._tiers_closed:
+            self._tiers_closed = True
+            self.manager.close()
 
     def update_connector_output(self, worker_meta: KVHalWorkerMetadata | None,
                                 finished_recving: set[str] | None = None) -> None:
@@ -302,6 +324,7 @@ class SchedulerSide:
         return self.counters.stats(self.manager, self.deployment, self.layout)
 
     def close(self) -> None:
-        """Drain and close the tiers, then release the host region."""
-        self.manager.close()
+        """Drain and close the tiers (unless a stop signal closed them already), then
+        release the host region."""
+        self._close_tiers()
         self.region.close()

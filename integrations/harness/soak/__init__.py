@@ -1,0 +1,417 @@
+"""`kvhal soak --minutes N --seed S`: a small fleet under load and faults, every answer checked.
+
+Two vLLM OpenAI servers with kvhal (host tier, an fs tier on a small tmpfs they share, an obj
+tier on a real `moto_server`) serve seeded multi-turn conversations one request at a time
+(`--max-num-seqs 1`), while a seeded schedule of faults hits them (`faults.py`). Every answer is
+compared with a keep-everything vLLM server's answer to the same request (`load.py`). After a
+clean shutdown the run checks that nothing leaked (no process, no kvhal memory file in
+/dev/shm, no temp file in the fs tier, the fs budget held, `kvhal fsck` finds no corrupt chunk
+but those the faults damaged) and that kvhal served at least a tenth of the reusable prompt
+tokens. Writes `soak.json` and `soak.png` (timeline) in `--workdir`; prints a summary table.
+Exit code 0 only if every check held.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from kvhal.report import print_table
+
+from ..vllm.chat import ChatShape, user_tokens
+from ..vllm.model import TINY, build_model
+from ..vllm.serve_metrics import cached_by_source, delta, parse
+from . import faults as faultlib
+from . import fleet
+from .load import (
+    Request,
+    answer_of,
+    common_prefix,
+    compare,
+    complete,
+    conversations,
+    is_connection_error,
+    now,
+    order,
+)
+
+#: Conversation shape (tiny model, 128-token blocks): 512 tokens, then 128 per turn, 16 out.
+SHAPE = {"initial_tokens": 512, "turn_tokens": 128, "answer_tokens": 16, "turns": 4}
+#: Conversation groups per round (two tenants each).
+GROUPS = 3
+#: Fraction of reusable prompt tokens kvhal must serve, or the soak tested nothing.
+MIN_SERVED = 0.1
+
+
+class Faulter(threading.Thread):
+    """Applies the schedule (`faults.schedule`) from its own thread; records each fault's
+    start and end (seconds after `t0`) and what it did."""
+
+    def __init__(self, schedule: list, servers: list, s3, fs_mount: Path, fs_root: Path,
+                 mounted: bool, t0: float, scrape, restarted):
+        super().__init__(name="soak-faults", daemon=True)
+        self.schedule, self.servers, self.s3 = schedule, servers, s3
+        self.fs_mount, self.fs_root, self.mounted, self.t0 = fs_mount, fs_root, mounted, t0
+        self.scrape, self.restarted = scrape, restarted
+        self.done: list[dict] = []
+        self.damaged: set[str] = set()
+        self.down = [threading.Event(), threading.Event()]   # set while a server restarts
+        self.stop = threading.Event()
+        self.restarts: list[threading.Thread] = []
+        self.refused: list[dict] = []       # server starts vLLM refused (then retried)
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            for fault in self.schedule:
+                if self.stop.wait(max(0.0, fault.at_s - now(self.t0))):
+                    return
+                start = now(self.t0)
+                what = self.apply(fault)
+                self.done.append(fault.to_json() | {"start_s": start, "end_s": now(self.t0),
+                                                    "what": what})
+        except Exception as e:  # noqa: BLE001 - reported as the run's error
+            self.error = f"{type(e).__name__}: {e}"
+
+    def _restart(self, i: int) -> None:
+        """Start server `i` again; a start vLLM refuses (e.g. kvhal's obj tier finding the S3
+        server down at start) is recorded in `refused` and tried again 5 s later, as a
+        supervisor would, up to 3 times."""
+        try:
+            for attempt in range(3):
+                try:
+                    self.servers[i].start()
+                    return
+                except Exception as e:  # noqa: BLE001 - recorded, then retried
+                    self.servers[i].kill()
+                    self.refused.append({"server": self.servers[i].name, "at_s": now(self.t0),
+                                         "error": str(e)[-300:]})
+                    if attempt == 2:
+                        self.error = f"restart of {self.servers[i].name}: {e}"[:500]
+                    time.sleep(5.0)
+        finally:
+            self.down[i].clear()
+
+    def join_restarts(self) -> None:
+        """Wait for every background restart."""
+        for thread in self.restarts:
+            thread.join()
+
+    def apply(self, fault) -> str:
+        kind = fault.kind
+        if kind == "kill_restart":
+            if self.down[fault.target].is_set():
+                return "skipped: still restarting"
+            server = self.servers[fault.target]
+            self.scrape(fault.target)
+            self.down[fault.target].set()
+            server.kill()
+            self.restarted(fault.target)
+            restart = threading.Thread(target=self._restart, args=(fault.target,),
+                                       name="soak-restart", daemon=True)
+            restart.start()          # the schedule goes on while it restarts
+            self.restarts.append(restart)
+            return f"{server.name} killed (restarted in the background)"
+        if kind == "stop_cont":
+            server = self.servers[fault.target]
+            server.signal_all(signal.SIGSTOP)
+            self.stop.wait(faultlib.STOP_S)
+            server.signal_all(signal.SIGCONT)
+            return f"{server.name} stopped {faultlib.STOP_S} s"
+        if kind == "s3_restart":
+            if self.s3 is None:
+                return "skipped: no moto_server"
+            self.s3.kill()
+            self.s3.start()
+            self.s3.create_bucket(fleet.BUCKET)
+            return "moto_server killed and restarted (objects gone)"
+        if kind in ("fs_truncate", "fs_overwrite"):
+            path = faultlib.damage(str(self.fs_root), fault)
+            if path is not None:
+                self.damaged.add(path)
+            return f"{kind} {path}"
+        if kind == "fs_full":
+            if not self.mounted:
+                return "skipped: no small filesystem (not root)"
+            filler = faultlib.fill(str(self.fs_mount))
+            self.stop.wait(faultlib.FULL_S)
+            os.unlink(filler)
+            return f"filesystem full {faultlib.FULL_S} s"
+        raise ValueError(kind)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvhal soak` (module docstring)."""
+
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    seconds = args.minutes * 60.0
+    schedule = faultlib.schedule(args.seed, seconds, tuple(args.faults.split(",")),
+                                 gap_s=args.fault_gap_s)
+    model = build_model(TINY)
+    fs_mount = workdir / "fs"
+    mounted = fleet.mount_small_fs(fs_mount)
+    fs_root = fs_mount / "kv"
+    fs_root.mkdir(exist_ok=True)
+    s3 = _start_s3()
+    config = fleet.kvhal_config(fs_root, None if s3 is None else s3.endpoint)
+    reference = fleet.Server("reference", model, workdir, None)
+    servers = [fleet.Server(f"kvhal{i}", model, workdir, config) for i in range(2)]
+    scraped: list[dict] = [{}, {}]      # metrics at the last scrape of each server's life
+    served = Counter()
+
+    def scrape(i: int) -> None:         # adds a server's counters before it dies
+        try:
+            now_ = _scrape(servers[i].url)
+        except OSError:
+            return
+        served.update(cached_by_source(delta(scraped[i], now_)))
+        scraped[i] = now_
+
+    report: dict = {"seed": args.seed, "minutes": args.minutes, "config": config,
+                    "fs_mounted": mounted, "schedule": [f.to_json() for f in schedule]}
+    requests: list[Request] = []
+    all_pids: set[int] = set()
+    try:
+        for s in (reference, *servers):      # started side by side
+            s.start(wait=False)
+        for s in (reference, *servers):
+            s.proc.wait_ready()
+        t0 = time.monotonic()
+
+        def restarted(i: int) -> None:     # a new process: its counters start from 0
+            scraped[i] = {}
+        faulter = Faulter(schedule, servers, s3, fs_mount, fs_root, mounted, t0, scrape,
+                          restarted)
+        faulter.start()
+        _drive(args, model, reference, servers, faulter, requests, t0, seconds)
+        faulter.stop.set()
+        faulter.join()
+        faulter.join_restarts()
+        report["faults"] = faulter.done
+        report["fault_error"] = faulter.error
+        report["starts_refused"] = faulter.refused
+        for i in range(2):
+            scrape(i)
+            all_pids.update(p.pid for p in servers[i].processes())
+        left = []
+        for s in servers:
+            left += s.stop()
+        left += reference.stop()
+        report["left_processes"] = left + fleet.wait_gone(sorted(all_pids), 10.0)
+        report["checks"] = _post_checks(fs_root, faulter.damaged, mounted, report)
+    finally:
+        for s in (reference, *servers):
+            s.kill()
+        if s3 is not None:
+            s3.kill()
+        if mounted:
+            fleet.unmount(fs_mount)
+    report["requests"] = [r.to_json() for r in requests]
+    report["served_by_source"] = dict(served)
+    report["summary"] = summary = _summarize(requests, report, served)
+    (workdir / "soak.json").write_text(json.dumps(report, indent=1))
+    _plot(requests, report.get("faults", []), workdir / "soak.png", args.seed)
+    _print(summary, report, workdir)
+    return 0 if summary["passed"] else 1
+
+
+def _start_s3():
+    from kvhal.tiers.obj.local_server import LocalS3Server
+    try:
+        import obstore  # noqa: F401
+        s3 = LocalS3Server().start()
+    except (ImportError, RuntimeError, OSError):
+        return None
+    s3.create_bucket(fleet.BUCKET)
+    return s3
+
+
+def _scrape(url: str) -> dict:
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        return parse(r.read().decode())
+
+
+def _drive(args, model: Path, reference, servers, faulter: Faulter, requests: list,
+           t0: float, seconds: float) -> None:
+    """Send the load until `seconds` passed (finishing the round's conversations)."""
+    shape = ChatShape(conversations=GROUPS * 2, turns=SHAPE["turns"],
+                      initial_tokens=SHAPE["initial_tokens"], turn_tokens=SHAPE["turn_tokens"],
+                      answer_tokens=SHAPE["answer_tokens"], concurrency=1, seed=args.seed)
+    seen: dict[str, list[list[int]]] = {}       # salt → prompts sent
+    round_ = 0
+    while now(t0) < seconds:
+        convs = conversations(args.seed, round_, GROUPS, shape, TINY.vocab_size)
+        for conv, server in order(args.seed, round_, convs, SHAPE["turns"]):
+            if now(t0) >= seconds:
+                return
+            req = Request(conv.name, conv.salt, conv.turn, server, len(conv.prompt), now(t0))
+            req.reusable_tokens = max((common_prefix(conv.prompt, p)
+                                       for p in seen.get(conv.salt, [])), default=0)
+            ref = answer_of(complete(reference.url, str(model), conv.prompt, conv.salt,
+                                     SHAPE["answer_tokens"]))
+            req.ref_cached_tokens = ref["cached_tokens"]
+            got = _ask(servers, server, faulter, conv, req, model)
+            req.done_s = now(t0)
+            req.faults_during = [f"{f['kind']}@{f['start_s']:.0f}" for f in faulter.done
+                                 if f["end_s"] >= req.sent_s and f["start_s"] <= req.done_s]
+            if got is None:
+                req.verdict = "failed"
+            else:
+                req.cached_tokens = got["cached_tokens"]
+                req.verdict, req.max_logprob_diff = compare(got, ref)
+            requests.append(req)
+            seen.setdefault(conv.salt, []).append(list(conv.prompt))
+            conv.prompt = conv.prompt + ref["token_ids"] + _user(shape, conv, conv.turn + 1)
+            conv.turn += 1
+        round_ += 1
+
+
+def _user(shape: ChatShape, conv, turn: int) -> list[int]:
+    return user_tokens(shape, conv.name, turn, TINY.vocab_size)
+
+
+def _ask(servers, i: int, faulter: Faulter, conv, req: Request, model: Path) -> dict | None:
+    """The kvhal servers' answer, as a router would get it: a request for a server being
+    restarted goes to the other one; one that fails to reach a server being killed is retried
+    once on the other server (or, if that one is down too, on the first after its restart).
+    None if it failed (`req.error` says why)."""
+    if faulter.down[i].is_set() and not faulter.down[1 - i].is_set():
+        i = 1 - i
+    req.server = i
+    for attempt in range(2):
+        req.tries = attempt + 1
+        restarts = servers[i].starts
+        try:
+            return answer_of(complete(servers[i].url, str(model), conv.prompt, conv.salt,
+                                      SHAPE["answer_tokens"]))
+        except Exception as e:  # noqa: BLE001 - classified below
+            req.error = f"{type(e).__name__}: {e}"
+            killed = faulter.down[i].is_set() or servers[i].starts != restarts
+            if attempt or not (is_connection_error(e) and killed):
+                return None
+            # the cut attempt may have stored this prompt under this salt: reusable now
+            req.reusable_tokens = max(req.reusable_tokens, len(conv.prompt))
+            if not faulter.down[1 - i].is_set():
+                i = 1 - i
+                continue
+            deadline = time.monotonic() + 600
+            while faulter.down[i].is_set() and time.monotonic() < deadline:
+                time.sleep(0.2)
+    return None
+
+
+def _post_checks(fs_root: Path, damaged: set[str], mounted: bool, report: dict) -> dict:
+    """After the clean shutdown: leaks, temp files, budget, fsck."""
+    shm = [n for n in os.listdir("/dev/shm") if "kvhal" in n]
+    temps = [str(p) for p in fs_root.rglob("*.tmp")]
+    used = sum(p.stat().st_size for p in fs_root.rglob("*.kv"))
+    out = subprocess.run([sys.executable, "-c", "import sys; from kvhal.cli import main; sys.exit(main())",
+                          "fsck", str(fs_root), "--json"],
+                         capture_output=True, text=True, check=False)
+    try:
+        fsck = json.loads(out.stdout)
+    except ValueError:
+        fsck = {"error": out.stderr[-500:]}
+    corrupt = {p.get("path", str(p)) if isinstance(p, dict) else str(p)
+               for p in fsck.get("problems", [])}
+    unexplained = sorted(p for p in corrupt if not any(d in p for d in damaged))
+    return {"dev_shm_kvhal": shm, "temp_files": temps, "fs_bytes": used,
+            "fs_budget": fleet.FS_BUDGET, "fsck": fsck, "fsck_unexplained": unexplained,
+            "left_processes": report.get("left_processes", [])}
+
+
+def _summarize(requests: list[Request], report: dict, served: Counter) -> dict:
+    verdicts = Counter(r.verdict for r in requests)
+    reusable = sum(r.reusable_tokens for r in requests)
+    kvhal_served = sum(v for k, v in served.items() if k != "device")
+    cross = [r for r in requests if r.cached_tokens > r.reusable_tokens]
+    failed_unexplained = [r for r in requests if r.verdict == "failed"
+                          and "kill_restart" not in " ".join(r.faults_during)]
+    checks = report.get("checks", {})
+    by_fault: dict[str, dict] = {}
+    for f in report.get("faults", []):
+        hit = [r for r in requests if r.sent_s <= f["end_s"] and r.done_s >= f["start_s"]]
+        row = by_fault.setdefault(f["kind"], {"count": 0, "requests": 0, "retries": 0,
+                                              "recomputed": 0, "worst_s": 0.0})
+        row["count"] += 1
+        row["requests"] += len(hit)
+        row["retries"] += sum(r.tries - 1 for r in hit)
+        row["recomputed"] += sum(r.prompt_tokens - r.cached_tokens for r in hit)
+        row["worst_s"] = max([row["worst_s"]] + [r.done_s - r.sent_s for r in hit])
+    failures = {
+        "wrong answers": verdicts["wrong"],
+        "failed requests not explained by a kill": len(failed_unexplained),
+        "cross-tenant hits": len(cross),
+        "kvhal memory files in /dev/shm": len(checks.get("dev_shm_kvhal", [])),
+        "processes left": len(checks.get("left_processes", [])),
+        "temp files in the fs tier": len(checks.get("temp_files", [])),
+        "fs budget exceeded": int(checks.get("fs_bytes", 0) > fleet.FS_BUDGET),
+        "fsck: corrupt chunks no fault made": len(checks.get("fsck_unexplained", [])),
+        "kvhal served < 1/10 of reusable tokens": int(kvhal_served < MIN_SERVED * reusable),
+        "fault thread error": int(bool(report.get("fault_error"))),
+    }
+    return {"requests": len(requests), "verdicts": dict(verdicts),
+            "reusable_prompt_tokens": reusable, "kvhal_served_tokens": kvhal_served,
+            "served_by_source": dict(served), "by_fault": by_fault, "failures": failures,
+            "cross_tenant": [r.to_json() | {"index": requests.index(r)} for r in cross],
+            "passed": not any(failures.values()) and bool(requests)}
+
+
+def _print(summary: dict, report: dict, workdir: Path) -> None:
+    v = summary["verdicts"]
+    print_table(f"kvhal soak: seed {report['seed']}, {report['minutes']} min",
+                ["what", "value"],
+                [["requests (answers checked)", summary["requests"]],
+                 ["ok / near ties / wrong / failed",
+                  (f"{v.get('ok', 0)} / {v.get('near_tie', 0)} / {v.get('wrong', 0)} / "
+                   f"{v.get('failed', 0)}")],
+                 ["reusable prompt tokens", summary["reusable_prompt_tokens"]],
+                 ["served by kvhal (host/disk/p2p)", summary["kvhal_served_tokens"]],
+                 ["by source", json.dumps(summary["served_by_source"])],
+                 ["server starts refused (retried)", len(report.get("starts_refused", []))]]
+                + [[k, n] for k, n in summary["failures"].items()])
+    print_table("faults", ["kind", "count", "requests during", "retries", "recomputed tokens",
+                           "worst latency s"],
+                [[k, r["count"], r["requests"], r["retries"], r["recomputed"],
+                  f"{r['worst_s']:.1f}"] for k, r in sorted(summary["by_fault"].items())])
+    print(f"{'PASSED' if summary['passed'] else 'FAILED'}; report {workdir / 'soak.json'}, "
+          f"timeline {workdir / 'soak.png'}")
+
+
+def _plot(requests: list[Request], done: list[dict], path: Path, seed: int) -> None:
+    try:
+        from ..plot import plot_soak_timeline
+        plot_soak_timeline(path, [r.done_s for r in requests],
+                           [r.cached_tokens for r in requests],
+                           [r.prompt_tokens for r in requests],
+                           [r.verdict for r in requests],
+                           [(f["start_s"], f["end_s"], f["kind"]) for f in done],
+                           f"kvhal soak, seed {seed}")
+    except ImportError as e:     # the plot extra missing: the JSON still holds everything
+        print(f"no timeline: {e}", file=sys.stderr)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `kvhal soak`."""
+    p = sub.add_parser("soak", help="a kvhal fleet under load and faults, every answer "
+                                    "checked (`integrations/harness/soak`)",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=3.0, help="load duration (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the load and the faults")
+    p.add_argument("--faults", default=",".join(faultlib.KINDS),
+                   help=("comma-separated fault kinds (default all: "
+                         f"{','.join(faultlib.KINDS)})"))
+    p.add_argument("--fault-gap-s", type=float, default=25.0,
+                   help="mean seconds between faults (default 25)")
+    p.add_argument("--workdir", default="kvhal-soak", help="logs, soak.json, soak.png")
+    p.set_defaults(func=run)
+

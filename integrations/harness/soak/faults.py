@@ -1,0 +1,113 @@
+"""The soak's fault schedule: which fault, when, on what; the same seed gives the same schedule.
+
+Kinds (each one a real event, applied from a thread while requests run):
+    kill_restart: SIGKILL a kvhal server's whole process tree, start it again on the same fs
+        folder (its requests in flight fail; each is retried once after the restart).
+    stop_cont: SIGSTOP a kvhal server's process tree for `STOP_S`, then SIGCONT.
+    s3_restart: SIGKILL `moto_server` and start it again on the same port (its objects are
+        gone: moto keeps them in memory).
+    fs_truncate: truncate a chunk file of the fs tier to half its size.
+    fs_overwrite: overwrite 4 KiB in the middle of a chunk file with random bytes.
+    fs_full: fill the fs tier's (small) filesystem with a file for `FULL_S`, then delete it.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import random
+from dataclasses import asdict, dataclass
+
+KINDS = ("kill_restart", "stop_cont", "s3_restart", "fs_truncate", "fs_overwrite", "fs_full")
+#: Seconds a stopped server stays stopped (above every tier's deadline used by the soak).
+STOP_S = 12.0
+#: Seconds the fs tier's filesystem stays full.
+FULL_S = 15.0
+#: Kinds that take a server (0 or 1) as their target.
+SERVER_KINDS = ("kill_restart", "stop_cont")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One scheduled fault.
+
+    Attributes:
+        at_s: Seconds after the load started.
+        kind: One of `KINDS`.
+        target: The server index (0 or 1) for `SERVER_KINDS`, else 0.
+        pick: A seeded number choosing the file for the fs kinds (an index modulo the files
+            there at the time).
+    """
+
+    at_s: float
+    kind: str
+    target: int
+    pick: int
+
+    def to_json(self) -> dict:
+        """The fault as a JSON-able dict."""
+        return asdict(self)
+
+
+def schedule(seed: int, seconds: float, kinds: tuple[str, ...] = KINDS,
+             first_s: float = 20.0, gap_s: float = 25.0) -> list[Fault]:
+    """Faults at seeded times over [first_s, seconds - gap_s): one every `gap_s` on average
+    (uniform jitter of ±40%), kinds cycling through a seeded shuffle of `kinds` so every kind
+    comes once before any comes twice.
+
+    Raises:
+        ValueError: an unknown kind (named).
+    """
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"fault kind {unknown[0]!r}: not one of {', '.join(KINDS)}")
+    rng = random.Random(seed)
+    out: list[Fault] = []
+    t, cycle = first_s, []
+    while t < seconds - gap_s and kinds:
+        if not cycle:
+            cycle = list(kinds)
+            rng.shuffle(cycle)
+        kind = cycle.pop()
+        out.append(Fault(round(t, 3), kind, rng.randrange(2) if kind in SERVER_KINDS else 0,
+                         rng.randrange(1 << 30)))
+        t += gap_s * rng.uniform(0.6, 1.4)
+    return out
+
+
+def chunk_files(root: str) -> list[str]:
+    """The fs tier's chunk files under `root`, sorted (so a seeded pick is reproducible)."""
+    return sorted(glob.glob(os.path.join(root, "*", "chunks", "*", "*.kv")))
+
+
+def damage(root: str, fault: Fault) -> str | None:
+    """Apply `fs_truncate` or `fs_overwrite` to the picked chunk file; its path (None: no
+    chunk file, or it vanished meanwhile)."""
+    files = chunk_files(root)
+    if not files:
+        return None
+    path = files[fault.pick % len(files)]
+    try:
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            if fault.kind == "fs_truncate":
+                f.truncate(size // 2)
+            else:
+                f.seek(size // 2)
+                f.write(random.Random(fault.pick).randbytes(min(4096, size - size // 2)))
+    except OSError:
+        return None
+    return path
+
+
+def fill(folder: str) -> str:
+    """Fill the filesystem of `folder` with one file (written until ENOSPC); its path."""
+    path = os.path.join(folder, "soak-filler")
+    block = b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
+    return path
