@@ -197,7 +197,14 @@ def test_affinity_keeps_a_conversation_on_its_instance_and_round_robin_alternate
     ("http://h:1,p2p=h:0", "p2p must be HOST:PORT"),
     ("http://h:1,color=red", "not one of"),
     ("h:1", "http"),
-], ids=["scheme", "replay-alone", "port", "key", "url"])
+    ("http://h:1,events=tcp://*:5557", "the instance's host"),
+    ("http://h:1,events=tcp://h:5557,replay=tcp://0.0.0.0:5558", "the instance's host"),
+    ("http://h:1,events=tcp://", "tcp://HOST:PORT"),
+    ("http://h:1,events=tcp://h:port", "tcp://HOST:PORT"),
+    ("http://h:1,events=tcp://h:70000", "tcp://HOST:PORT"),
+    ("http://h:1,events=ipc://", "ipc://PATH"),
+], ids=["scheme", "replay-alone", "port", "key", "url", "wildcard", "any-address",
+        "no-address", "port-name", "port-range", "no-path"])
 def test_bad_instance_specs_are_refused_naming_the_part(spec, why):
     import argparse
     with pytest.raises(argparse.ArgumentTypeError, match=why):
