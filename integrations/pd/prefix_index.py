@@ -146,8 +146,13 @@ class InstanceIndex:
         if not isinstance(size, int) or size <= 0:
             raise EventError(f"BlockStored.block_size: must be a positive integer, got "
                              f"{size!r}")
-        if not isinstance(tokens, list):
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise EventError("BlockStored.token_ids: must be a list of ints")
+        parent = event.parent_block_hash
+        if parent is not None and not isinstance(parent, (bytes, int)):
+            raise EventError(f"BlockStored.parent_block_hash: must be bytes, an int or null, "
+                             f"got {type(parent).__name__}")
         held = self.held[tier]
         if len(tokens) != len(hashes) * size:      # no usable token ids: known hashes only
             for h in hashes:
@@ -157,7 +162,6 @@ class InstanceIndex:
                 else:
                     held[known[0]] = known[1]
             return
-        parent = event.parent_block_hash
         if parent is None:
             extra = event.extra_keys
             start = (root_key(extra[0] if isinstance(extra, list) and extra else None), 0)
