@@ -176,3 +176,36 @@ def test_a_running_tier_rewrites_its_log_once_most_records_are_of_chunks_gone(
                                             chunk_key(NAMESPACE, 7): b"seven"}
     finally:
         again.close()
+
+
+_DISK_FULL = r"""
+import os, resource, signal, sys
+from kvhal.keys import ChunkKey
+from kvhal.tiers.fs.descriptions import DescriptionLogs, MAGIC, encode_record
+folder, ns = sys.argv[1], bytes(range(16))
+key = lambda i: ChunkKey(ns, 0, bytes([i]) * 32)
+logs = DescriptionLogs(folder, ns)
+logs.open([])
+logs.append(key(0), b"a" * 100)                       # the log: MAGIC + record 0
+full = len(MAGIC) + len(encode_record(key(0), b"a" * 100))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (full + 50, hard))   # the disk fills mid-record
+logs.append(key(1), b"b" * 100)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))        # space freed again
+logs.append(key(2), b"c" * 100)
+logs.close()
+"""
+
+
+def test_a_record_cut_by_a_full_disk_does_not_hide_the_later_ones(tmp_path):
+    """A write cut short (the file size limit: what a full disk does to a `write`) leaves a
+    torn record; fails when it is left in the log, where it ends every later reading of the
+    records appended after it (their chunks then restart undescribed)."""
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-c", _DISK_FULL, str(tmp_path)], check=True, timeout=60)
+    (log,) = glob.glob(str(tmp_path / DESCRIPTIONS_DIR / "*.log"))
+    records, end = read_records(log)
+    assert [(r[2][:1], r[3]) for r in records] == [(b"\x00", 100), (b"\x02", 100)]
+    assert end == os.path.getsize(log)

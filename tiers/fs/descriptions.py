@@ -156,7 +156,10 @@ class DescriptionLogs:
                     os.makedirs(self.folder, exist_ok=True)
                     self._fd = os.open(self._own, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 pos = os.lseek(self._fd, 0, os.SEEK_END)
-                os.write(self._fd, (MAGIC if pos == 0 else b"") + record)
+                data = (MAGIC if pos == 0 else b"") + record
+                if os.write(self._fd, data) != len(data):     # cut short: the disk is full
+                    os.ftruncate(self._fd, pos)     # a torn record would end every reading
+                    return
             except OSError:
                 return
             pos = max(pos, len(MAGIC))
