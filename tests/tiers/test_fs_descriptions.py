@@ -209,3 +209,39 @@ def test_a_record_cut_by_a_full_disk_does_not_hide_the_later_ones(tmp_path):
     records, end = read_records(log)
     assert [(r[2][:1], r[3]) for r in records] == [(b"\x00", 100), (b"\x02", 100)]
     assert end == os.path.getsize(log)
+
+
+_FULL_AT_START = r"""
+import resource, signal, sys
+from tests.tiers.test_fs_descriptions import _open
+from tests.tiers.helpers import NAMESPACE, chunk_key, host_region
+host, _ = host_region()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (30, resource.RLIM_INFINITY))   # no room to fold
+tier = _open(sys.argv[1], host)
+assert dict(tier.take_found()) == {chunk_key(NAMESPACE, 0): b"zero" * 20,
+                                   chunk_key(NAMESPACE, 1): b"one" * 20}, "found"
+tier.close()
+"""
+
+
+def test_a_full_disk_at_start_keeps_the_tier_and_its_descriptions(tmp_path, region):
+    """A restart on a full disk (the file size limit: the fold of the logs cannot be
+    written). Fails when the fs tier then refuses to start ("cannot list"), when the chunks
+    are found without their descriptions, or when the cut temp file is left behind."""
+    import subprocess
+    import sys
+    host, array = region
+    tier = _open(tmp_path, host)
+    _store(tier, array, {0: b"zero" * 20, 1: b"one" * 20})
+    tier.close()
+    subprocess.run([sys.executable, "-c", _FULL_AT_START, str(tmp_path)], check=True,
+                   timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                       os.path.abspath(__file__)))))
+    assert not glob.glob(str(tmp_path / "*" / DESCRIPTIONS_DIR / "*.tmp"))
+    again = _open(tmp_path, host)      # room again: the records are all still there
+    try:
+        assert dict(again.take_found()) == {chunk_key(NAMESPACE, 0): b"zero" * 20,
+                                            chunk_key(NAMESPACE, 1): b"one" * 20}
+    finally:
+        again.close()

@@ -21,6 +21,7 @@ the folder).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -105,8 +106,9 @@ class DescriptionLogs:
     def open(self, held: Iterable[ChunkKey]) -> None:
         """Fold every log into a new one of this process's, keeping the records of `held`
         (the chunks the folder holds), delete the logs of writers that are gone, and append
-        to the new log from now on (made at the first record if no record was kept). Raises
-        OSError if the folder cannot be written."""
+        to the new log from now on (made at the first record if no record was kept). When
+        the fold cannot be written (a full disk), every log is left as it is and read from
+        where it is. Never raises for I/O errors."""
         self._read_new()
         held = set(held)
         token = f"{os.getpid()}.{os.urandom(8).hex()}"
@@ -122,19 +124,28 @@ class DescriptionLogs:
                 where[key] = (own, pos + len(record) - length, length)
                 pos += len(record)
             _OWN.add(own)
+            folded = True
             if where:
                 temp = os.path.join(self.folder, f"{token}.tmp")
-                with open(temp, "wb") as f:
-                    f.write(b"".join(chunks))
-                os.rename(temp, own)
-            for path in list(self._read_to) + _temp_files(self.folder):
-                if _writer_gone(path):
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
-                    self._read_to.pop(path, None)
-            self._where = where
+                try:
+                    with open(temp, "wb") as f:
+                        f.write(b"".join(chunks))
+                    os.rename(temp, own)
+                except OSError:     # a full disk: the records stay in the logs they are in
+                    folded = False
+                    with contextlib.suppress(OSError):
+                        os.unlink(temp)
+            if folded:
+                for path in list(self._read_to) + _temp_files(self.folder):
+                    if _writer_gone(path):
+                        try:
+                            os.unlink(path)
+                        except OSError:
+                            pass
+                        self._read_to.pop(path, None)
+                self._where = where
+            else:
+                self._where = {k: w for k, w in self._where.items() if k in held}
             self._own, self._fd = own, None
             self._open = True
 
