@@ -95,6 +95,8 @@ class InstanceIndex:
         held: Per tier, chain key → prefix length of the blocks the instance holds there.
         orphans: Blocks dropped: parent never seen, or no token ids for an unknown hash.
         min_block_tokens: The smallest device `block_size` seen (vLLM's block size), or None.
+        longest: Tokens of the longest prefix credited since the last `clear` (an upper
+            bound of what `prefix` can find: a router hashes no prompt token beyond it).
     """
 
     max_hashes: int = MAX_HASHES
@@ -102,12 +104,14 @@ class InstanceIndex:
     held: dict[str, dict[int, int]] = field(default_factory=lambda: {t: {} for t in TIERS})
     orphans: int = 0
     min_block_tokens: int | None = None
+    longest: int = 0
 
     def clear(self) -> None:
         """Forget everything the instance held (its engine-hash map too)."""
         self.blocks.clear()
         for keys in self.held.values():
             keys.clear()
+        self.longest = 0
 
     def counts(self) -> dict[str, int]:
         """Blocks held per tier."""
@@ -161,6 +165,7 @@ class InstanceIndex:
                     self.orphans += 1
                 else:
                     held[known[0]] = known[1]
+                    self.longest = max(self.longest, known[1])
             return
         if parent is None:
             extra = event.extra_keys
@@ -179,6 +184,7 @@ class InstanceIndex:
             length += size
             self._remember(h, key, length)
             held[key] = length
+        self.longest = max(self.longest, length)
 
     def _remember(self, block_hash: Hashable, key: int, length: int) -> None:
         self.blocks.pop(block_hash, None)

@@ -253,7 +253,8 @@ class Router:
 
     def _kv(self, live: list[Instance], tokens: list[int], cache_salt: str | None
             ) -> Decision:
-        keys = prefix_keys(tokens, root_key((cache_salt,) if cache_salt else None))
+        longest = max(i.index.longest for i in live)     # no key beyond it can be held
+        keys = prefix_keys(tokens[:longest], root_key((cache_salt,) if cache_salt else None))
         hits = {id(i): i.index.hits(keys) for i in live}
         holder, pull = None, 0
         if self.policy == "kv-p2p":

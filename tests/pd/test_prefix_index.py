@@ -228,3 +228,27 @@ def test_a_salted_prompt_and_an_unsalted_one_never_share_keys():
     assert index.prefix(prefix_keys(TOKENS), "device") == 0
     assert index.prefix(prefix_keys(TOKENS, root_key(("salt",))), "device") == 3 * B
     assert index.prefix(prefix_keys(TOKENS, root_key(("other",))), "device") == 0
+
+
+class _Hashed(int):
+    """A prompt token that counts how often it is hashed (the router's per-request work)."""
+
+    count = 0
+
+    def __hash__(self):
+        _Hashed.count += 1
+        return int.__hash__(self)
+
+
+@pytest.mark.parametrize("policy", ["kv", "kv-p2p"])
+def test_a_huge_prompt_costs_the_router_only_the_longest_prefix_it_could_hit(policy):
+    """The router runs on one event loop: hashing every token of a 256 MiB prompt (vLLM
+    refuses it later) stalls every other request and health poll for seconds. Fails when
+    tokens past the longest prefix any instance holds are hashed."""
+    instances = fleet()
+    device_blocks(instances[1].index, 2)
+    huge = TOKENS[:2 * B] + [_Hashed(t) for t in range(100_000)]
+    decision = Router(instances, policy).choose(huge, None)
+    assert (decision.instance, decision.predicted) == (instances[1], {"device": 2 * B})
+    assert decision.expects_store
+    assert _Hashed.count == 0
