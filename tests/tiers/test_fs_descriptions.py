@@ -245,3 +245,28 @@ def test_a_full_disk_at_start_keeps_the_tier_and_its_descriptions(tmp_path, regi
                                             chunk_key(NAMESPACE, 1): b"one" * 20}
     finally:
         again.close()
+
+
+def test_a_huge_log_is_read_in_bounded_memory(tmp_path):
+    """A long-lived fleet's fs root holds logs of hundreds of MB; each start (and each
+    listing that finds chunks) reads them. Fails when a log is read whole into memory (here
+    64 MiB of records; the reading may hold a few MiB at a time)."""
+    import tracemalloc
+
+    from kvhal.keys import ChunkKey
+    from kvhal.tiers.fs.descriptions import encode_record
+    log = tmp_path / "huge.log"
+    with open(log, "wb") as f:
+        f.write(MAGIC)
+        for i in range(64):
+            f.write(encode_record(ChunkKey(NAMESPACE, 0, i.to_bytes(32, "big")),
+                                  bytes([i]) * ((1 << 20) - 64)))
+    tracemalloc.start()
+    try:
+        records, end = read_records(str(log))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(records) == 64 and end == os.path.getsize(log)
+    assert [r[2] for r in records] == [i.to_bytes(32, "big") for i in range(64)]
+    assert peak < 16 << 20, f"{peak / 2**20:.0f} MiB held to read a 64 MiB log"

@@ -41,6 +41,10 @@ FOLD_MIN = 4096
 MAGIC = b"KVHALD1\n"
 _FRAME = struct.Struct("<II")
 _KEY = struct.Struct("<HB")
+#: Largest record payload: key, 255-byte block hash, description.
+_MAX_PAYLOAD = _KEY.size + 255 + MAX_DESCRIPTION_BYTES
+#: Bytes of a log read at a time.
+READ_BYTES = 4 << 20
 
 
 def encode_record(key: ChunkKey, description: bytes) -> bytes:
@@ -53,34 +57,43 @@ def read_records(path: str, start: int = 0) -> tuple[list[tuple[int, int, bytes,
     """Records of the log at `path` from byte `start` (0: check `MAGIC` first):
     [(group, payload offset, block hash, description length)], and the offset after the last
     whole, checked record. A torn or corrupt record ends the list. A log of another version,
-    or one that cannot be read, gives none.
+    or one that cannot be read, gives none. Reads `READ_BYTES` at a time (a log can be
+    hundreds of MB).
     """
+    out: list[tuple[int, int, bytes, int]] = []
+    buf, base, i = b"", start, 0        # base: the file offset of buf[0]; i: parsed up to
     try:
         with open(path, "rb") as f:
             if start == 0:
                 if f.read(len(MAGIC)) != MAGIC:
                     return [], 0
-                start = len(MAGIC)
-            f.seek(start)
-            data = f.read()
+                base = len(MAGIC)
+            f.seek(base)
+            while True:
+                if len(buf) - i >= _FRAME.size:
+                    length, crc = _FRAME.unpack_from(buf, i)
+                    if not _KEY.size <= length <= _MAX_PAYLOAD:
+                        break
+                    body = i + _FRAME.size
+                    if len(buf) - body >= length:
+                        payload = buf[body:body + length]
+                        if zlib.crc32(payload) != crc:
+                            break
+                        group, hash_len = _KEY.unpack_from(payload)
+                        desc_at = _KEY.size + hash_len
+                        if desc_at > length:
+                            break
+                        out.append((group, base + body + desc_at,
+                                    payload[_KEY.size:desc_at], length - desc_at))
+                        i = body + length
+                        continue
+                more = f.read(READ_BYTES)
+                if not more:
+                    break
+                buf, base, i = buf[i:] + more, base + i, 0
     except OSError:
         return [], start
-    out, pos = [], 0
-    while pos + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, pos)
-        body = pos + _FRAME.size
-        payload = data[body:body + length]
-        if (length < _KEY.size or length > _KEY.size + 255 + MAX_DESCRIPTION_BYTES
-                or len(payload) != length or zlib.crc32(payload) != crc):
-            break
-        group, hash_len = _KEY.unpack_from(payload)
-        block_hash = payload[_KEY.size:_KEY.size + hash_len]
-        if len(block_hash) != hash_len:
-            break
-        desc_at = _KEY.size + hash_len
-        out.append((group, start + body + desc_at, bytes(block_hash), length - desc_at))
-        pos = body + length
-    return out, start + pos
+    return out, base + i
 
 
 class DescriptionLogs:
