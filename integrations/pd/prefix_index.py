@@ -95,6 +95,8 @@ class InstanceIndex:
         held: Per tier, chain key → prefix length of the blocks the instance holds there.
         orphans: Blocks dropped: parent never seen, or no token ids for an unknown hash.
         min_block_tokens: The smallest device `block_size` seen (vLLM's block size), or None.
+        longest: Tokens of the longest prefix credited since the last `clear` (an upper
+            bound of what `prefix` can find: a router hashes no prompt token beyond it).
     """
 
     max_hashes: int = MAX_HASHES
@@ -102,12 +104,14 @@ class InstanceIndex:
     held: dict[str, dict[int, int]] = field(default_factory=lambda: {t: {} for t in TIERS})
     orphans: int = 0
     min_block_tokens: int | None = None
+    longest: int = 0
 
     def clear(self) -> None:
         """Forget everything the instance held (its engine-hash map too)."""
         self.blocks.clear()
         for keys in self.held.values():
             keys.clear()
+        self.longest = 0
 
     def counts(self) -> dict[str, int]:
         """Blocks held per tier."""
@@ -146,8 +150,13 @@ class InstanceIndex:
         if not isinstance(size, int) or size <= 0:
             raise EventError(f"BlockStored.block_size: must be a positive integer, got "
                              f"{size!r}")
-        if not isinstance(tokens, list):
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise EventError("BlockStored.token_ids: must be a list of ints")
+        parent = event.parent_block_hash
+        if parent is not None and not isinstance(parent, (bytes, int)):
+            raise EventError(f"BlockStored.parent_block_hash: must be bytes, an int or null, "
+                             f"got {type(parent).__name__}")
         held = self.held[tier]
         if len(tokens) != len(hashes) * size:      # no usable token ids: known hashes only
             for h in hashes:
@@ -156,8 +165,8 @@ class InstanceIndex:
                     self.orphans += 1
                 else:
                     held[known[0]] = known[1]
+                    self.longest = max(self.longest, known[1])
             return
-        parent = event.parent_block_hash
         if parent is None:
             extra = event.extra_keys
             start = (root_key(extra[0] if isinstance(extra, list) and extra else None), 0)
@@ -175,6 +184,7 @@ class InstanceIndex:
             length += size
             self._remember(h, key, length)
             held[key] = length
+        self.longest = max(self.longest, length)
 
     def _remember(self, block_hash: Hashable, key: int, length: int) -> None:
         self.blocks.pop(block_hash, None)

@@ -80,9 +80,8 @@ def parse_instance(spec: str) -> InstanceSpec:
                 f"replay=ZMQ_ENDPOINT, p2p=HOST:PORT (each at most once)")
         fields[key] = value.strip()
     for key in ("events", "replay"):
-        if key in fields and not fields[key].startswith(("tcp://", "ipc://")):
-            raise argparse.ArgumentTypeError(f"--instance {spec!r}: {key} must be a ZMQ "
-                                             f"endpoint tcp://HOST:PORT or ipc://PATH")
+        if key in fields:
+            _check_endpoint(spec, key, fields[key])
     if "replay" in fields and "events" not in fields:
         raise argparse.ArgumentTypeError(f"--instance {spec!r}: replay= needs events=")
     p2p = None
@@ -93,6 +92,31 @@ def parse_instance(spec: str) -> InstanceSpec:
                                              f"with PORT in 1..65535, got {fields['p2p']!r}")
         p2p = P2PAddress(host.strip("[]"), int(port))
     return InstanceSpec(backend_url(url), fields.get("events"), fields.get("replay"), p2p)
+
+
+def _check_endpoint(spec: str, key: str, endpoint: str) -> None:
+    """Refuse an endpoint a ZMQ socket cannot connect to (found here, not by a feed task
+    failing after startup): tcp://HOST:PORT with a real host (vLLM's publisher binds
+    `tcp://*:PORT`; the router connects to the instance's host) or ipc://PATH.
+
+    Raises:
+        argparse.ArgumentTypeError: naming `key` and quoting `spec`.
+    """
+    scheme, _, address = endpoint.partition("://")
+    if scheme == "ipc" and address:
+        return
+    if scheme != "tcp":
+        raise argparse.ArgumentTypeError(f"--instance {spec!r}: {key} must be a ZMQ "
+                                         f"endpoint tcp://HOST:PORT or ipc://PATH")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"--instance {spec!r}: {key} must be "
+                                         f"tcp://HOST:PORT with PORT in 1..65535, got "
+                                         f"{endpoint!r}")
+    if host.strip("[]") in ("*", "0.0.0.0", "::"):
+        raise argparse.ArgumentTypeError(
+            f"--instance {spec!r}: {key}={endpoint} is the publisher's bind address; "
+            f"connect to the instance's host, e.g. tcp://10.0.0.5:{port}")
 
 
 @dataclass(slots=True)
@@ -229,7 +253,8 @@ class Router:
 
     def _kv(self, live: list[Instance], tokens: list[int], cache_salt: str | None
             ) -> Decision:
-        keys = prefix_keys(tokens, root_key((cache_salt,) if cache_salt else None))
+        longest = max(i.index.longest for i in live)     # no key beyond it can be held
+        keys = prefix_keys(tokens[:longest], root_key((cache_salt,) if cache_salt else None))
         hits = {id(i): i.index.hits(keys) for i in live}
         holder, pull = None, 0
         if self.policy == "kv-p2p":

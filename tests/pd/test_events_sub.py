@@ -254,3 +254,32 @@ def test_a_stream_silent_after_requests_that_store_blocks_clears_the_index():
         await until(lambda: feed.stats.state == "live", "events resuming")
         assert held(feed) == 2 * B
     run(scenario, Publisher(replay=False), silence_s=0.2)
+
+
+def test_an_event_with_unhashable_fields_is_skipped_and_the_stream_goes_on():
+    """vLLM's own `BlockStored` encodes whatever its fields hold; a parent hash or token ids
+    that are msgpack arrays/maps decode as lists/dicts (unhashable). Fails when such an
+    event raises out of the feed (its task dies: later batches are never applied) or
+    leaves part of its chain in the index."""
+    fake_publisher = RawPublisher()
+    bad = [
+        kv_events.BlockStored(block_hashes=[b"x0"], parent_block_hash=[1, 2],
+                              token_ids=TOKENS[:B], block_size=B, lora_id=None,
+                              medium="GPU", lora_name=None),
+        kv_events.BlockStored(block_hashes=[b"y0", b"y1"], parent_block_hash=None,
+                              token_ids=TOKENS[:B] + [[1]] * B, block_size=B, lora_id=None,
+                              medium="GPU", lora_name=None),
+        kv_events.BlockRemoved(block_hashes=[b"d0"], medium=["GPU"]),
+    ]
+
+    async def scenario(pub, feed):
+        await synced(pub, feed)
+        pub.publish(*bad)
+        last = pub.publish(block(0), block(1))
+        await until(lambda: feed.stats.last_seq == last, "the batch after the bad events")
+        assert (held(feed), feed.stats.bad_events) == (2 * B, 3)
+        assert feed.index.prefix(KEYS, "device") == 2 * B and len(feed.index.blocks) == 2
+    try:
+        run(scenario, fake_publisher)
+    finally:
+        fake_publisher.sock.close(linger=0)

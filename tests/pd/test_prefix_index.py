@@ -197,7 +197,14 @@ def test_affinity_keeps_a_conversation_on_its_instance_and_round_robin_alternate
     ("http://h:1,p2p=h:0", "p2p must be HOST:PORT"),
     ("http://h:1,color=red", "not one of"),
     ("h:1", "http"),
-], ids=["scheme", "replay-alone", "port", "key", "url"])
+    ("http://h:1,events=tcp://*:5557", "the instance's host"),
+    ("http://h:1,events=tcp://h:5557,replay=tcp://0.0.0.0:5558", "the instance's host"),
+    ("http://h:1,events=tcp://", "tcp://HOST:PORT"),
+    ("http://h:1,events=tcp://h:port", "tcp://HOST:PORT"),
+    ("http://h:1,events=tcp://h:70000", "tcp://HOST:PORT"),
+    ("http://h:1,events=ipc://", "ipc://PATH"),
+], ids=["scheme", "replay-alone", "port", "key", "url", "wildcard", "any-address",
+        "no-address", "port-name", "port-range", "no-path"])
 def test_bad_instance_specs_are_refused_naming_the_part(spec, why):
     import argparse
     with pytest.raises(argparse.ArgumentTypeError, match=why):
@@ -221,3 +228,27 @@ def test_a_salted_prompt_and_an_unsalted_one_never_share_keys():
     assert index.prefix(prefix_keys(TOKENS), "device") == 0
     assert index.prefix(prefix_keys(TOKENS, root_key(("salt",))), "device") == 3 * B
     assert index.prefix(prefix_keys(TOKENS, root_key(("other",))), "device") == 0
+
+
+class _Hashed(int):
+    """A prompt token that counts how often it is hashed (the router's per-request work)."""
+
+    count = 0
+
+    def __hash__(self):
+        _Hashed.count += 1
+        return int.__hash__(self)
+
+
+@pytest.mark.parametrize("policy", ["kv", "kv-p2p"])
+def test_a_huge_prompt_costs_the_router_only_the_longest_prefix_it_could_hit(policy):
+    """The router runs on one event loop: hashing every token of a 256 MiB prompt (vLLM
+    refuses it later) stalls every other request and health poll for seconds. Fails when
+    tokens past the longest prefix any instance holds are hashed."""
+    instances = fleet()
+    device_blocks(instances[1].index, 2)
+    huge = TOKENS[:2 * B] + [_Hashed(t) for t in range(100_000)]
+    decision = Router(instances, policy).choose(huge, None)
+    assert (decision.instance, decision.predicted) == (instances[1], {"device": 2 * B})
+    assert decision.expects_store
+    assert _Hashed.count == 0

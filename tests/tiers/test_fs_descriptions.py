@@ -176,3 +176,97 @@ def test_a_running_tier_rewrites_its_log_once_most_records_are_of_chunks_gone(
                                             chunk_key(NAMESPACE, 7): b"seven"}
     finally:
         again.close()
+
+
+_DISK_FULL = r"""
+import os, resource, signal, sys
+from kvhal.keys import ChunkKey
+from kvhal.tiers.fs.descriptions import DescriptionLogs, MAGIC, encode_record
+folder, ns = sys.argv[1], bytes(range(16))
+key = lambda i: ChunkKey(ns, 0, bytes([i]) * 32)
+logs = DescriptionLogs(folder, ns)
+logs.open([])
+logs.append(key(0), b"a" * 100)                       # the log: MAGIC + record 0
+full = len(MAGIC) + len(encode_record(key(0), b"a" * 100))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (full + 50, hard))   # the disk fills mid-record
+logs.append(key(1), b"b" * 100)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))        # space freed again
+logs.append(key(2), b"c" * 100)
+logs.close()
+"""
+
+
+def test_a_record_cut_by_a_full_disk_does_not_hide_the_later_ones(tmp_path):
+    """A write cut short (the file size limit: what a full disk does to a `write`) leaves a
+    torn record; fails when it is left in the log, where it ends every later reading of the
+    records appended after it (their chunks then restart undescribed)."""
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-c", _DISK_FULL, str(tmp_path)], check=True, timeout=60)
+    (log,) = glob.glob(str(tmp_path / DESCRIPTIONS_DIR / "*.log"))
+    records, end = read_records(log)
+    assert [(r[2][:1], r[3]) for r in records] == [(b"\x00", 100), (b"\x02", 100)]
+    assert end == os.path.getsize(log)
+
+
+_FULL_AT_START = r"""
+import resource, signal, sys
+from tests.tiers.test_fs_descriptions import _open
+from tests.tiers.helpers import NAMESPACE, chunk_key, host_region
+host, _ = host_region()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (30, resource.RLIM_INFINITY))   # no room to fold
+tier = _open(sys.argv[1], host)
+assert dict(tier.take_found()) == {chunk_key(NAMESPACE, 0): b"zero" * 20,
+                                   chunk_key(NAMESPACE, 1): b"one" * 20}, "found"
+tier.close()
+"""
+
+
+def test_a_full_disk_at_start_keeps_the_tier_and_its_descriptions(tmp_path, region):
+    """A restart on a full disk (the file size limit: the fold of the logs cannot be
+    written). Fails when the fs tier then refuses to start ("cannot list"), when the chunks
+    are found without their descriptions, or when the cut temp file is left behind."""
+    import subprocess
+    import sys
+    host, array = region
+    tier = _open(tmp_path, host)
+    _store(tier, array, {0: b"zero" * 20, 1: b"one" * 20})
+    tier.close()
+    subprocess.run([sys.executable, "-c", _FULL_AT_START, str(tmp_path)], check=True,
+                   timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                       os.path.abspath(__file__)))))
+    assert not glob.glob(str(tmp_path / "*" / DESCRIPTIONS_DIR / "*.tmp"))
+    again = _open(tmp_path, host)      # room again: the records are all still there
+    try:
+        assert dict(again.take_found()) == {chunk_key(NAMESPACE, 0): b"zero" * 20,
+                                            chunk_key(NAMESPACE, 1): b"one" * 20}
+    finally:
+        again.close()
+
+
+def test_a_huge_log_is_read_in_bounded_memory(tmp_path):
+    """A long-lived fleet's fs root holds logs of hundreds of MB; each start (and each
+    listing that finds chunks) reads them. Fails when a log is read whole into memory (here
+    64 MiB of records; the reading may hold a few MiB at a time)."""
+    import tracemalloc
+
+    from kvhal.keys import ChunkKey
+    from kvhal.tiers.fs.descriptions import encode_record
+    log = tmp_path / "huge.log"
+    with open(log, "wb") as f:
+        f.write(MAGIC)
+        for i in range(64):
+            f.write(encode_record(ChunkKey(NAMESPACE, 0, i.to_bytes(32, "big")),
+                                  bytes([i]) * ((1 << 20) - 64)))
+    tracemalloc.start()
+    try:
+        records, end = read_records(str(log))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(records) == 64 and end == os.path.getsize(log)
+    assert [r[2] for r in records] == [i.to_bytes(32, "big") for i in range(64)]
+    assert peak < 16 << 20, f"{peak / 2**20:.0f} MiB held to read a 64 MiB log"

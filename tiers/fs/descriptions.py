@@ -21,6 +21,7 @@ the folder).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -40,6 +41,10 @@ FOLD_MIN = 4096
 MAGIC = b"KVHALD1\n"
 _FRAME = struct.Struct("<II")
 _KEY = struct.Struct("<HB")
+#: Largest record payload: key, 255-byte block hash, description.
+_MAX_PAYLOAD = _KEY.size + 255 + MAX_DESCRIPTION_BYTES
+#: Bytes of a log read at a time.
+READ_BYTES = 4 << 20
 
 
 def encode_record(key: ChunkKey, description: bytes) -> bytes:
@@ -52,34 +57,43 @@ def read_records(path: str, start: int = 0) -> tuple[list[tuple[int, int, bytes,
     """Records of the log at `path` from byte `start` (0: check `MAGIC` first):
     [(group, payload offset, block hash, description length)], and the offset after the last
     whole, checked record. A torn or corrupt record ends the list. A log of another version,
-    or one that cannot be read, gives none.
+    or one that cannot be read, gives none. Reads `READ_BYTES` at a time (a log can be
+    hundreds of MB).
     """
+    out: list[tuple[int, int, bytes, int]] = []
+    buf, base, i = b"", start, 0        # base: the file offset of buf[0]; i: parsed up to
     try:
         with open(path, "rb") as f:
             if start == 0:
                 if f.read(len(MAGIC)) != MAGIC:
                     return [], 0
-                start = len(MAGIC)
-            f.seek(start)
-            data = f.read()
+                base = len(MAGIC)
+            f.seek(base)
+            while True:
+                if len(buf) - i >= _FRAME.size:
+                    length, crc = _FRAME.unpack_from(buf, i)
+                    if not _KEY.size <= length <= _MAX_PAYLOAD:
+                        break
+                    body = i + _FRAME.size
+                    if len(buf) - body >= length:
+                        payload = buf[body:body + length]
+                        if zlib.crc32(payload) != crc:
+                            break
+                        group, hash_len = _KEY.unpack_from(payload)
+                        desc_at = _KEY.size + hash_len
+                        if desc_at > length:
+                            break
+                        out.append((group, base + body + desc_at,
+                                    payload[_KEY.size:desc_at], length - desc_at))
+                        i = body + length
+                        continue
+                more = f.read(READ_BYTES)
+                if not more:
+                    break
+                buf, base, i = buf[i:] + more, base + i, 0
     except OSError:
         return [], start
-    out, pos = [], 0
-    while pos + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, pos)
-        body = pos + _FRAME.size
-        payload = data[body:body + length]
-        if (length < _KEY.size or length > _KEY.size + 255 + MAX_DESCRIPTION_BYTES
-                or len(payload) != length or zlib.crc32(payload) != crc):
-            break
-        group, hash_len = _KEY.unpack_from(payload)
-        block_hash = payload[_KEY.size:_KEY.size + hash_len]
-        if len(block_hash) != hash_len:
-            break
-        desc_at = _KEY.size + hash_len
-        out.append((group, start + body + desc_at, bytes(block_hash), length - desc_at))
-        pos = body + length
-    return out, start + pos
+    return out, base + i
 
 
 class DescriptionLogs:
@@ -105,8 +119,9 @@ class DescriptionLogs:
     def open(self, held: Iterable[ChunkKey]) -> None:
         """Fold every log into a new one of this process's, keeping the records of `held`
         (the chunks the folder holds), delete the logs of writers that are gone, and append
-        to the new log from now on (made at the first record if no record was kept). Raises
-        OSError if the folder cannot be written."""
+        to the new log from now on (made at the first record if no record was kept). When
+        the fold cannot be written (a full disk), every log is left as it is and read from
+        where it is. Never raises for I/O errors."""
         self._read_new()
         held = set(held)
         token = f"{os.getpid()}.{os.urandom(8).hex()}"
@@ -122,19 +137,28 @@ class DescriptionLogs:
                 where[key] = (own, pos + len(record) - length, length)
                 pos += len(record)
             _OWN.add(own)
+            folded = True
             if where:
                 temp = os.path.join(self.folder, f"{token}.tmp")
-                with open(temp, "wb") as f:
-                    f.write(b"".join(chunks))
-                os.rename(temp, own)
-            for path in list(self._read_to) + _temp_files(self.folder):
-                if _writer_gone(path):
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
-                    self._read_to.pop(path, None)
-            self._where = where
+                try:
+                    with open(temp, "wb") as f:
+                        f.write(b"".join(chunks))
+                    os.rename(temp, own)
+                except OSError:     # a full disk: the records stay in the logs they are in
+                    folded = False
+                    with contextlib.suppress(OSError):
+                        os.unlink(temp)
+            if folded:
+                for path in list(self._read_to) + _temp_files(self.folder):
+                    if _writer_gone(path):
+                        try:
+                            os.unlink(path)
+                        except OSError:
+                            pass
+                        self._read_to.pop(path, None)
+                self._where = where
+            else:
+                self._where = {k: w for k, w in self._where.items() if k in held}
             self._own, self._fd = own, None
             self._open = True
 
@@ -156,7 +180,10 @@ class DescriptionLogs:
                     os.makedirs(self.folder, exist_ok=True)
                     self._fd = os.open(self._own, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 pos = os.lseek(self._fd, 0, os.SEEK_END)
-                os.write(self._fd, (MAGIC if pos == 0 else b"") + record)
+                data = (MAGIC if pos == 0 else b"") + record
+                if os.write(self._fd, data) != len(data):     # cut short: the disk is full
+                    os.ftruncate(self._fd, pos)     # a torn record would end every reading
+                    return
             except OSError:
                 return
             pos = max(pos, len(MAGIC))
