@@ -41,8 +41,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +53,8 @@ from .backends import FIRST_BYTE_TIMEOUT_S, Backend, NoHealthyBackend, Pool
 from .events_sub import EventFeed
 from .legs import BodyError, client_params
 from .prompts import Prompts
-from .proxy import FORWARDED_HEADERS, MAX_BODY_BYTES, PASSED_HEADERS, _error, _failure
+from .proxy import (FORWARDED_HEADERS, MAX_BODY_BYTES, PASSED_HEADERS, _error, _failure,
+                    run_app, verdict)
 from .route import Decision, Instance, InstanceSpec, Router, conversation_of
 
 log = logging.getLogger("kvhal.proxy")
@@ -410,26 +409,8 @@ async def serve(config: FleetConfig, announce: Callable[[str], Any] = print) -> 
         OSError: the listen address cannot be bound.
     """
     fleet = Fleet(config)
-    runner = web.AppRunner(fleet.app(), access_log=None, handler_cancellation=True,
-                           shutdown_timeout=config.shutdown_timeout_s)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-
-        def state(i: Instance) -> str:
-            b = i.backend
-            return f"{b.url} ({'healthy' if b.healthy else 'unhealthy: ' + str(b.last_error)})"
-
-        announce(f"kvhal proxy: listening on http://{host}:{port} (route {config.policy}); "
-                 f"instances: {', '.join(state(i) for i in fleet.router.instances)}")
-        sys.stdout.flush()
-        await stop.wait()
-        log.info("shutting down: finishing requests in flight")
-    finally:
-        await runner.cleanup()
+    await run_app(fleet.app(), config.host, config.port, config.shutdown_timeout_s,
+                  lambda url: (f"kvhal proxy: listening on {url} (route {config.policy}); "
+                               f"instances: "
+                               f"{', '.join(verdict(i.backend) for i in fleet.router.instances)}"),
+                  announce)

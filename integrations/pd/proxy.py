@@ -396,26 +396,43 @@ async def serve(config: ProxyConfig, announce: Callable[[str], Any] = print) -> 
         OSError: the listen address cannot be bound.
     """
     proxy = Proxy(config)
+    await run_app(proxy.app(), config.host, config.port, config.shutdown_timeout_s,
+                  lambda url: (f"kvhal proxy: listening on {url} ({config.order.value}); "
+                               f"prefillers: {', '.join(map(verdict, proxy.prefillers.backends))}; "
+                               f"decoders: {', '.join(map(verdict, proxy.decoders.backends))}"),
+                  announce)
+
+
+def verdict(backend: Backend) -> str:
+    """A backend's URL and health for a startup line: "URL (healthy)" / "URL (unhealthy: why)"."""
+    b = backend
+    return f"{b.url} ({'healthy' if b.healthy else 'unhealthy: ' + str(b.last_error)})"
+
+
+async def run_app(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
+                  describe: Callable[[str], str], announce: Callable[[str], Any]) -> None:
+    """Serve `app` on host:port until SIGTERM or SIGINT, then shut down gracefully: the
+    listener closes and requests in flight get `shutdown_timeout_s` seconds to finish.
+
+    `announce` receives `describe("http://HOST:PORT")` (the bound address) once listening.
+
+    Raises:
+        OSError: the listen address cannot be bound.
+    """
     # handler_cancellation: a client that leaves cancels its handler at once, which closes
     # the legs' connections (vLLM aborts those requests), even while no token is due.
-    runner = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True,
-                           shutdown_timeout=config.shutdown_timeout_s)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port)
+        site = web.TCPSite(runner, host, port)
         await site.start()
-        host, port = runner.addresses[0][:2]
+        bound_host, bound_port = runner.addresses[0][:2]
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-
-        def state(b: Backend) -> str:
-            return f"{b.url} ({'healthy' if b.healthy else 'unhealthy: ' + str(b.last_error)})"
-
-        announce(f"kvhal proxy: listening on http://{host}:{port} ({config.order.value}); "
-                 f"prefillers: {', '.join(state(b) for b in proxy.prefillers.backends)}; "
-                 f"decoders: {', '.join(state(b) for b in proxy.decoders.backends)}")
+        announce(describe(f"http://{bound_host}:{bound_port}"))
         sys.stdout.flush()
         await stop.wait()
         log.info("shutting down: finishing requests in flight")
