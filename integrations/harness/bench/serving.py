@@ -8,13 +8,17 @@ it (deltas over the point, summed over the servers; per server in `hits_by_serve
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+from kvhal.argtypes import positive_int
 
 from ..vllm import serve_metrics
 from ..vllm.chat import ChatShape, RequestResult, run_chats
@@ -237,3 +241,20 @@ def print_correctness(correctness: dict[str, dict], reference: str = "reference"
               f"{c['equal']} equal token for token, {c['differ']} differ; {c['other_prompt']} "
               f"not comparable (an earlier answer differed, so the prompt did), "
               f"{c['not_answered']} not answered by one side")
+
+
+def add_run_args(p: argparse.ArgumentParser, verb: str, max_num_seqs_help: str,
+                 workdir_help: str, plot_help: str) -> None:
+    """The options every served benchmark takes after its own: `--max-num-seqs`,
+    `--request-timeout-s`, `--seed`, `--workdir` (default ./kvhal-bench-`verb`), `--plot`,
+    `--json`; the helps name what differs."""
+    p.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help=f"vLLM's limit on requests running at once, {max_num_seqs_help} "
+                        "(default vLLM's)")
+    p.add_argument("--request-timeout-s", type=positive_int, default=600,
+                   help="limit on one request (default 600)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the user tokens (default 0)")
+    p.add_argument("--workdir", type=Path, default=Path(f"kvhal-bench-{verb}"),
+                   help=f"folder for {workdir_help} (default ./kvhal-bench-{verb})")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help=plot_help)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
