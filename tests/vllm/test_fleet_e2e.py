@@ -86,8 +86,12 @@ def _through(px: ProxyProcess, body: dict) -> dict:
     """One completion through the router, with the instance it went to."""
     before = _routed(px)
     out = _complete(px.url, body)
-    after = _routed(px)
-    (name,) = [n for n in NAMES if after[n] == before[n] + 1]
+    stats = _stats(px)
+    after = {n: i["routed"] for n, i in zip(NAMES, stats["instances"])}
+    grown = [n for n in NAMES if after[n] == before[n] + 1]
+    if len(grown) > 1:   # tried first where it failed (e.g. just killed), then re-sent
+        grown = [n for n, i in zip(NAMES, stats["instances"]) if n in grown and i["healthy"]]
+    (name,) = grown
     return out | {"instance": name}
 
 
