@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import GroupOffloadConfig
 from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
@@ -29,12 +30,22 @@ def vllm_request(tokens: list[int], block_size: int, lora: LoRARequest | None = 
                  name: str = "r") -> Request:
     """A vLLM `Request` of prompt `tokens`, hashed by vLLM's block hasher (sha256; the
     parent of the first block from `PYTHONHASHSEED`, as vLLM resolves it)."""
+    # vLLM's NONE_HASH is process-global: restore it, or the in-process engine tests that
+    # run next in this worker see the seed this request was hashed with (a mismatch error)
+    saved = vars(kv_cache_utils).get("NONE_HASH"), kv_cache_utils._NONE_HASH_SEED
     init_none_hash(sha256)
-    params = SamplingParams(max_tokens=1)
-    params.update_from_generation_config({}, 2)
-    return Request(request_id=name, prompt_token_ids=list(tokens), sampling_params=params,
-                   pooling_params=None, lora_request=lora,
-                   block_hasher=get_request_block_hasher(block_size, sha256))
+    try:
+        params = SamplingParams(max_tokens=1)
+        params.update_from_generation_config({}, 2)
+        return Request(request_id=name, prompt_token_ids=list(tokens), sampling_params=params,
+                       pooling_params=None, lora_request=lora,
+                       block_hasher=get_request_block_hasher(block_size, sha256))
+    finally:
+        if saved[0] is None:    # never initialised before
+            del kv_cache_utils.NONE_HASH
+        else:
+            kv_cache_utils.NONE_HASH = saved[0]
+        kv_cache_utils._NONE_HASH_SEED = saved[1]
 
 
 def offloading_events(request: Request, block_size: int, num_chunks: int,
