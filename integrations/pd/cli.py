@@ -76,9 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     fleet.add_argument("--tokenizer", metavar="DIR",
                        help="the model's tokenizer (transformers) for text prompts and chat "
                        "messages; token-id prompts need none")
-    fleet.add_argument("--load-tokens", type=_positive_int, default=512,
-                       help="prompt tokens one request in flight weighs against a prefix hit "
-                       "(default: %(default)s)")
+    fleet.add_argument("--load-tokens", type=_positive_int, default=128,
+                       help="prompt tokens one request in flight weighs besides those it "
+                       "computes: its decode steps (default: %(default)s)")
     fleet.add_argument("--p2p-busy", type=_positive_int, default=2,
                        help="kv-p2p: requests in flight at which a holder is busy and another "
                        "instance may pull its prefix (default: %(default)s)")

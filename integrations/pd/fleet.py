@@ -90,7 +90,7 @@ class FleetConfig:
     health_interval_s: float = 2.0
     connect_timeout_s: float = 5.0
     shutdown_timeout_s: float = 60.0
-    load_tokens: int = 512
+    load_tokens: int = 128
     p2p_busy: int = 2
     p2p_min_tokens: int = 256
     replay_timeout_s: float = 2.0
@@ -276,6 +276,8 @@ class Fleet:
             except _TryAnother as retry:
                 resent_slow = resent_slow or retry.slow
                 continue
+            finally:
+                self.router.finished(decision)
             if served and decision.expects_store and decision.instance.feed is not None:
                 decision.instance.feed.expect_batch()
             return resp

@@ -6,12 +6,17 @@ Policies (`POLICIES`):
   conversation goes to the least-loaded instance, later ones to the same instance while it is
   healthy. Conversation = the body's OpenAI `user` field, else a hash of the first chat
   message or of the prompt's first `AFFINITY_TOKENS` tokens (or characters).
-- "kv": KV-aware and load-aware. Each healthy instance's cost is
-  `uncached + load_tokens * load`: `uncached` = prompt tokens minus the prefix it holds,
-  each tier's tokens weighted by `TIER_WEIGHTS` (device 1.0 > host 0.8 > disk 0.6 > shared
-  0.4: the share of recomputation a hit there saves), `load` = its requests in flight by the
-  proxy's own count or, when larger, the running + waiting requests its `/metrics` reported
-  at the last poll. Least cost wins; ties go to the lesser load, then in turn.
+- "kv": KV-aware and load-aware. Each healthy instance's cost, in prompt tokens to compute
+  before this request's first token, is `uncached + pending + load_tokens * load`:
+  `uncached` = prompt tokens minus the prefix it holds, each tier's tokens weighted by
+  `TIER_WEIGHTS` (device 1.0 > host 0.8 > disk 0.6 > shared 0.4: the share of recomputation
+  a hit there saves); `pending` = the prompt tokens the router predicted its requests in
+  flight compute, hits not counted (as Dynamo's KV router counts an instance's pending
+  prefill blocks; a load runs beside the engine's steps, a computed token in them); `load` =
+  its requests in flight by the proxy's own count or, when larger, the running + waiting
+  requests its `/metrics` reported at the last poll, each weighing `load_tokens` (its decode
+  steps, and the prompts of requests another client sent). Least cost wins; ties go to the
+  lesser load, then in turn.
 - "kv-p2p": "kv", and an instance may also count the prefix a busy holder (load >=
   `p2p_busy`) keeps in its host tier, weighted `P2P_WEIGHT`, when the holder's p2p address is
   known: if such an instance wins by that credit, the request carries
@@ -129,6 +134,7 @@ class Instance:
     index: InstanceIndex = field(default_factory=InstanceIndex)
     feed: EventFeed | None = None
     queued: int = 0     # running + waiting at the last /metrics poll
+    pending: int = 0    # prompt tokens its requests in flight are predicted to compute
     by_reason: Counter = field(default_factory=Counter)
     predicted: Counter = field(default_factory=Counter)
 
@@ -144,6 +150,7 @@ class Instance:
             "p2p": None if self.spec.p2p is None else
             f"{self.spec.p2p.host}:{self.spec.p2p.port}",
             "in_flight": self.backend.outstanding, "load": self.load, "queued": self.queued,
+            "pending_tokens": self.pending,
             "routed": sum(self.by_reason.values()),
             "by_reason": {r: self.by_reason[r] for r in
                           ("kv", "load", "p2p", "fallback", "affinity", "round-robin")},
@@ -162,6 +169,8 @@ class Decision:
         kv_transfer: Keys to merge into the request's `kv_transfer_params` (kv-p2p).
         expects_store: The prompt is a block longer than its predicted device prefix (its
             instance must publish a `BlockStored`).
+        compute: Prompt tokens it is predicted to compute, no hit counted (0 where the
+            policy does not predict); in the instance's `pending` until `Router.finished`.
     """
 
     instance: Instance
@@ -169,6 +178,7 @@ class Decision:
     predicted: dict[str, int]
     kv_transfer: dict[str, Any] | None = None
     expects_store: bool = False
+    compute: int = 0
 
 
 class Router:
@@ -182,7 +192,7 @@ class Router:
         p2p_min_tokens: Fewest tokens worth pulling over p2p.
     """
 
-    def __init__(self, instances: list[Instance], policy: str, *, load_tokens: int = 512,
+    def __init__(self, instances: list[Instance], policy: str, *, load_tokens: int = 128,
                  p2p_busy: int = 2, p2p_min_tokens: int = 256):
         if policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -231,9 +241,16 @@ class Router:
         self._turn = (self.instances.index(chosen) + 1) % len(self.instances)
         chosen.by_reason[decision.reason] += 1
         chosen.predicted.update(decision.predicted)
+        chosen.pending += decision.compute
         chosen.backend.outstanding += 1
         chosen.backend.legs += 1
         return decision
+
+    @staticmethod
+    def finished(decision: Decision) -> None:
+        """Its request ended (answered, failed or sent on): its predicted compute leaves the
+        instance's `pending`."""
+        decision.instance.pending -= decision.compute
 
     @staticmethod
     def _least_loaded(live: list[Instance]) -> Instance:
@@ -266,28 +283,28 @@ class Router:
         best = None
         for i in live:      # in round-robin order: the first of equal costs wins
             hit = hits[id(i)]
-            saved = sum(TIER_WEIGHTS[t] * hit[t] for t in TIERS)
             own = sum(hit.values())
             extra = 0
             if holder is not None and i is not holder and pull - own >= self.p2p_min_tokens:
                 extra = pull - own
-            cost_own = n - saved + self.load_tokens * i.load
-            cost_p2p = cost_own - P2P_WEIGHT * extra
-            use_p2p = extra > 0 and cost_p2p < cost_own
-            cost = cost_p2p if use_p2p else cost_own
-            rank = (cost, i.load)
+            # this request's own work there (weighted hits count the share a load costs),
+            # then what is queued before it
+            work = n - sum(TIER_WEIGHTS[t] * hit[t] for t in TIERS) - P2P_WEIGHT * extra
+            rank = (work + i.pending + self.load_tokens * i.load, i.load)
             if best is None or rank < best[0]:
-                best = (rank, i, hit, extra if use_p2p else 0)
+                best = (rank, i, hit, extra)
         _, chosen, hit, extra = best
         predicted = {t: v for t, v in hit.items() if v} | ({"p2p": extra} if extra else {})
         block = chosen.index.min_block_tokens or 16
         expects = n - hit["device"] >= block + 1
+        compute = max(0, n - sum(predicted.values()))
         if extra:
             source = {"kv_request_id": secrets.token_urlsafe(24),
                       "remote_host": holder.spec.p2p.host, "remote_port": holder.spec.p2p.port}
-            return Decision(chosen, "p2p", predicted, {REMOTE_KV_SOURCE: source}, expects)
+            return Decision(chosen, "p2p", predicted, {REMOTE_KV_SOURCE: source}, expects,
+                            compute)
         reason = "kv" if any(hit.values()) else "load"
-        return Decision(chosen, reason, predicted, None, expects)
+        return Decision(chosen, reason, predicted, None, expects, compute)
 
 
 def conversation_of(body: dict, tokens: list[int] | None) -> str | None:

@@ -136,6 +136,27 @@ def test_kv_routes_to_the_holder_until_its_load_outweighs_the_prefix():
     assert router.choose(TOKENS, None).instance is a
 
 
+def test_kv_counts_the_prompt_tokens_requests_in_flight_compute_until_they_end():
+    """A long fresh prompt in flight on the holder outweighs its 6-block prefix; once it
+    ends, the holder wins again. Fails when the router weighs requests in flight only by
+    their count (the holder would win with its own request in flight)."""
+    a, b = fleet()
+    device_blocks(b.index, 6)
+    router = Router([a, b], "kv", load_tokens=1)
+    a.backend.outstanding = 1       # the fresh prompt goes to b by load
+    fresh = router.choose(list(range(3000, 3000 + 20 * B)), None)
+    a.backend.outstanding = 0
+    assert (fresh.instance, fresh.compute, b.pending) == (b, 20 * B, 20 * B)
+    moved = router.choose(TOKENS, None)     # b: 0 + 320 pending + 1 > a: 96 + 0 + 0
+    assert (moved.instance, moved.compute, a.pending) == (a, 6 * B, 6 * B)
+    for d in (fresh, moved):
+        d.instance.backend.outstanding -= 1
+        Router.finished(d)
+    assert (a.pending, b.pending) == (0, 0)
+    back = router.choose(TOKENS, None)
+    assert (back.instance, back.compute, back.predicted) == (b, 0, {"device": 6 * B})
+
+
 def test_no_prefix_anywhere_routes_by_load_and_unknown_tokens_fall_back():
     a, b = fleet()
     a.backend.outstanding = 1
