@@ -33,7 +33,9 @@ Faults, each with a log line naming the instance, never a crash or a hung reques
     - no healthy instance: 503 naming each and why.
     - event-stream faults: `events_sub`; tokenizer faults: `prompts`.
 400 for a body that is not a JSON object (or whose `kv_transfer_params` is not one), 413 over
-`MAX_BODY_BYTES`, as in P/D mode.
+`MAX_BODY_BYTES`, as in P/D mode. Bodies are decoded with msgspec and sent on as the client's
+bytes unless kv-p2p adds `remote_kv_source` (then encoded with msgspec): a 50 MB token-id
+prompt holds the event loop ~0.25 s on this VM instead of ~1 s with the standard library.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 import zmq.asyncio
 from aiohttp import web
 
@@ -240,10 +243,11 @@ class Fleet:
 
     async def _route(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json()
+            raw = await request.read()
+            body = msgspec.json.decode(raw)
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
-        except ValueError as exc:
+        except msgspec.DecodeError as exc:
             return _error(400, f"request body is not JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, f"request body must be a JSON object, got "
@@ -271,7 +275,7 @@ class Fleet:
                 if i not in tried)
             try:
                 resp, served = await self._relay(request, decision.instance, "POST", path,
-                                                 _with_transfer(body, decision), headers,
+                                                 _payload(raw, body, decision), headers,
                                                  last=last, resend_slow=not resent_slow)
             except _TryAnother as retry:
                 resent_slow = resent_slow or retry.slow
@@ -283,10 +287,11 @@ class Fleet:
             return resp
 
     async def _relay(self, request: web.Request, inst: Instance, method: str, path: str,
-                     body: dict | None, headers: dict | None, *, last: bool, resend_slow: bool
-                     ) -> tuple[web.StreamResponse, bool]:
-        """Send one request to `inst` (counted in its `outstanding`, ended here) and stream
-        its answer to the client, which gets nothing before the answer's first body chunk.
+                     body: bytes | None, headers: dict | None, *, last: bool,
+                     resend_slow: bool) -> tuple[web.StreamResponse, bool]:
+        """Send one request to `inst` (counted in its `outstanding`, ended here) with `body`,
+        JSON bytes or None, and stream its answer to the client, which gets nothing before
+        the answer's first body chunk.
         Returns (response, whether it was a complete 2xx answer).
 
         Raises:
@@ -299,7 +304,9 @@ class Fleet:
         upstream = None
         try:
             async with asyncio.timeout(limit) as first_byte:
-                upstream = await self.session.request(method, f"{url}{path}", json=body,
+                if body is not None:
+                    headers = {**(headers or {}), "Content-Type": "application/json"}
+                upstream = await self.session.request(method, f"{url}{path}", data=body,
                                                       headers=headers)
                 if upstream.status >= 500 and not last:
                     upstream.close()
@@ -393,12 +400,13 @@ class _TryAnother(Exception):
         self.slow = slow
 
 
-def _with_transfer(body: dict, decision: Decision) -> dict:
-    """The body sent to the instance: the client's, plus kv-p2p's `remote_kv_source` (the
-    client's own `kv_transfer_params` keys kept)."""
+def _payload(raw: bytes, body: dict, decision: Decision) -> bytes:
+    """The JSON bytes sent to the instance: the client's `raw` bytes, or its `body` plus
+    kv-p2p's `remote_kv_source` (the client's own `kv_transfer_params` keys kept)."""
     if decision.kv_transfer is None:
-        return body
-    return body | {"kv_transfer_params": client_params(body) | decision.kv_transfer}
+        return raw
+    params = client_params(body) | decision.kv_transfer
+    return msgspec.json.encode(body | {"kv_transfer_params": params})
 
 
 async def serve(config: FleetConfig, announce: Callable[[str], Any] = print) -> None:

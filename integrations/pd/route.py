@@ -6,12 +6,13 @@ Policies (`POLICIES`):
   conversation goes to the least-loaded instance, later ones to the same instance while it is
   healthy. Conversation = the body's OpenAI `user` field, else a hash of the first chat
   message or of the prompt's first `AFFINITY_TOKENS` tokens (or characters).
-- "kv": KV-aware and load-aware. Each healthy instance's cost, in prompt tokens to compute
-  before this request's first token, is `uncached + pending + load_tokens * load`:
-  `uncached` = prompt tokens minus the prefix it holds, each tier's tokens weighted by
-  `TIER_WEIGHTS` (device 1.0 > host 0.8 > disk 0.6 > shared 0.4: the share of recomputation
-  a hit there saves); `pending` = the prompt tokens the router predicted its requests in
-  flight compute, hits not counted (as Dynamo's KV router counts an instance's pending
+- "kv": KV-aware and load-aware. Each healthy instance's cost, in prompt-token units, is
+  `RECOMPUTE_CHARGE * computed + loading + pending + load_tokens * load`: `computed` = the
+  prompt tokens beyond the prefix it holds (charged twice: they delay this request and take
+  capacity from every later one); `loading` = what loading the held prefix costs, each
+  tier's tokens times one minus its `TIER_WEIGHTS` (device 1.0 > host 0.8 > disk 0.6 >
+  shared 0.4: the share of recomputation a hit there saves); `pending` = the prompt tokens
+  the router predicted its requests in flight compute, hits not counted (as Dynamo's KV router counts an instance's pending
   prefill blocks; a load runs beside the engine's steps, a computed token in them); `load` =
   its requests in flight by the proxy's own count or, when larger, the running + waiting
   requests its `/metrics` reported at the last poll, each weighing `load_tokens` (its decode
@@ -45,6 +46,9 @@ from .prefix_index import TIERS, InstanceIndex, prefix_keys, root_key
 POLICIES = ("round-robin", "affinity", "kv", "kv-p2p")
 #: Share of a token's recomputation that a hit in each tier saves (module docstring).
 TIER_WEIGHTS = {"device": 1.0, "host": 0.8, "disk": 0.6, "shared": 0.4}
+#: What a token this request computes costs against a queued one: it delays this request
+#: and also takes capacity from every later one (a queued token delays only this request).
+RECOMPUTE_CHARGE = 2.0
 #: Weight of a token pulled from a peer's host tier over p2p.
 P2P_WEIGHT = 0.5
 #: Prompt tokens (or characters) naming a conversation when it has no `user`.
@@ -287,10 +291,12 @@ class Router:
             extra = 0
             if holder is not None and i is not holder and pull - own >= self.p2p_min_tokens:
                 extra = pull - own
-            # this request's own work there (weighted hits count the share a load costs),
-            # then what is queued before it
-            work = n - sum(TIER_WEIGHTS[t] * hit[t] for t in TIERS) - P2P_WEIGHT * extra
-            rank = (work + i.pending + self.load_tokens * i.load, i.load)
+            # this request's own work there, then what is queued before it
+            computed = n - own - extra
+            loading = (sum((1 - TIER_WEIGHTS[t]) * hit[t] for t in TIERS)
+                       + (1 - P2P_WEIGHT) * extra)
+            rank = (RECOMPUTE_CHARGE * computed + loading + i.pending
+                    + self.load_tokens * i.load, i.load)
             if best is None or rank < best[0]:
                 best = (rank, i, hit, extra)
         _, chosen, hit, extra = best

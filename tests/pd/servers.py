@@ -156,6 +156,7 @@ class Received:
     transport: object = None          # the connection it came on (asyncio transport)
     answered_seq: int | None = None
     waited_ok: bool | None = None     # the `answer_after` condition held in time
+    raw: bytes = b""                  # the body's bytes as they arrived
 
 
 class RecordingBackend:
@@ -221,8 +222,9 @@ class RecordingBackend:
         return web.json_response({"backend": self.name})
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
-        rec = Received(request.path, dict(request.headers), await request.json(), next(_SEQ),
-                       request.transport)
+        raw = await request.read()
+        rec = Received(request.path, dict(request.headers), json.loads(raw), next(_SEQ),
+                       request.transport, raw=raw)
         self.received.append(rec)
         self._arrived.set()
         if self.answer_after is not None:

@@ -7,6 +7,7 @@ import http.client
 import json
 import subprocess
 import time
+import urllib.request
 
 import pytest
 
@@ -157,6 +158,22 @@ def test_kv_routes_to_the_holder_and_kv_p2p_pulls_from_it_when_busy(backend, fle
     assert sb["events"]["state"] == "live" and sb["events"]["replays"] >= 1
     wait(lambda: [i["in_flight"] for i in stats(px)["instances"]] == [0, 0],
          "the streams the client closed to end", 10)
+
+
+def test_a_body_is_sent_on_as_the_client_s_bytes_unless_remote_kv_source_is_added(
+        backend, fleet):
+    """The router forwards the client's JSON bytes as they came (no decode-encode round
+    trip for a 50 MB prompt; key order, spacing and number spelling kept). Fails when the
+    body is re-encoded."""
+    a = backend("a")
+    px = fleet("kv", [a.url])
+    raw = b'{ "prompt" : [5, 6, 7],\n  "model": "m", "max_tokens": 2, "x": 1.50 }'
+    req = urllib.request.Request(f"{px.url}/v1/completions", data=raw,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["backend"] == "a"
+    assert a.legs[-1].raw == raw
+    assert a.legs[-1].headers["Content-Type"] == "application/json"
 
 
 def test_an_instance_answering_5xx_or_dead_is_routed_around(backend, fleet):

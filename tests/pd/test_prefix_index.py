@@ -132,7 +132,7 @@ def test_kv_routes_to_the_holder_until_its_load_outweighs_the_prefix():
     first = router.choose(TOKENS, None)
     assert (first.instance, first.reason, first.predicted) == (b, "kv", {"device": 6 * B})
     assert router.choose(TOKENS, None).instance is b       # 1 in flight: 16 < 96 tokens
-    b.backend.outstanding = 7                               # 7 * 16 > 96: go elsewhere
+    b.backend.outstanding = 13          # 13 * 16 > 96 computed at a, charged twice: elsewhere
     assert router.choose(TOKENS, None).instance is a
 
 

@@ -551,10 +551,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("multi-turn point")
     g.add_argument("--conversations", type=positive_int, default=8,
                    help="conversations, all live at once (default 8)")
-    g.add_argument("--turns", type=positive_int, default=4, help="turns per conversation "
-                   "(default 4)")
-    g.add_argument("--initial-tokens", type=positive_int, default=1024,
-                   help="user tokens of a conversation's first prompt (default 1024)")
+    g.add_argument("--turns", type=positive_int, default=10, help="turns per conversation "
+                   "(default 10: first turns are a tenth of the requests, so p90 TTFT "
+                   "measures the later ones)")
+    g.add_argument("--initial-tokens", type=positive_int, default=256,
+                   help="user tokens of a conversation's first prompt (default 256)")
     g.add_argument("--turn-tokens", type=positive_int, default=256,
                    help="user tokens each later turn adds after the answer (default 256)")
     g.add_argument("--concurrency", type=positive_int, default=4,
@@ -577,9 +578,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "40; the reference gets enough for every conversation)")
     p.add_argument("--host-mib", type=positive_int, default=32,
                    help="kvhal host tier per server, MiB (default 32)")
-    p.add_argument("--fs-mib", type=positive_int, default=64,
-                   help="kvhal fs tier cap per server, MiB (default 64: about one server's "
-                        "share of the default multi-turn conversations, 15 MiB each)")
+    p.add_argument("--fs-mib", type=positive_int, default=96,
+                   help="kvhal fs tier cap per server, MiB (default 96: a little more than "
+                        "one server's share of the default multi-turn conversations, 21 MiB "
+                        "each at their last turn)")
     add_run_args(p, "fleet", "per server", "report.json, logs, fs tiers and the p2p key",
                  "write requests/s and TTFT p90 per point and router")
     p.set_defaults(func=run)
