@@ -382,6 +382,20 @@ def host_tail_bytes(config: EngineConfig) -> int:
                 if t.module_path is None and t.type in registered), default=0)
 
 
+#: Option names whose string values are secrets (S3 keys, tokens, passwords).
+_SECRET_NAME = re.compile(r"(?i)secret|password|token|credential|(^|_)key$")
+
+
+def _scrub(text: str, options: Mapping[str, Any]) -> str:
+    """`text` (a tier's error) with the value of every secret-named string option (4+
+    characters) replaced by "***": an error reaches logs and reports, a secret never does."""
+    for name, value in options.items():
+        if isinstance(name, str) and isinstance(value, str) and len(value) >= 4 \
+                and _SECRET_NAME.search(name):
+            text = text.replace(value, "***")
+    return text
+
+
 def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes, *,
                 data_parallel_index: int = 0) -> list[Any]:
     """Construct every secondary tier of `config`, in order.
@@ -412,13 +426,14 @@ def build_tiers(config: EngineConfig, host_view: memoryview, namespace: bytes, *
                 if hasattr(type(built[-1]), "metrics"):  # declarations checked now; a
                     _ = built[-1].metrics               # property's AttributeError is a bug
             except ValueError as exc:
-                key, sep, message = str(exc).partition(": ")
+                key, sep, message = _scrub(str(exc), tier.options).partition(": ")
                 if sep and _KEY_PATH.fullmatch(key):
                     raise ConfigError(f"{path}.{key}", message) from None
-                raise ConfigError(path, str(exc)) from None
+                raise ConfigError(path, _scrub(str(exc), tier.options)) from None
             except Exception as exc:
                 raise ConfigError(path, f"building the {tier.type!r} tier failed: "
-                                  f"{type(exc).__name__}: {exc}") from None
+                                  f"{type(exc).__name__}: "
+                                  f"{_scrub(str(exc), tier.options)}") from None
     except ConfigError:
         for done in built:
             done.close()

@@ -166,7 +166,11 @@ BROKEN_TIER_MODULES = {
     "register_junk": "def kvhal_register_tiers():\n    return [1, 2]\nNOT_CALLABLE = 5\n",
     "factory_bugs": ("def no_args():\n    pass\n"
                      "def denied(config, host, namespace):\n"
-                     "    raise PermissionError(13, 'Permission denied')\n"),
+                     "    raise PermissionError(13, 'Permission denied')\n"
+                     "def leaky(config, host, namespace):\n"
+                     "    raise RuntimeError('signature of ' + config['secret_key'] + ' refused')\n"
+                     "def leaky_value(config, host, namespace):\n"
+                     "    raise ValueError('secret_key: ' + config['secret_key'] + ' refused')\n"),
 }
 
 
@@ -198,6 +202,20 @@ def test_a_broken_module_path_is_a_config_error_and_closes_built_tiers(tmp_path,
     with pytest.raises(ConfigError, match=message):
         build_tiers(cfg, memoryview(bytearray(64)), bytes(16))
     assert len(closed) == 1
+
+
+@pytest.mark.parametrize("factory", ["leaky", "leaky_value"])
+def test_a_tier_error_quoting_a_secret_option_is_scrubbed(tmp_path, monkeypatch, factory):
+    """An out-of-tree tier whose error quotes its secret option: the ConfigError (which
+    reaches logs and reports) says "***" instead. Fails without `config._scrub`."""
+    (tmp_path / "factory_bugs.py").write_text(BROKEN_TIER_MODULES["factory_bugs"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = parse_config({"cpu_bytes_to_use": 1, "secondary_tiers": [
+        {"type": "x", "module_path": f"factory_bugs:{factory}",
+         "secret_key": "wJalrXUtnFEMI/K7MDENG"}]})
+    with pytest.raises(ConfigError) as err:
+        build_tiers(cfg, memoryview(bytearray(64)), bytes(16))
+    assert "wJalrXUtnFEMI" not in str(err.value) and "*** refused" in str(err.value)
 
 
 @pytest.mark.parametrize("source,message", [
