@@ -18,8 +18,9 @@ then routed by load alone until its events resume, never a failed request):
 - `seq` going back (the publisher restarted: a new process has an empty device cache), or a
   batch that does not decode (malformed): the index is cleared, the stream resumes after it;
 - an event that does not apply (wrong field types, unknown medium): skipped and counted;
-- a silent stream (the router sent the instance requests that must have stored blocks, and
-  no batch came for `silence_s`): `check_silence` clears the index;
+- a silent stream (the router sent the instance a request that must have stored blocks, no
+  batch came while it ran, and none for `silence_s` after its answer): `check_silence`
+  clears the index;
 - the instance found dead (`drop`, by the proxy's health poll): the index is cleared.
 At startup with a replay endpoint, the feed replays from seq 0 (the publisher's buffer: what
 the instance stored before the router started; vLLM keeps `buffer_steps` batches), and again
@@ -282,10 +283,13 @@ class EventFeed:
         log.warning("instance %s: %s; its index is cleared (routed by load until events "
                     "resume)", self.name, why)
 
-    def expect_batch(self) -> None:
+    def expect_batch(self, batches_before: int) -> None:
         """The router sent the instance a request that must store blocks (a prompt longer
-        than its cached prefix by a block): a batch is owed from now."""
-        if self._pending_since is None:
+        than its cached prefix by a block) when `stats.batches` was `batches_before`, and it
+        was answered: a batch is owed from now unless one came since it was sent (a long
+        prefill on a loaded instance may publish its blocks long before its answer ends, then
+        stay quiet for longer than `silence_s`)."""
+        if self._pending_since is None and self.stats.batches == batches_before:
             self._pending_since = time.monotonic()
 
     def check_silence(self) -> None:

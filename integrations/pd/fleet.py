@@ -270,6 +270,8 @@ class Fleet:
             except NoHealthyBackend as exc:
                 return _error(503, str(exc))
             tried += (decision.instance,)
+            feed = decision.instance.feed
+            batches_before = None if feed is None else feed.stats.batches
             last = len(tried) == len(self.router.instances) or not any(
                 i.backend.healthy is not False for i in self.router.instances
                 if i not in tried)
@@ -282,8 +284,8 @@ class Fleet:
                 continue
             finally:
                 self.router.finished(decision)
-            if served and decision.expects_store and decision.instance.feed is not None:
-                decision.instance.feed.expect_batch()
+            if served and decision.expects_store and feed is not None:
+                feed.expect_batch(batches_before)
             return resp
 
     async def _relay(self, request: web.Request, inst: Instance, method: str, path: str,
