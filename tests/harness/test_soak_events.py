@@ -1,0 +1,207 @@
+"""`kvhal soak`'s check that events stay true (`integrations/harness/soak/events.py`), without
+vLLM servers: recorded event batches fed to the router's real `EventFeed` (msgpack frames as
+vLLM's publisher sends them), real fs chunk files written by the fs tier's own writer, and a
+`ClaimLedger` checked against their states."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import msgspec
+import pytest
+import zmq.asyncio
+from kvhal.integrations.harness.soak.events import (
+    BOUND_S,
+    ClaimLedger,
+    FsState,
+    _ledger_index,
+    external_hash,
+    tier_of,
+)
+from kvhal.integrations.pd import events_sub
+from kvhal.tiers.fs.fileio import Scratch, write_chunk
+from kvhal.tiers.fs.format import chunk_path, namespace_dir
+
+from kvhal.keys import ChunkKey
+
+NAMESPACE = bytes(range(16))
+
+
+def test_external_hash_is_what_vllm_publishes():
+    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    h = bytes(range(32))
+    assert external_hash(h) == int.from_bytes(h[-8:], "big")
+    assert external_hash(h) == (int.from_bytes(h, "big") & ((1 << 64) - 1))
+    if kv_cache_utils.envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        assert external_hash(h) == kv_cache_utils.maybe_convert_block_hash(h)
+    assert external_hash(external_hash(h)) == external_hash(h)
+
+
+@pytest.mark.parametrize("medium, locality, tier", [
+    ("GPU", None, "device"), (None, None, "device"), ("CPU", None, "host"),
+    ("STORAGE", "LOCAL", "fs"), ("STORAGE", "REMOTE", "obj"), ("CPU", "REMOTE", "pool")])
+def test_media_map_to_the_soak_tiers(medium, locality, tier):
+    assert tier_of(medium, locality) == tier
+
+
+def test_a_claim_retracted_while_its_chunk_was_there_is_not_stale():
+    ledger = ClaimLedger()
+    ledger.stored("a", "fs", [1, 2], 0.5)
+    ledger.check({"fs": {1: "ok", 2: "ok"}}, 1.0)
+    ledger.removed("a", "fs", [1], 1.5)
+    t = ledger.report(2.0)["tiers"]["fs"]
+    assert t["claims"] == 2 and t["retracted"] == 1 and t["stale_retracted"] == 0
+
+
+def test_staleness_runs_from_the_last_good_check_or_the_fault_that_hit_it():
+    """Fails when staleness is counted from the claim, from the first bad check only, or when
+    a hint outside (last good, first bad] is used."""
+    ledger = ClaimLedger()
+    ledger.stored("a", "fs", [1, 2], 0.0)
+    ledger.check({"fs": {1: "ok", 2: "ok"}}, 3.0)
+    ledger.hint("fs", 4.5, [b"\0" * 24 + (2).to_bytes(8, "big")])     # chunk 2's file
+    ledger.hint("fs", 1.0, [1])                                         # before the good check
+    ledger.check({"fs": {}}, 6.0)
+    ledger.removed("a", "fs", [1, 2], 7.0)
+    t = ledger.report(8.0)["tiers"]["fs"]
+    assert t["became_unloadable"] == {"missing": 2, "damaged": 0}
+    assert t["stale_retracted"] == 2
+    assert t["max_stale_s"] == 4.0          # chunk 1: from the good check at 3
+    assert t["max_stale_lo_s"] == 1.0       # from the bad check at 6
+    assert t["violations"] == 0
+    ledger2 = ClaimLedger()
+    ledger2.stored("a", "fs", [2], 0.0)
+    ledger2.check({"fs": {2: "ok"}}, 3.0)
+    ledger2.hint("fs", 4.5, [2])
+    ledger2.check({"fs": {}}, 6.0)
+    ledger2.removed("a", "fs", [2], 7.0)
+    assert ledger2.report(8.0)["tiers"]["fs"]["max_stale_s"] == 2.5
+
+
+def test_a_missing_chunk_claimed_past_the_bound_is_a_violation_a_damaged_one_is_reported():
+    """Fails when claims standing at the end are dropped from the report, or when damaged
+    files (a known limitation: found at load) count as violations."""
+    ledger = ClaimLedger()
+    ledger.stored("a", "obj", [1, 2], 0.0)
+    ledger.stored("b", "fs", [3], 0.0)
+    ledger.check({"obj": {1: "ok", 2: "ok"}, "fs": {3: "ok"}}, 1.0)
+    ledger.check({"obj": {}, "fs": {3: "damaged"}}, 2.0)
+    late = 2.0 + BOUND_S["obj"] + 1.0
+    ledger.removed("a", "obj", [1], late)
+    report = ledger.report(late + 100.0)
+    obj, fs = report["tiers"]["obj"], report["tiers"]["fs"]
+    assert obj["violations"] == 2                       # 1 retracted late, 2 never
+    assert obj["never_retracted"] == {"missing": 1, "damaged": 0}
+    assert obj["max_never_retracted_s"] == late + 100.0 - 1.0
+    assert fs["never_retracted"] == {"missing": 0, "damaged": 1} and fs["violations"] == 0
+
+
+def test_a_claim_newer_than_the_snapshot_is_not_judged_by_it():
+    """Fails when a snapshot taken before a chunk was stored marks its claim missing."""
+    ledger = ClaimLedger()
+    ledger.stored("a", "fs", [1], 5.0)
+    ledger.check({"fs": {}}, 4.0, at_s=6.0)
+    ledger.removed("a", "fs", [1], 30.0)
+    assert ledger.report(31.0)["tiers"]["fs"]["stale_retracted"] == 0
+
+
+def test_a_chunk_loadable_again_ends_its_staleness():
+    ledger = ClaimLedger()
+    ledger.stored("a", "fs", [1], 0.0)
+    ledger.check({"fs": {}}, 1.0)
+    ledger.check({"fs": {1: "ok"}}, 2.0)        # the other server stored it again
+    ledger.removed("a", "fs", [1], 40.0)
+    t = ledger.report(41.0)["tiers"]["fs"]
+    assert t["stale_retracted"] == 0 and t["violations"] == 0
+
+
+def test_unchecked_tiers_are_counted_only():
+    ledger = ClaimLedger()
+    ledger.stored("a", "host", [1, 2], 0.0)
+    ledger.stored("a", "pool", [3], 0.0)
+    ledger.check({"fs": {}}, 1.0)
+    report = ledger.report(2.0)
+    assert report["unchecked_claims"] == {"host": 2, "pool": 1} and report["tiers"] == {}
+
+
+# -- real chunk files ------------------------------------------------------------------------
+def _write(root, i: int) -> tuple[str, int]:
+    ns_dir = namespace_dir(str(root), NAMESPACE)
+    key = ChunkKey(NAMESPACE, 0, bytes([i]) * 32)
+    os.makedirs(os.path.dirname(chunk_path(ns_dir, key)), exist_ok=True)
+    write_chunk(os, ns_dir, key, memoryview(bytes(range(256)) * 40), False, Scratch(), False)
+    return chunk_path(ns_dir, key), external_hash(key.block_hash)
+
+
+def test_fs_state_tells_good_damaged_and_missing_files(tmp_path):
+    """Fails when a file rewritten in place (same size) keeps its cached verdict, or when a
+    file is judged by its name alone."""
+    files = [_write(tmp_path, i) for i in (1, 2, 3, 4)]
+    state = FsState(str(tmp_path))
+    assert state.snapshot() == {h: "ok" for _, h in files}
+    (p1, h1), (p2, h2), (p3, h3), _ = files
+    with open(p1, "r+b") as f:
+        f.truncate(os.path.getsize(p1) // 2)
+    size = os.path.getsize(p2)
+    with open(p2, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff" * 16)
+    os.utime(p2, ns=(time.time_ns(), time.time_ns() + 10**9))   # a later write: new mtime
+    os.unlink(p3)
+    snap = state.snapshot()
+    assert snap[h1] == "damaged" and snap[h2] == "damaged" and h3 not in snap
+    assert len(snap) == 3
+
+
+# -- recorded event batches through the router's feed ----------------------------------------
+def _frames(seq: int, *events) -> list[bytes]:
+    batch = events_sub.KVEventBatch(ts=time.time() + seq, events=list(events))
+    return [b"kv", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
+
+
+def _stored(h: int, medium: str, locality: str | None) -> events_sub.BlockStored:
+    return events_sub.BlockStored(block_hashes=[h], parent_block_hash=None,
+                                  token_ids=list(range(128)), block_size=128, lora_id=None,
+                                  medium=medium, locality=locality)
+
+
+def test_recorded_batches_through_the_feed_make_claims_that_the_files_check(tmp_path):
+    """The whole path without vLLM: the router's `EventFeed` decodes recorded batches into the
+    ledger; a deleted file's claim is stale until its `BlockRemoved`; a publisher restart
+    (seq back to 0) ends every claim, and the restarted server's re-announcement of the file
+    it found credits it again. Fails when `LedgerIndex` does not record, or a restart is not
+    a clear."""
+    (path, h), (_, h2) = _write(tmp_path, 1), _write(tmp_path, 2)
+    clock = [0.0]
+    ledger = ClaimLedger()
+    feed = events_sub.EventFeed("a", "tcp://127.0.0.1:1", None,
+                                _ledger_index(ledger, "a", lambda: clock[0]))
+    fs = FsState(str(tmp_path))
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        try:
+            await feed.receive(_frames(0, _stored(h, "STORAGE", "LOCAL"),
+                                       _stored(h2, "STORAGE", "LOCAL"),
+                                       _stored(7, "GPU", None)), ctx)
+            ledger.check({"fs": fs.snapshot()}, 1.0)
+            os.unlink(path)
+            clock[0] = 3.0
+            ledger.check({"fs": fs.snapshot()}, 2.0)
+            await feed.receive(_frames(1, events_sub.BlockRemoved(
+                block_hashes=[h], medium="STORAGE", locality="LOCAL")), ctx)
+            clock[0] = 10.0
+            await feed.receive(_frames(0, _stored(h2, "STORAGE", "LOCAL")), ctx)   # restart
+        finally:
+            ctx.term()
+
+    asyncio.run(main())
+    assert feed.index.counts()["disk"] == 1          # the router's own index followed
+    report = ledger.report(11.0)
+    fs_tally = report["tiers"]["fs"]
+    assert fs_tally["stale_retracted"] == 1 and fs_tally["max_stale_s"] == 2.0
+    assert fs_tally["claims"] == 3 and fs_tally["retracted"] == 2
+    assert report["unchecked_claims"] == {"device": 1}
+    assert [c["dropped"] for c in report["clears"]] == [{"fs": 1}]
+    assert report["clears"][0]["recredited_60s"] == {"fs": 1}
