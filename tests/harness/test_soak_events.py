@@ -205,3 +205,63 @@ def test_recorded_batches_through_the_feed_make_claims_that_the_files_check(tmp_
     assert report["unchecked_claims"] == {"device": 1}
     assert [c["dropped"] for c in report["clears"]] == [{"fs": 1}]
     assert report["clears"][0]["recredited_60s"] == {"fs": 1}
+
+
+# -- the watch over real ZMQ: vLLM's own publisher -------------------------------------------
+def _until(predicate, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_the_watch_follows_vllms_publisher_and_the_faults_it_is_told_of(tmp_path, monkeypatch):
+    """`EventWatch` as the soak runs it: vLLM's `ZmqEventPublisher` (PUB + replay) publishes
+    fs claims; the watch's checks find a truncated file (named by a fault: its staleness runs
+    from the fault) and a deleted one (stale until its `BlockRemoved`). Fails when the watch
+    does not subscribe, does not check periodically, or ignores the faults it is told of."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    from types import SimpleNamespace
+
+    from kvhal.integrations.harness.soak import events
+
+    from kvhal.procs import free_port
+
+    monkeypatch.setattr(events, "CHECK_S", 0.2)
+    (gone, h_gone), (damaged, h_damaged) = _write(tmp_path, 1), _write(tmp_path, 2)
+    server = SimpleNamespace(name="kvhal0", events_port=free_port(), replay_port=free_port())
+    pub = kv_events.ZmqEventPublisher(0, endpoint=f"tcp://*:{server.events_port}",
+                                      replay_endpoint=f"tcp://*:{server.replay_port}")
+    t0 = time.monotonic()
+    watch = events.EventWatch.of_fleet([server], str(tmp_path),
+                                       {"secondary_tiers": [{"type": "fs"}]}, t0)
+    try:
+        watch.start()
+        pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[
+            kv_events.BlockStored(block_hashes=[h], parent_block_hash=None,
+                                  token_ids=list(range(128)), block_size=128, lora_id=None,
+                                  medium="STORAGE", lora_name=None, locality="LOCAL")
+            for h in (h_gone, h_damaged)]))
+        _until(lambda: watch.ledger.tallies.get("fs") and watch.ledger.tallies["fs"].claims == 2,
+               "the claims")
+        _until(lambda: watch.ledger.checks >= 2, "a check that finds both files")
+        start = time.monotonic() - t0
+        with open(damaged, "r+b") as f:
+            f.truncate(100)
+        watch.faults.append({"kind": "fs_truncate", "start_s": start, "end_s": start,
+                             "what": f"fs_truncate {damaged}"})
+        os.unlink(gone)
+        _until(lambda: watch.ledger.standing("missing") == 1, "the missing file")
+        pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[
+            kv_events.BlockRemoved(block_hashes=[h_gone], medium="STORAGE",
+                                   locality="LOCAL")]))
+        _until(lambda: watch.ledger.tallies["fs"].retracted == 1, "the removal")
+        report = watch.finish(settle_s=1.0)
+    finally:
+        pub.shutdown()
+    fs = report["tiers"]["fs"]
+    assert fs["became_unloadable"] == {"missing": 1, "damaged": 1}
+    assert fs["stale_retracted"] == 1 and fs["never_retracted"] == {"missing": 0, "damaged": 1}
+    end = time.monotonic() - t0
+    assert end - start - 1.0 <= fs["max_never_retracted_s"] <= end - start + 0.1
+    assert report["error"] is None and report["feeds"]["kvhal0"]["batches"] == 2

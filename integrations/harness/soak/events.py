@@ -412,9 +412,38 @@ class EventWatch(threading.Thread):
         self.ledger = ClaimLedger()
         self.servers, self.fs, self.obj, self.t0 = servers, fs, obj, t0
         self.feeds: list = []
-        self._stop = threading.Event()
+        #: The faults applied so far (`Faulter.done`, appended by its thread): read at each
+        #: check for `hint`s (a damaged file, an S3 restart).
+        self.faults: list[dict] = []
+        self._hinted = 0
+        self._halt = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: str | None = None
+
+    @classmethod
+    def of_fleet(cls, servers: list, fs_root: str, kvhal_config: Mapping[str, Any],
+                 t0: float) -> EventWatch:
+        """A watch of the soak's kvhal servers (`fleet.Server`: `name`, `events_port`,
+        `replay_port`) and the fs and obj tiers of their `kvhal_config`."""
+        tiers = {t["type"]: t for t in kvhal_config.get("secondary_tiers", [])}
+        return cls([(s.name, f"tcp://127.0.0.1:{s.events_port}",
+                     f"tcp://127.0.0.1:{s.replay_port}") for s in servers],
+                   FsState(str(fs_root)) if "fs" in tiers else None,
+                   ObjState(tiers["obj"]) if "obj" in tiers else None, t0)
+
+    def _take_faults(self) -> None:
+        """Hints of the faults applied since the last call."""
+        from kvhal.tiers.fs.format import key_from_name
+
+        new, self._hinted = self.faults[self._hinted:], len(self.faults)
+        for f in new:
+            if f["kind"] == "s3_restart" and "skipped" not in f.get("what", ""):
+                self.ledger.hint("obj", f["start_s"])
+            elif f["kind"] in ("fs_truncate", "fs_overwrite"):
+                name = f.get("what", "").rsplit("/", 1)[-1]
+                key = key_from_name(b"\0" * 16, name)
+                if key is not None:
+                    self.ledger.hint("fs", f["start_s"], [key.block_hash])
 
     def now(self) -> float:
         """Seconds since `t0`."""
@@ -435,7 +464,7 @@ class EventWatch(threading.Thread):
                       for name, pub, replay in self.servers]
         tasks = [asyncio.create_task(f.run(ctx)) for f in self.feeds]
         try:
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 await asyncio.sleep(CHECK_S)
                 await self.check()
         finally:
@@ -447,6 +476,7 @@ class EventWatch(threading.Thread):
     async def check(self) -> None:
         """One check of the ledger against the stores (the scan runs off the loop, so
         events keep arriving meanwhile)."""
+        self._take_faults()
         taken = self.now()
         state = await asyncio.to_thread(store_state, self.fs, self.obj)
         self.ledger.check(state, taken, self.now())
@@ -456,12 +486,13 @@ class EventWatch(threading.Thread):
         chunk stands or `settle_s` passed (removals in flight arrive), stop, and report."""
         deadline = time.monotonic() + settle_s
         while True:
+            self._take_faults()
             taken = self.now()
             self.ledger.check(store_state(self.fs, self.obj), taken, self.now())
             if not self.ledger.standing("missing") or time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
-        self._stop.set()
+        self._halt.set()
         self.join(timeout_s)
         out = self.ledger.report(self.now())
         out["feeds"] = {f.name: f.to_dict() for f in self.feeds}
