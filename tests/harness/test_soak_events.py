@@ -265,3 +265,26 @@ def test_the_watch_follows_vllms_publisher_and_the_faults_it_is_told_of(tmp_path
     end = time.monotonic() - t0
     assert end - start - 1.0 <= fs["max_never_retracted_s"] <= end - start + 0.1
     assert report["error"] is None and report["feeds"]["kvhal0"]["batches"] == 2
+
+
+def test_a_killed_servers_claims_end_at_its_kill_as_a_routers_health_poll_drops_it(tmp_path):
+    """Fails when a killed server's claims stand until its restart's first batch (its dead
+    claims on files the other server evicts meanwhile would count as stale)."""
+    from types import SimpleNamespace
+
+    from kvhal.integrations.harness.soak.events import EventWatch
+
+    servers = [SimpleNamespace(name=f"kvhal{i}", events_port=1, replay_port=2) for i in (0, 1)]
+    watch = EventWatch.of_fleet(servers, str(tmp_path), {"secondary_tiers": [{"type": "fs"}]},
+                                0.0)
+    watch.ledger.stored("kvhal1", "fs", [5], 1.0)
+    watch.ledger.check({"fs": {5: "ok"}}, 2.0)
+    watch.faults.append({"kind": "kill_restart", "target": 1, "start_s": 3.0, "end_s": 3.0,
+                         "what": "kvhal1 killed"})
+    watch.faults.append({"kind": "stop_cont", "target": 0, "start_s": 4.0, "end_s": 16.0,
+                         "what": "kvhal0 stopped"})
+    watch._take_faults()
+    report = watch.ledger.report(30.0)
+    assert [(c["server"], c["at_s"], c["why"]) for c in report["clears"]] == [
+        ("kvhal1", 3.0, "killed")]
+    assert report["tiers"]["fs"]["retracted"] == 1

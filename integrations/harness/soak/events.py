@@ -432,12 +432,16 @@ class EventWatch(threading.Thread):
                    ObjState(tiers["obj"]) if "obj" in tiers else None, t0)
 
     def _take_faults(self) -> None:
-        """Hints of the faults applied since the last call."""
+        """Hints of the faults applied since the last call; a killed server's claims end at
+        its kill (as a router drops an instance its health poll finds dead)."""
         from kvhal.tiers.fs.format import key_from_name
 
         new, self._hinted = self.faults[self._hinted:], len(self.faults)
         for f in new:
-            if f["kind"] == "s3_restart" and "skipped" not in f.get("what", ""):
+            if f["kind"] == "kill_restart" and "skipped" not in f.get("what", ""):
+                # a router's health poll drops a dead instance (`EventFeed.drop`)
+                self.ledger.cleared(self.servers[f["target"]][0], f["start_s"], "killed")
+            elif f["kind"] == "s3_restart" and "skipped" not in f.get("what", ""):
                 self.ledger.hint("obj", f["start_s"])
             elif f["kind"] in ("fs_truncate", "fs_overwrite"):
                 name = f.get("what", "").rsplit("/", 1)[-1]
