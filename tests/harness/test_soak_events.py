@@ -288,3 +288,40 @@ def test_a_killed_servers_claims_end_at_its_kill_as_a_routers_health_poll_drops_
     assert [(c["server"], c["at_s"], c["why"]) for c in report["clears"]] == [
         ("kvhal1", 3.0, "killed")]
     assert report["tiers"]["fs"]["retracted"] == 1
+
+
+def test_obj_state_tells_good_damaged_and_missing_objects():
+    """Against a real moto server: four chunk objects, one bit-flipped and one cut short (the
+    same damage `kvhal fsck s3://` finds), one deleted. Fails when an object is judged by its
+    listing alone, or a rewritten object keeps its cached verdict."""
+    pytest.importorskip("obstore", reason="the obj tier needs the s3 extra")
+    from kvhal.integrations.harness.soak.events import ObjState
+
+    from conformance.s3 import shared_server
+
+    from ..tiers.helpers import chunk_key
+    from ..tiers.test_obj_cli import _bucket_with_damage
+    from ..tiers.test_obj_tier import raw_client
+
+    config, names = _bucket_with_damage(shared_server().endpoint)
+    hashes = [external_hash(chunk_key(NAMESPACE, i).block_hash) for i in range(4)]
+    state = ObjState(config)
+    assert state.snapshot() == {hashes[0]: "ok", hashes[1]: "damaged", hashes[2]: "ok",
+                                hashes[3]: "damaged"}
+    client = raw_client(config)
+    client.delete([names[2]])
+    fixed = bytearray(client.get(names[1]))
+    fixed[5000] ^= 0x10                                     # the flipped bit flipped back
+    folder = names[1].rsplit("/", 1)[0] + "/"
+
+    def modified():
+        return {n: m for n, _, m in client.list(folder)}[names[1]]
+
+    before = modified()
+    deadline = time.monotonic() + 10.0
+    while modified() == before:                     # moto stamps whole seconds
+
+        assert time.monotonic() < deadline, "moto kept the object's last-modified time"
+        client.put(names[1], memoryview(fixed), overwrite=True)
+        time.sleep(0.1)
+    assert state.snapshot() == {hashes[0]: "ok", hashes[1]: "ok", hashes[3]: "damaged"}

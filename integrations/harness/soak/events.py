@@ -11,8 +11,9 @@ tiers are compared with a snapshot of the stores (`store_state`):
 - fs (medium STORAGE, locality LOCAL): the chunk file exists and passes the fs tier's own full
   verification (`tiers/fs/fileio.verify_file`, what `kvhal fsck` runs); a file that exists but
   fails it is "damaged", one that is gone "missing";
-- obj (STORAGE, REMOTE): the object is listed in the bucket (moto keeps objects in memory: a
-  restart of `moto_server` loses them all).
+- obj (STORAGE, REMOTE): the object is listed in the bucket and passes the same verification
+  (`tiers/obj/check.verify_object`, what `kvhal fsck s3://...` runs); moto keeps objects in
+  memory: a restart of `moto_server` loses them all.
 
 A claim whose chunk became unloadable is *stale* until its `BlockRemoved` arrives (or the
 feed clears the server's index: a publisher restart, lost batches). Its staleness is measured
@@ -326,7 +327,9 @@ def _scandir(path: str) -> list[os.DirEntry]:
 
 
 class ObjState:
-    """The obj tier's chunks: every object listed under the tier's prefix (hash → "ok").
+    """The obj tier's chunks: hash → "ok" or "damaged" for every object listed under the
+    tier's prefix, each fully verified (`tiers/obj/check.verify_object`, what `kvhal fsck
+    s3://...` runs) once per (size, last-modified) it had.
 
     Args:
         tier_config: The obj tier's `secondary_tiers` entry (`store_config`, `prefix`).
@@ -339,20 +342,41 @@ class ObjState:
         cfg = parse_config(tier_config)
         self.prefix = cfg.prefix
         self._client = S3Client(cfg.store, timeout_s=5.0, connections=2)
+        self._verdicts: dict[str, tuple[tuple[int, float], str]] = {}
 
     def snapshot(self) -> dict[int, str] | None:
         """Every chunk object now; None when the LIST failed (the S3 server is down)."""
-        from kvhal.tiers.fs.format import key_from_name
+        from kvhal.tiers.chunk_format import CorruptChunk
+        from kvhal.tiers.obj.check import verify_object
         from kvhal.tiers.obj.client import StoreFailure
+        from kvhal.tiers.obj.names import key_from_object, namespace_of
 
-        out = {}
+        out: dict[int, str] = {}
         try:
-            for name, _, _ in self._client.list(f"{self.prefix}/" if self.prefix else ""):
-                key = key_from_name(b"\0" * 16, name.rsplit("/", 1)[-1])
-                if key is not None:
-                    out[external_hash(key.block_hash)] = "ok"
+            listed = list(self._client.list(f"{self.prefix}/" if self.prefix else ""))
         except StoreFailure:
             return None
+        for name, size, modified in listed:
+            namespace = namespace_of(self.prefix, name)
+            key = None if namespace is None else key_from_object(
+                name.rsplit("/", 1)[0] + "/", namespace, name)
+            if key is None:
+                continue
+            known = self._verdicts.get(name)
+            if known is None or known[0] != (size, modified):
+                try:
+                    verify_object(self._client, name, key, namespace)
+                    verdict = "ok"
+                except CorruptChunk:
+                    verdict = "damaged"
+                except StoreFailure:      # gone meanwhile, or the server went down
+                    continue
+                known = self._verdicts[name] = ((size, modified), verdict)
+            h = external_hash(key.block_hash)
+            if out.get(h) != "ok":
+                out[h] = known[1]
+        names = {n for n, _, _ in listed}
+        self._verdicts = {n: v for n, v in self._verdicts.items() if n in names}
         return out
 
 
@@ -443,11 +467,11 @@ class EventWatch(threading.Thread):
                 self.ledger.cleared(self.servers[f["target"]][0], f["start_s"], "killed")
             elif f["kind"] == "s3_restart" and "skipped" not in f.get("what", ""):
                 self.ledger.hint("obj", f["start_s"])
-            elif f["kind"] in ("fs_truncate", "fs_overwrite"):
+            elif f["kind"] in ("fs_truncate", "fs_overwrite", "obj_truncate", "obj_overwrite"):
                 name = f.get("what", "").rsplit("/", 1)[-1]
                 key = key_from_name(b"\0" * 16, name)
                 if key is not None:
-                    self.ledger.hint("fs", f["start_s"], [key.block_hash])
+                    self.ledger.hint(f["kind"].split("_")[0], f["start_s"], [key.block_hash])
 
     def now(self) -> float:
         """Seconds since `t0`."""
