@@ -2,6 +2,8 @@
 tokens by source over time, and the timeline PNG, from recorded requests and scrapes."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from kvhal.integrations.harness.soak.report import (
     HitSampler,
@@ -53,15 +55,16 @@ def test_each_fault_kind_costs_its_windows_requests_against_the_baseline():
 
 def test_hit_counters_continue_across_a_server_restart():
     """Fails when a restarted server's counters (from 0) are taken as they are."""
-    sampler = HitSampler([lambda: "http://127.0.0.1:1"], 0.0)
-    sampler.add(0, {"device": 100, "host": 50}, 2.0)
-    sampler.add(0, {"device": 150, "host": 80}, 4.0)
-    sampler.add(0, {"device": 10, "host": 0}, 6.0)        # a new process
-    sampler.add(0, {"device": 30, "host": 5}, 8.0)
-    assert [s[2]["device"] for s in sampler.series] == [100, 150, 160, 180]
-    assert [s[2]["host"] for s in sampler.series] == [50, 80, 80, 85]
+    sampler = HitSampler([SimpleNamespace(url="http://127.0.0.1:1", starts=1)], 0.0)
+    sampler.add(0, {"device": 100, "host": 50}, 2.0, 1)
+    sampler.add(0, {"device": 150, "host": 80}, 4.0, 1)
+    sampler.add(0, {"device": 10, "host": 0}, 6.0, 2)       # a new process
+    sampler.add(0, {"device": 30, "host": 5}, 8.0, 2)
+    sampler.add(0, {"device": 200, "host": 90}, 10.0, 3)    # one that already served more
+    assert [s[2]["device"] for s in sampler.series] == [100, 150, 160, 180, 380]
+    assert [s[2]["host"] for s in sampler.series] == [50, 80, 80, 85, 175]
     sampler.sample()                                       # nobody listens there: skipped
-    assert len(sampler.series) == 4
+    assert len(sampler.series) == 5
 
 
 def test_hit_rates_are_per_second_per_bin_summed_over_servers():

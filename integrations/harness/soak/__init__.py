@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                           restarted)
         watch = soak_events.EventWatch.of_fleet(servers, fs_root, config, t0)
         watch.faults = faulter.done
-        sampler = soak_report.HitSampler([(lambda s=s: s.url) for s in servers], t0)
+        sampler = soak_report.HitSampler(servers, t0)
         watch.start()
         sampler.start()
         faulter.start()

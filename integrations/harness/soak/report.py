@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -114,21 +114,22 @@ EVENT_COLUMNS = ["tier", "claims", "retracted", "unloadable missing/damaged",
 class HitSampler(threading.Thread):
     """Scrapes each server's `vllm:prompt_tokens_cached_by_source` every `SAMPLE_S` seconds;
     `series` holds (seconds after `t0`, server index, cumulative tokens per source across
-    the server's restarts). A counter lower than at the last scrape means a new process (its
-    counters start from 0); tokens served between the last scrape and a kill are lost to the
-    timeline (not to the run's totals, scraped before each kill).
+    the server's restarts). A new process (the server's `starts` changed, or a counter lower
+    than at the last scrape) counts from 0; tokens served between the last scrape and a kill
+    are lost to the timeline (not to the run's totals, scraped before each kill).
 
     Args:
-        urls: Per server, a callable giving its base URL now.
+        servers: The servers (`url`, `starts`: `fleet.Server`).
         t0: `time.monotonic()` the times count from.
     """
 
-    def __init__(self, urls: Sequence[Callable[[], str]], t0: float):
+    def __init__(self, servers: Sequence, t0: float):
         super().__init__(name="soak-hits", daemon=True)
-        self.urls, self.t0 = urls, t0
+        self.servers, self.t0 = servers, t0
         self.series: list[tuple[float, int, dict[str, int]]] = []
-        self._last: list[dict[str, int]] = [{} for _ in urls]
-        self._base: list[dict[str, int]] = [dict.fromkeys(SOURCES, 0) for _ in urls]
+        self._last: list[dict[str, int]] = [{} for _ in servers]
+        self._starts: list[int | None] = [None for _ in servers]
+        self._base: list[dict[str, int]] = [dict.fromkeys(SOURCES, 0) for _ in servers]
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -137,20 +138,24 @@ class HitSampler(threading.Thread):
 
     def sample(self) -> None:
         """Scrape every server once (a server that does not answer is skipped)."""
-        for i, url in enumerate(self.urls):
+        for i, server in enumerate(self.servers):
+            starts = server.starts
             try:
-                with urllib.request.urlopen(f"{url()}/metrics", timeout=5) as r:
+                with urllib.request.urlopen(f"{server.url}/metrics", timeout=5) as r:
                     raw = cached_by_source(parse(r.read().decode()))
             except (OSError, ValueError):
                 continue
-            self.add(i, raw, time.monotonic() - self.t0)
+            self.add(i, raw, time.monotonic() - self.t0, starts)
 
-    def add(self, i: int, raw: Mapping[str, int], at_s: float) -> None:
-        """Record server `i`'s scraped counters `raw` (source → tokens) at `at_s`."""
+    def add(self, i: int, raw: Mapping[str, int], at_s: float, starts: int | None = None
+            ) -> None:
+        """Record server `i`'s scraped counters `raw` (source → tokens) at `at_s`, scraped
+        from its process number `starts` (None: unknown)."""
         last = self._last[i]
-        if any(raw.get(s, 0) < last.get(s, 0) for s in SOURCES):     # a new process
+        restarted = starts is not None and self._starts[i] not in (None, starts)
+        if restarted or any(raw.get(s, 0) < last.get(s, 0) for s in SOURCES):
             self._base[i] = {s: self._base[i][s] + last.get(s, 0) for s in SOURCES}
-        self._last[i] = dict(raw)
+        self._last[i], self._starts[i] = dict(raw), starts
         self.series.append((round(at_s, 2), i, {s: self._base[i][s] + raw.get(s, 0)
                                                  for s in SOURCES}))
 
