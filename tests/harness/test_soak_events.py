@@ -97,6 +97,25 @@ def test_a_missing_chunk_claimed_past_the_bound_is_a_violation_a_damaged_one_is_
     assert fs["never_retracted"] == {"missing": 0, "damaged": 1} and fs["violations"] == 0
 
 
+def test_a_claim_past_the_bound_while_its_server_was_stopped_is_reported_apart():
+    """A SIGSTOPped server publishes nothing (a router's health poll drops it): its claims
+    past the bound are counted apart, even when the stop is told after the retraction (the
+    fault thread records a stop at its end). Fails when they count as violations, or when
+    another server's stop excuses them."""
+    ledger = ClaimLedger()
+    ledger.stored("a", "fs", [1], 0.0)
+    ledger.stored("b", "fs", [1], 0.0)
+    ledger.check({"fs": {1: "ok"}}, 1.0)
+    ledger.check({"fs": {}}, 2.0)
+    late = 2.0 + BOUND_S["fs"] + 5.0
+    ledger.removed("a", "fs", [1], late)
+    ledger.removed("b", "fs", [1], late)
+    ledger.stopped("a", 1.5, late - 1.0)
+    fs = ledger.report(late + 1.0)["tiers"]["fs"]
+    assert fs["violations"] == 1 and fs["violation_examples"][0]["server"] == "b"
+    assert fs["past_bound_while_stopped"] == 1
+
+
 def test_a_claim_newer_than_the_snapshot_is_not_judged_by_it():
     """Fails when a snapshot taken before a chunk was stored marks its claim missing."""
     ledger = ClaimLedger()

@@ -102,7 +102,9 @@ class TierTally:
     max_stale_lo_s: float = 0.0     # lower bound over the retracted
     standing_bad: dict = field(default_factory=lambda: {"missing": 0, "damaged": 0})
     max_standing_s: float = 0.0     # upper bound over claims still standing unloadable
-    violations: list = field(default_factory=list)
+    past_bound: list = field(default_factory=list)  # missing chunks claimed past the bound
+    violations: list = field(default_factory=list)  # those whose server was not stopped
+    while_stopped: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The tally as a JSON-able dict (violations: at most 20)."""
@@ -113,7 +115,8 @@ class TierTally:
                 "max_stale_lo_s": round(self.max_stale_lo_s, 2),
                 "never_retracted": dict(self.standing_bad),
                 "max_never_retracted_s": round(self.max_standing_s, 2),
-                "violations": len(self.violations), "violation_examples": self.violations[:20]}
+                "violations": len(self.violations), "violation_examples": self.violations[:20],
+                "past_bound_while_stopped": len(self.while_stopped)}
 
 
 class ClaimLedger:
@@ -134,6 +137,7 @@ class ClaimLedger:
         self.tallies: dict[str, TierTally] = {}
         self.other: dict[str, int] = {}           # BlockStored chunks per unchecked tier
         self._hints: list[tuple[str, float, frozenset | None]] = []
+        self._stops: list[tuple[str, float, float]] = []
         self.clears: list[dict] = []              # per clear: server, at_s, claims dropped
         self.checks = 0
 
@@ -194,9 +198,22 @@ class ClaimLedger:
         tally.max_stale_s = max(tally.max_stale_s, stale)
         tally.max_stale_lo_s = max(tally.max_stale_lo_s, lo)
         if claim.cause == "missing" and lo > self.bounds[tier]:
-            tally.violations.append({"server": server, "hash": f"{h:016x}", "cause": claim.cause,
+            tally.past_bound.append({"server": server, "hash": f"{h:016x}",
+                                     "cause": claim.cause, "bad_seen_s": claim.bad_seen_s,
                                      "unloadable_s": round(self._bad_after(tier, h, claim), 2),
                                      "retracted_s": round(at_s, 2)})
+
+    def _was_stopped(self, v: dict, end_s: float) -> bool:
+        """Whether the server of a claim past its bound (`v`) was stopped (`stopped`) between
+        the check that found its chunk gone and `end_s`: a stopped process publishes nothing,
+        and a router's health poll drops it."""
+        return any(s == v["server"] and start <= end_s and stop >= v["bad_seen_s"]
+                   for s, start, stop in self._stops)
+
+    def stopped(self, server: str, start_s: float, end_s: float) -> None:
+        """`server` was stopped (SIGSTOP) from `start_s` to `end_s`."""
+        with self._lock:
+            self._stops.append((server, start_s, end_s))
 
     def hint(self, tier: str, at_s: float, hashes: Iterable[Any] | None = None) -> None:
         """A fault made chunks of `tier` unloadable at `at_s`: `hashes` (chunk hashes), or
@@ -261,9 +278,15 @@ class ClaimLedger:
                     bad_after = self._bad_after(tier, h, claim)
                     tally.max_standing_s = max(tally.max_standing_s, end_s - bad_after)
                     if claim.cause == "missing" and end_s - claim.bad_seen_s > self.bounds[tier]:
-                        tally.violations.append({"server": server, "hash": f"{h:016x}",
+                        tally.past_bound.append({"server": server, "hash": f"{h:016x}",
                                                  "cause": "missing", "never_retracted": True,
+                                                 "bad_seen_s": claim.bad_seen_s,
                                                  "unloadable_s": round(bad_after, 2)})
+            for tally in self.tallies.values():
+                tally.while_stopped = [v for v in tally.past_bound
+                                       if self._was_stopped(v, v.get("retracted_s", end_s))]
+                tally.violations = [v for v in tally.past_bound
+                                    if v not in tally.while_stopped]
             return {"bounds_s": self.bounds, "checks": self.checks,
                     "tiers": {t: self.tallies[t].to_json() for t in sorted(self.tallies)},
                     "unchecked_claims": dict(self.other), "clears": self.clears}
@@ -462,7 +485,9 @@ class EventWatch(threading.Thread):
 
         new, self._hinted = self.faults[self._hinted:], len(self.faults)
         for f in new:
-            if f["kind"] == "kill_restart" and "skipped" not in f.get("what", ""):
+            if f["kind"] == "stop_cont":
+                self.ledger.stopped(self.servers[f["target"]][0], f["start_s"], f["end_s"])
+            elif f["kind"] == "kill_restart" and "skipped" not in f.get("what", ""):
                 # a router's health poll drops a dead instance (`EventFeed.drop`)
                 self.ledger.cleared(self.servers[f["target"]][0], f["start_s"], "killed")
             elif f["kind"] == "s3_restart" and "skipped" not in f.get("what", ""):

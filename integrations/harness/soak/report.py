@@ -102,13 +102,15 @@ def event_rows(events: Mapping) -> list[list]:
                      f"{t['max_stale_lo_s']:.1f}..{t['max_stale_s']:.1f}",
                      f"{never['missing']} / {never['damaged']}",
                      f"{t['max_never_retracted_s']:.1f}",
-                     events.get("bounds_s", {}).get(tier, "-"), t["violations"]])
+                     events.get("bounds_s", {}).get(tier, "-"), t["violations"],
+                     t["past_bound_while_stopped"]])
     return rows
 
 
 EVENT_COLUMNS = ["tier", "claims", "retracted", "unloadable missing/damaged",
                  "max stale s (lo..hi)", "never retracted missing/damaged",
-                 "oldest never retracted s", "bound s", "violations"]
+                 "oldest never retracted s", "bound s", "violations",
+                 "past bound, server stopped"]
 
 
 class HitSampler(threading.Thread):
