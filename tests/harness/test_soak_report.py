@@ -49,6 +49,8 @@ def test_each_fault_kind_costs_its_windows_requests_against_the_baseline():
     assert kill["max_s"] == 30.5 and kill["p99_s"] == pytest.approx(30.5 - 0.01 * 29.5, 0.01)
     assert s3["requests"] == 2 and s3["failed"] == 1 and s3["misses"] == 0
     assert s3["max_s"] == 2.0               # a failed request has no latency
+    assert [(e["kind"], e["requests"], e["max_s"]) for e in costs["each"]] == [
+        ("kill_restart", 2, 30.5), ("s3_restart", 2, 2.0)]
     rows = fault_rows(costs)
     assert [r[0] for r in rows] == ["(no fault: baseline)", "kill_restart", "s3_restart"]
 

@@ -67,7 +67,8 @@ def fault_costs(requests: Sequence[Mapping], faults: Sequence[Mapping],
 
     Returns:
         {"baseline": costs of the requests outside every window, "by_kind": {kind: costs of
-        its windows' requests (each request once per kind) plus "count" (faults)}}.
+        its windows' requests (each request once per kind) plus "count" (faults)}, "each":
+        [per fault: kind, start_s, end_s and its window's costs]}.
     """
     by_kind: dict[str, dict] = {}
     for kind in sorted({f["kind"] for f in faults}):
@@ -75,7 +76,10 @@ def fault_costs(requests: Sequence[Mapping], faults: Sequence[Mapping],
         hit = [r for r in requests if any(in_window(r, f, after_s) for f in mine)]
         by_kind[kind] = {"count": len(mine)} | _costs(hit)
     calm = [r for r in requests if not any(in_window(r, f, after_s) for f in faults)]
-    return {"window_after_s": after_s, "baseline": _costs(calm), "by_kind": by_kind}
+    each = [{"kind": f["kind"], "start_s": f["start_s"], "end_s": f["end_s"]}
+            | _costs([r for r in requests if in_window(r, f, after_s)]) for f in faults]
+    return {"window_after_s": after_s, "baseline": _costs(calm), "by_kind": by_kind,
+            "each": each}
 
 
 def fault_rows(costs: Mapping) -> list[list]:
