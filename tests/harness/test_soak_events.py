@@ -65,7 +65,7 @@ def test_staleness_runs_from_the_last_good_check_or_the_fault_that_hit_it():
     ledger.check({"fs": {}}, 6.0)
     ledger.removed("a", "fs", [1, 2], 7.0)
     t = ledger.report(8.0)["tiers"]["fs"]
-    assert t["became_unloadable"] == {"missing": 2, "damaged": 0}
+    assert t["became_unloadable"] == {"missing": 2, "damaged": 0, "unreachable": 0}
     assert t["stale_retracted"] == 2
     assert t["max_stale_s"] == 4.0          # chunk 1: from the good check at 3
     assert t["max_stale_lo_s"] == 1.0       # from the bad check at 6
@@ -92,9 +92,9 @@ def test_a_missing_chunk_claimed_past_the_bound_is_a_violation_a_damaged_one_is_
     report = ledger.report(late + 100.0)
     obj, fs = report["tiers"]["obj"], report["tiers"]["fs"]
     assert obj["violations"] == 2                       # 1 retracted late, 2 never
-    assert obj["never_retracted"] == {"missing": 1, "damaged": 0}
+    assert obj["never_retracted"] == {"missing": 1, "damaged": 0, "unreachable": 0}
     assert obj["max_never_retracted_s"] == late + 100.0 - 1.0
-    assert fs["never_retracted"] == {"missing": 0, "damaged": 1} and fs["violations"] == 0
+    assert fs["never_retracted"] == {"missing": 0, "damaged": 1, "unreachable": 0} and fs["violations"] == 0
 
 
 def test_a_claim_past_the_bound_while_its_server_was_stopped_is_reported_apart():
@@ -114,6 +114,20 @@ def test_a_claim_past_the_bound_while_its_server_was_stopped_is_reported_apart()
     fs = ledger.report(late + 1.0)["tiers"]["fs"]
     assert fs["violations"] == 1 and fs["violation_examples"][0]["server"] == "b"
     assert fs["past_bound_while_stopped"] == 1
+
+
+def test_claims_on_a_store_that_refuses_connections_are_unreachable_not_violations():
+    """Fails when a down S3 server's claims are left unchecked (never reported) or counted
+    as missing chunks (violations)."""
+    from kvhal.integrations.harness.soak.events import UNREACHABLE
+
+    ledger = ClaimLedger()
+    ledger.stored("a", "obj", [1], 0.0)
+    ledger.check({"obj": {1: "ok"}}, 1.0)
+    ledger.check({"obj": UNREACHABLE}, 2.0)
+    obj = ledger.report(100.0)["tiers"]["obj"]
+    assert obj["never_retracted"]["unreachable"] == 1 and obj["violations"] == 0
+    assert obj["max_never_retracted_s"] == 99.0
 
 
 def test_a_claim_newer_than_the_snapshot_is_not_judged_by_it():
@@ -279,8 +293,8 @@ def test_the_watch_follows_vllms_publisher_and_the_faults_it_is_told_of(tmp_path
     finally:
         pub.shutdown()
     fs = report["tiers"]["fs"]
-    assert fs["became_unloadable"] == {"missing": 1, "damaged": 1}
-    assert fs["stale_retracted"] == 1 and fs["never_retracted"] == {"missing": 0, "damaged": 1}
+    assert fs["became_unloadable"] == {"missing": 1, "damaged": 1, "unreachable": 0}
+    assert fs["stale_retracted"] == 1 and fs["never_retracted"] == {"missing": 0, "damaged": 1, "unreachable": 0}
     end = time.monotonic() - t0
     assert end - start - 1.0 <= fs["max_never_retracted_s"] <= end - start + 0.1
     assert report["error"] is None and report["feeds"]["kvhal0"]["batches"] == 2
@@ -344,3 +358,17 @@ def test_obj_state_tells_good_damaged_and_missing_objects():
         client.put(names[1], memoryview(fixed), overwrite=True)
         time.sleep(0.1)
     assert state.snapshot() == {hashes[0]: "ok", hashes[1]: "ok", hashes[3]: "damaged"}
+
+
+def test_obj_state_of_a_server_that_refuses_connections_is_unreachable():
+    """Fails when a refused LIST is taken as "not checked" (a down S3 server's claims would
+    never show) or as an empty bucket."""
+    pytest.importorskip("obstore", reason="the obj tier needs the s3 extra")
+    from kvhal.integrations.harness.soak.events import UNREACHABLE, ObjState
+
+    from kvhal.procs import free_port
+
+    state = ObjState({"type": "obj", "prefix": "soak", "store_config": {
+        "bucket": "soak", "endpoint_override": f"http://127.0.0.1:{free_port()}",
+        "region": "us-east-1", "access_key": "soak", "secret_key": "soak"}})
+    assert state.snapshot() is UNREACHABLE

@@ -23,7 +23,9 @@ loadable and the first that did not, else that last good check (an upper bound);
 bound starts at the first check that found it unloadable, and only it counts toward a
 violation (a missing chunk claimed more than `BOUND_S` after a check found it gone). A damaged fs file that kvhal only
 discovers at load stays claimed until a load of it fails: a known limitation, reported apart
-from missing chunks. Chunks of other media (device, host, a peer's or the Mooncake pool's
+from missing chunks, as are claims on an S3 server that refuses connections (down: every
+claim "unreachable"; kvhal's obj tier keeps its index while a listing fails, so they stand
+until loads fail). Chunks of other media (device, host, a peer's or the Mooncake pool's
 memory: CPU/REMOTE) are counted, not checked.
 
 Hashes: vLLM publishes a chunk's last block hash as bytes or, by default
@@ -48,6 +50,11 @@ BOUND_S = {"fs": 10.0, "obj": 20.0}
 #: Tiers whose claims are checked against the stores.
 CHECKED = tuple(BOUND_S)
 _MASK = (1 << 64) - 1
+#: Why a claimed chunk cannot be loaded: its file or object is gone, fails verification, or
+#: its store does not answer (the S3 server down: `UNREACHABLE` maps every chunk to it).
+CAUSES = ("missing", "damaged", "unreachable")
+#: A tier state whose store refused the connection: nothing in it can be loaded.
+UNREACHABLE: Mapping[int, str] = {}
 
 
 def external_hash(block_hash: bytes | int) -> int:
@@ -96,11 +103,11 @@ class TierTally:
 
     claims: int = 0                 # BlockStored chunks credited
     retracted: int = 0              # BlockRemoved chunks (or cleared) of standing claims
-    unloadable: dict = field(default_factory=lambda: {"missing": 0, "damaged": 0})
+    unloadable: dict = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
     stale_retracted: int = 0        # retracted after their chunk became unloadable
     max_stale_s: float = 0.0        # upper bound over the retracted
     max_stale_lo_s: float = 0.0     # lower bound over the retracted
-    standing_bad: dict = field(default_factory=lambda: {"missing": 0, "damaged": 0})
+    standing_bad: dict = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
     max_standing_s: float = 0.0     # upper bound over claims still standing unloadable
     past_bound: list = field(default_factory=list)  # missing chunks claimed past the bound
     violations: list = field(default_factory=list)  # those whose server was not stopped
@@ -248,7 +255,7 @@ class ClaimLedger:
                 for h, claim in claims.items():
                     if claim.since_s > taken_s:
                         continue
-                    verdict = held.get(h, "missing")
+                    verdict = held.get(h, "unreachable" if held is UNREACHABLE else "missing")
                     if verdict == "ok":
                         claim.last_ok_s, claim.bad_seen_s, claim.cause = taken_s, None, ""
                         continue
@@ -279,7 +286,7 @@ class ClaimLedger:
                     tally.max_standing_s = max(tally.max_standing_s, end_s - bad_after)
                     if claim.cause == "missing" and end_s - claim.bad_seen_s > self.bounds[tier]:
                         tally.past_bound.append({"server": server, "hash": f"{h:016x}",
-                                                 "cause": "missing", "never_retracted": True,
+                                                 "cause": claim.cause, "never_retracted": True,
                                                  "bad_seen_s": claim.bad_seen_s,
                                                  "unloadable_s": round(bad_after, 2)})
             for tally in self.tallies.values():
@@ -368,7 +375,8 @@ class ObjState:
         self._verdicts: dict[str, tuple[tuple[int, float], str]] = {}
 
     def snapshot(self) -> dict[int, str] | None:
-        """Every chunk object now; None when the LIST failed (the S3 server is down)."""
+        """Every chunk object now; `UNREACHABLE` when the server refused the LIST, None when
+        it failed otherwise (a timeout proves nothing)."""
         from kvhal.tiers.chunk_format import CorruptChunk
         from kvhal.tiers.obj.check import verify_object
         from kvhal.tiers.obj.client import StoreFailure
@@ -377,8 +385,9 @@ class ObjState:
         out: dict[int, str] = {}
         try:
             listed = list(self._client.list(f"{self.prefix}/" if self.prefix else ""))
-        except StoreFailure:
-            return None
+        except StoreFailure as failure:
+            # refused: the server is down, nothing loads; anything else proves nothing
+            return UNREACHABLE if failure.errno_name == "ECONNREFUSED" else None
         for name, size, modified in listed:
             namespace = namespace_of(self.prefix, name)
             key = None if namespace is None else key_from_object(

@@ -102,17 +102,17 @@ def event_rows(events: Mapping) -> list[list]:
     for tier, t in events.get("tiers", {}).items():
         bad, never = t["became_unloadable"], t["never_retracted"]
         rows.append([tier, t["claims"], t["retracted"],
-                     f"{bad['missing']} / {bad['damaged']}",
+                     f"{bad['missing']} / {bad['damaged']} / {bad['unreachable']}",
                      f"{t['max_stale_lo_s']:.1f}..{t['max_stale_s']:.1f}",
-                     f"{never['missing']} / {never['damaged']}",
+                     f"{never['missing']} / {never['damaged']} / {never['unreachable']}",
                      f"{t['max_never_retracted_s']:.1f}",
                      events.get("bounds_s", {}).get(tier, "-"), t["violations"],
                      t["past_bound_while_stopped"]])
     return rows
 
 
-EVENT_COLUMNS = ["tier", "claims", "retracted", "unloadable missing/damaged",
-                 "max stale s (lo..hi)", "never retracted missing/damaged",
+EVENT_COLUMNS = ["tier", "claims", "retracted", "unloadable missing/damaged/unreachable",
+                 "max stale s (lo..hi)", "never retracted missing/damaged/unreachable",
                  "oldest never retracted s", "bound s", "violations",
                  "past bound, server stopped"]
 
