@@ -250,7 +250,15 @@ def test_a_restarted_publishers_first_batches_lost_to_the_slow_joiner_are_replay
         await until(lambda: feed.stats.last_seq == pub.seq - 1, "the old process's batches")
         endpoint, replay = pub.pub._endpoint, pub.pub._replay_endpoint
         pub.pub.shutdown()
-        pub.pub = kv_events.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
+        deadline = time.monotonic() + 20.0
+        while True:                             # until the old sockets released the ports
+            try:
+                pub.pub = kv_events.ZmqEventPublisher(0, endpoint=endpoint,
+                                                      replay_endpoint=replay)
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, "the old publisher kept its ports"
+                await asyncio.sleep(0.1)
         pub.pub._pub = FaultyPub(pub.pub._pub, {0})
         pub.seq = 0
         pub.publish(block(0), block(1))         # the restarted instance's announcement: lost
