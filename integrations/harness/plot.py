@@ -5,7 +5,7 @@ matplotlib is the optional extra `plot` (`pip install -e '.[plot]'`).
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -157,9 +157,12 @@ def plot_bars(path: str | os.PathLike,
 def plot_soak_timeline(path: str | os.PathLike, done_s: Sequence[float],
                        cached_tokens: Sequence[int], prompt_tokens: Sequence[int],
                        verdicts: Sequence[str],
-                       faults: Sequence[tuple[float, float, str]], title: str) -> None:
-    """Draw a soak on one time axis: requests/s (10 s bins), each request's cached share of
-    its prompt (marked by verdict), and every fault as a shaded span labelled by kind.
+                       faults: Sequence[tuple[float, float, str]], title: str,
+                       hits: tuple[Sequence[float], dict[str, Sequence[float]]] | None = None
+                       ) -> None:
+    """Draw a soak on one time axis: requests/s (10 s bins), hit tokens/s by source (with
+    `hits`), each request's cached share of its prompt (marked by verdict), and every fault as
+    a shaded span labelled by kind.
 
     Args:
         path: Output image (format from the suffix, e.g. .png).
@@ -168,9 +171,19 @@ def plot_soak_timeline(path: str | os.PathLike, done_s: Sequence[float],
         verdicts: Per request: "ok", "near_tie", "wrong" or "failed".
         faults: (start s, end s, kind) per fault applied.
         title: Figure title.
+        hits: (bin starts in seconds, {source: hit tokens/s per bin}), e.g. from
+            `soak.report.hit_rates`; None leaves that panel out.
     """
     plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(11, 6))
+    fig, axes = plt.subplots(3 if hits else 2, 1, sharex=True, figsize=(11, 9 if hits else 6))
+    ax1, ax2 = axes[0], axes[-1]
+    if hits:
+        starts, by_source = hits
+        for source, rate in sorted(by_source.items()):
+            axes[1].step(starts, rate, where="post", label=source)
+        axes[1].set_ylabel("hit tokens/s by source")
+        if by_source:
+            axes[1].legend(fontsize=8, loc="upper right")
     t = np.asarray(done_s, dtype=float)
     end = max(float(t.max()) if len(t) else 0.0, max((f[1] for f in faults), default=0.0))
     bins = np.arange(0.0, end + 10.0, 10.0)
@@ -185,7 +198,7 @@ def plot_soak_timeline(path: str | os.PathLike, done_s: Sequence[float],
     ax2.set_ylabel("cached share of prompt")
     ax2.set_ylim(-0.05, 1.05)
     ax2.set_xlabel("seconds since the load started")
-    for ax in (ax1, ax2):
+    for ax in axes:
         for start, stop, kind in faults:
             ax.axvspan(start, max(stop, start + 0.5), color="tab:red", alpha=0.15)
         ax.grid(True, alpha=0.3)

@@ -17,6 +17,8 @@ then routed by load alone until its events resume, never a failed request):
   its buffer no longer reaches back), the instance's index is cleared;
 - `seq` going back (the publisher restarted: a new process has an empty device cache), or a
   batch that does not decode (malformed): the index is cleared, the stream resumes after it;
+  after a restart with a replay endpoint, the new publisher's batches before the first one
+  received (sent before the SUB socket reconnected) are replayed first;
 - an event that does not apply (wrong field types, unknown medium): skipped and counted;
 - a silent stream (the router sent the instance a request that must have stored blocks, no
   batch came while it ran, and none for `silence_s` after its answer): `check_silence`
@@ -191,6 +193,12 @@ class EventFeed:
             self.stats.restarts += 1
             self._clear(f"event seq went back from {expected - 1} to {seq} (publisher "
                         f"restarted, or batches out of order)")
+            if self.replay is not None and seq > 0:
+                # the new publisher's first batches went out before this SUB socket had
+                # reconnected (ZMQ's slow joiner): a restarted instance announces there what
+                # it found in its tiers
+                self._expected = None
+                await self._catch_up(0, seq, ctx, first=False)
         self._apply(seq, batch)
 
     def _apply(self, seq: int, batch: KVEventBatch) -> None:

@@ -14,8 +14,9 @@ event, counted in `orphans`, as llm-d's indexer does), walks its `token_ids` and
 key at the end of each announced block, that block's full prefix, to the event's tier. Only
 announced block ends are credited, never a position inside a block: a router then predicts no
 more than the instance can load. An event without token ids (or whose token count is not
-`len(block_hashes) * block_size`) credits the blocks whose hashes it already knows and counts
-the rest as orphans. `BlockRemoved` uncredits its known hashes in its tier; `AllBlocksCleared`
+`len(block_hashes) * block_size`; or a placeholder: `block_size` 0, no token ids, as kvhal
+announces a chunk a tier found without its description, e.g. an object another instance
+stored) credits the blocks whose hashes it already knows and counts the rest as orphans. `BlockRemoved` uncredits its known hashes in its tier; `AllBlocksCleared`
 empties the instance's index. `ownership` is ignored (kvhal's older events set it to the tier's
 label; vLLM leaves it unset except for its kvcr tier).
 
@@ -147,7 +148,8 @@ class InstanceIndex:
 
     def _stored(self, event: Any, hashes: list, tier: str) -> None:
         size, tokens = event.block_size, event.token_ids
-        if not isinstance(size, int) or size <= 0:
+        placeholder = size == 0 and tokens == []      # vLLM's and kvhal's hash-only form
+        if not isinstance(size, int) or (size <= 0 and not placeholder):
             raise EventError(f"BlockStored.block_size: must be a positive integer, got "
                              f"{size!r}")
         if not isinstance(tokens, list) or not all(
@@ -158,7 +160,8 @@ class InstanceIndex:
             raise EventError(f"BlockStored.parent_block_hash: must be bytes, an int or null, "
                              f"got {type(parent).__name__}")
         held = self.held[tier]
-        if len(tokens) != len(hashes) * size:      # no usable token ids: known hashes only
+        if placeholder or len(tokens) != len(hashes) * size:   # no usable token ids: known
+            # hashes only
             for h in hashes:
                 known = self.blocks.get(h)
                 if known is None:

@@ -236,6 +236,44 @@ def test_malformed_batches_and_a_restarted_publisher_clear_the_index_and_go_on()
         fake_publisher.sock.close(linger=0)
 
 
+def test_a_restarted_publishers_first_batches_lost_to_the_slow_joiner_are_replayed():
+    """vLLM's publisher restarted on the same ports (a killed server started again): its first
+    batch (what a restarted kvhal instance announces it found on disk) goes out before the
+    SUB socket has reconnected and is lost (`FaultyPub` drops seq 0). The feed sees seq going
+    back, clears, and must replay the new publisher's earlier batches. Fails without that
+    replay (block 2's parent unknown: nothing credited; seen in `kvhal soak`'s reasoning)."""
+    async def scenario(pub, feed):
+        await synced(pub, feed)
+        pub.publish(block(0, OTHER, "e"))
+        for _ in range(100):                    # the old process's seq runs far ahead
+            pub.publish(block(1, OTHER, "e"))
+        await until(lambda: feed.stats.last_seq == pub.seq - 1, "the old process's batches")
+        endpoint, replay = pub.pub._endpoint, pub.pub._replay_endpoint
+        pub.pub.shutdown()
+        deadline = time.monotonic() + 20.0
+        while True:                             # until the old sockets released the ports
+            try:
+                pub.pub = kv_events.ZmqEventPublisher(0, endpoint=endpoint,
+                                                      replay_endpoint=replay)
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, "the old publisher kept its ports"
+                await asyncio.sleep(0.1)
+        pub.pub._pub = FaultyPub(pub.pub._pub, {0})
+        pub.seq = 0
+        pub.publish(block(0), block(1))         # the restarted instance's announcement: lost
+        while feed.stats.restarts == 0:         # until the SUB has reconnected
+            assert pub.seq < 400, "the SUB socket did not reconnect"
+            pub.publish()
+            await asyncio.sleep(0.05)
+        last = pub.publish(block(2))
+        await until(lambda: feed.stats.last_seq == last, "the new process's batch")
+        assert held(feed) == 3 * B
+        assert feed.index.prefix(prefix_keys(OTHER), "device") == 0
+    feed = run(scenario, Publisher(replay=True))
+    assert feed.stats.restarts == 1
+
+
 def test_a_stream_silent_after_requests_that_store_blocks_clears_the_index():
     """Fails when `check_silence` ignores owed batches (index kept, state live), or counts
     a request whose batch came while it ran as owed (seen under load: a 2,700-token prefill

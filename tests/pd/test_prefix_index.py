@@ -111,6 +111,19 @@ def test_removed_blocks_orphans_and_token_less_events():
     assert index.counts() == {"device": 0, "host": 0, "disk": 0, "shared": 0}
 
 
+def test_a_placeholder_event_credits_the_hashes_the_index_knows():
+    """kvhal announces a chunk a tier found without its description (an object another
+    instance stored in a shared bucket) as a placeholder: `block_size` 0, no token ids. Fails
+    when the whole event is refused as a bad block size (seen in `kvhal soak`: "event
+    skipped ... block_size ... got 0"), so a known chunk is not credited to the shared tier."""
+    index = InstanceIndex()
+    device_blocks(index, 3)
+    for e in wire(stored([b"d2", b"nope"], None, [], size=0, medium="STORAGE",
+                         locality="REMOTE")):
+        index.apply(e)
+    assert index.prefix(prefix_keys(TOKENS), "shared") == 3 * B and index.orphans == 1
+
+
 def test_bad_events_raise_naming_the_field():
     index = InstanceIndex()
     with pytest.raises(EventError, match="medium: unknown 'TAPE'"):

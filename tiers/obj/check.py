@@ -9,8 +9,15 @@ no temp or quarantine objects: those counts stay 0.
 """
 from __future__ import annotations
 
-from ..chunk_format import (HEADER_BYTES, CorruptChunk, check_record_size, checked_header,
-                            verify_payload)
+from kvhal.keys import ChunkKey
+
+from ..chunk_format import (
+    HEADER_BYTES,
+    CorruptChunk,
+    check_record_size,
+    checked_header,
+    verify_payload,
+)
 from ..fs.check import CheckReport
 from ..prefix import normalize_prefix
 from .client import S3Client, StoreFailure
@@ -30,6 +37,20 @@ def parse_url(url: str) -> tuple[str, str]:
     if not bucket:
         raise ValueError(f"no bucket in {url!r}")
     return bucket, normalize_prefix(prefix)
+
+
+def verify_object(client: S3Client, name: str, key: ChunkKey, namespace: bytes) -> None:
+    """GET the object `name` and fully verify it as the chunk record of `key`: header, key,
+    size, xxh3-128 payload checksum.
+
+    Raises:
+        StoreFailure: the GET failed (`errno_name` "ENOENT": no such object).
+        CorruptChunk: any check fails.
+    """
+    body = client.get(name)
+    header = checked_header(body[:HEADER_BYTES], key, namespace)
+    check_record_size(header, len(body), None)
+    verify_payload(header, body[HEADER_BYTES:HEADER_BYTES + header.payload_nbytes])
 
 
 def check_bucket(store: StoreConfig, prefix: str, repair: bool = False) -> CheckReport:
@@ -53,10 +74,7 @@ def check_bucket(store: StoreConfig, prefix: str, repair: bool = False) -> Check
                 report.other_files += 1
                 continue
             try:
-                body = client.get(name)
-                header = checked_header(body[:HEADER_BYTES], key, namespace)
-                check_record_size(header, len(body), None)
-                verify_payload(header, body[HEADER_BYTES:HEADER_BYTES + header.payload_nbytes])
+                verify_object(client, name, key, namespace)
             except StoreFailure as failure:
                 if failure.errno_name != "ENOENT":  # else: evicted by a live tier meanwhile
                     report.unreadable += 1

@@ -49,6 +49,7 @@ from kvhal.argtypes import positive_int
 from kvhal.report import print_json, print_table, progress
 
 from ..vllm.chat import ChatShape
+from ..vllm.server import kv_events_config
 from .serving import (
     BLOCK_TOKENS,
     add_run_args,
@@ -124,12 +125,8 @@ class Instance:
                          "auth_key_file": str(key_file)}]}}
 
     def kv_events_config(self) -> dict:
-        """vLLM's `kv_events_config`: its ZMQ publisher and replay socket bound on every
-        interface (vLLM's publisher binds only a wildcard endpoint, `tcp://*:PORT`, and
-        connects to any other as to a subscriber that binds)."""
-        return {"enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://*:{self.events_port}",
-                "replay_endpoint": f"tcp://*:{self.replay_port}"}
+        """vLLM's `kv_events_config` at its ports (`server.kv_events_config`)."""
+        return kv_events_config(self.events_port, self.replay_port)
 
 
 def parse_routers(text: str) -> list[str]:

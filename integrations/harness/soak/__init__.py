@@ -7,8 +7,12 @@ compared with a keep-everything vLLM server's answer to the same request (`load.
 clean shutdown the run checks that nothing leaked (no process, no kvhal memory file in
 /dev/shm, no temp file in the fs tier, the fs budget held, `kvhal fsck` finds no corrupt chunk
 but those the faults damaged) and that kvhal served at least a tenth of the reusable prompt
-tokens. Writes `soak.json` and `soak.png` (timeline) in `--workdir`; prints a summary table.
-Exit code 0 only if every check held.
+tokens. Meanwhile each kvhal server's KV events are checked against what the fs and obj tiers
+can load (`events.py`: a claim of a missing chunk may not outlive it by more than its tier's
+bound) and its hit tokens by source are scraped every few seconds (`report.py`). Writes
+`soak.json` and `soak.png` (timeline: requests/s, hit tokens by source, faults) in
+`--workdir`; prints a summary table, what each fault cost against the baseline, and the events'
+staleness per tier. Exit code 0 only if every check held.
 """
 from __future__ import annotations
 
@@ -28,8 +32,10 @@ from kvhal.report import print_table
 from ..vllm.chat import ChatShape, user_tokens
 from ..vllm.model import TINY, build_model
 from ..vllm.serve_metrics import cached_by_source, delta, parse
+from . import events as soak_events
 from . import faults as faultlib
 from . import fleet
+from . import report as soak_report
 from .load import (
     Request,
     answer_of,
@@ -190,11 +196,20 @@ def run(args: argparse.Namespace) -> int:
             scraped[i] = {}
         faulter = Faulter(schedule, servers, s3, fs_mount, fs_root, mounted, t0, scrape,
                           restarted)
+        watch = soak_events.EventWatch.of_fleet(servers, fs_root, config, t0)
+        watch.faults = faulter.done
+        sampler = soak_report.HitSampler(servers, t0)
+        watch.start()
+        sampler.start()
         faulter.start()
         _drive(args, model, reference, servers, faulter, requests, t0, seconds)
         faulter.stop.set()
         faulter.join()
         faulter.join_restarts()
+        report["events"] = watch.finish()
+        sampler.stop.set()
+        sampler.sample()
+        report["hits_by_source"] = sampler.series
         report["faults"] = faulter.done
         report["fault_error"] = faulter.error
         report["starts_refused"] = faulter.refused
@@ -218,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
     report["served_by_source"] = dict(served)
     report["summary"] = summary = _summarize(requests, report, served)
     (workdir / "soak.json").write_text(json.dumps(report, indent=1))
-    _plot(requests, report.get("faults", []), workdir / "soak.png", args.seed)
+    _plot(requests, report.get("faults", []), workdir / "soak.png", args.seed,
+          report.get("hits_by_source", []))
     _print(summary, report, workdir)
     return 0 if summary["passed"] else 1
 
@@ -259,6 +275,7 @@ def _drive(args, model: Path, reference, servers, faulter: Faulter, requests: li
             ref = answer_of(complete(reference.url, str(model), conv.prompt, conv.salt,
                                      SHAPE["answer_tokens"]))
             req.ref_cached_tokens = ref["cached_tokens"]
+            req.sent_s = now(t0)        # its latency is the kvhal servers', not the reference's
             got = _ask(servers, server, faulter, conv, req, model)
             req.done_s = now(t0)
             req.faults_during = [f"{f['kind']}@{f['start_s']:.0f}" for f in faulter.done
@@ -337,16 +354,9 @@ def _summarize(requests: list[Request], report: dict, served: Counter) -> dict:
     failed_unexplained = [r for r in requests if r.verdict == "failed"
                           and "kill_restart" not in " ".join(r.faults_during)]
     checks = report.get("checks", {})
-    by_fault: dict[str, dict] = {}
-    for f in report.get("faults", []):
-        hit = [r for r in requests if r.sent_s <= f["end_s"] and r.done_s >= f["start_s"]]
-        row = by_fault.setdefault(f["kind"], {"count": 0, "requests": 0, "retries": 0,
-                                              "recomputed": 0, "worst_s": 0.0})
-        row["count"] += 1
-        row["requests"] += len(hit)
-        row["retries"] += sum(r.tries - 1 for r in hit)
-        row["recomputed"] += sum(r.prompt_tokens - r.cached_tokens for r in hit)
-        row["worst_s"] = max([row["worst_s"]] + [r.done_s - r.sent_s for r in hit])
+    costs = soak_report.fault_costs([r.to_json() for r in requests],
+                                     report.get("faults", []))
+    events = report.get("events", {})
     failures = {
         "wrong answers": verdicts["wrong"],
         "failed requests not explained by a kill": len(failed_unexplained),
@@ -358,10 +368,13 @@ def _summarize(requests: list[Request], report: dict, served: Counter) -> dict:
         "fsck: corrupt chunks no fault made": len(checks.get("fsck_unexplained", [])),
         "kvhal served < 1/10 of reusable tokens": int(kvhal_served < MIN_SERVED * reusable),
         "fault thread error": int(bool(report.get("fault_error"))),
+        "event claims of missing chunks past the bound": sum(
+            t["violations"] for t in events.get("tiers", {}).values()),
+        "event watch error": int(bool(events.get("error"))),
     }
     return {"requests": len(requests), "verdicts": dict(verdicts),
             "reusable_prompt_tokens": reusable, "kvhal_served_tokens": kvhal_served,
-            "served_by_source": dict(served), "by_fault": by_fault, "failures": failures,
+            "served_by_source": dict(served), "fault_costs": costs, "failures": failures,
             "cross_tenant": [r.to_json() | {"index": requests.index(r)} for r in cross],
             "passed": not any(failures.values()) and bool(requests)}
 
@@ -379,15 +392,17 @@ def _print(summary: dict, report: dict, workdir: Path) -> None:
                  ["by source", json.dumps(summary["served_by_source"])],
                  ["server starts refused (retried)", len(report.get("starts_refused", []))]]
                 + [[k, n] for k, n in summary["failures"].items()])
-    print_table("faults", ["kind", "count", "requests during", "retries", "recomputed tokens",
-                           "worst latency s"],
-                [[k, r["count"], r["requests"], r["retries"], r["recomputed"],
-                  f"{r['worst_s']:.1f}"] for k, r in sorted(summary["by_fault"].items())])
+    print_table(f"what each fault cost (its requests: in flight at its start or sent until "
+                f"{soak_report.AFTER_S:g} s after its end)", soak_report.FAULT_COLUMNS,
+                soak_report.fault_rows(summary["fault_costs"]))
+    print_table("KV events vs what the tiers can load (claims per tier; times in s)",
+                soak_report.EVENT_COLUMNS, soak_report.event_rows(report.get("events", {})))
     print(f"{'PASSED' if summary['passed'] else 'FAILED'}; report {workdir / 'soak.json'}, "
           f"timeline {workdir / 'soak.png'}")
 
 
-def _plot(requests: list[Request], done: list[dict], path: Path, seed: int) -> None:
+def _plot(requests: list[Request], done: list[dict], path: Path, seed: int,
+          hits: list) -> None:
     try:
         from ..plot import plot_soak_timeline
         plot_soak_timeline(path, [r.done_s for r in requests],
@@ -395,7 +410,9 @@ def _plot(requests: list[Request], done: list[dict], path: Path, seed: int) -> N
                            [r.prompt_tokens for r in requests],
                            [r.verdict for r in requests],
                            [(f["start_s"], f["end_s"], f["kind"]) for f in done],
-                           f"kvhal soak, seed {seed}")
+                           f"kvhal soak, seed {seed}",
+                           hits=soak_report.hit_rates(hits, max([r.done_s for r in requests],
+                                                                default=0.0)))
     except ImportError as e:     # the plot extra missing: the JSON still holds everything
         print(f"no timeline: {e}", file=sys.stderr)
 

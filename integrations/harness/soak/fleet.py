@@ -8,6 +8,7 @@ conversation moving between them finds its KV there.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from ..vllm.engine import engine_env, kv_transfer_config
-from ..vllm.server import ServerProcess, free_port, server_argv
+from ..vllm.server import ServerProcess, free_port, kv_events_config, server_argv
 
 #: Size of the fs tier's filesystem, and the fs tier's byte budget within it.
 FS_BYTES = 48 << 20
@@ -77,6 +78,8 @@ class Server:
     def __init__(self, name: str, model: Path, workdir: Path, config: dict | None):
         self.name, self.model, self.workdir, self.config = name, model, workdir, config
         self.port = free_port()
+        #: Where a kvhal server publishes its KV events (ZMQ PUB) and replays them (ROUTER).
+        self.events_port, self.replay_port = free_port(), free_port()
         self.starts = 0
         self.proc: ServerProcess | None = None
 
@@ -88,6 +91,9 @@ class Server:
     def start(self, wait: bool = True) -> None:
         """Start it and (with `wait`) wait for `/health` (raises `ServerDidNotStart`)."""
         extra = ["--max-num-seqs", "1", "--shutdown-timeout", str(SHUTDOWN_S)]
+        if self.config is not None:
+            extra += ["--kv-events-config",
+                      json.dumps(kv_events_config(self.events_port, self.replay_port))]
         argv = server_argv(self.model, self.port, max_model_len=MAX_MODEL_LEN, extra=extra,
                            num_blocks=None if self.config is None else NUM_BLOCKS,
                            kv_transfer_config=None if self.config is None

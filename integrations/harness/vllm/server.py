@@ -27,6 +27,15 @@ from kvhal.procs import free_port  # noqa: F401  (re-exported: the port a server
 API_SERVER = "vllm.entrypoints.openai.api_server"
 
 
+def kv_events_config(events_port: int, replay_port: int) -> dict:
+    """vLLM's `kv_events_config` (`--kv-events-config`): its ZMQ publisher of KV events and
+    its replay socket bound on every interface at these ports (vLLM's publisher binds only a
+    wildcard endpoint, `tcp://*:PORT`, and connects to any other as to a subscriber that
+    binds)."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}", "replay_endpoint": f"tcp://*:{replay_port}"}
+
+
 def server_argv(model: Path, port: int, *, num_blocks: int | None = None,
                 max_model_len: int | None = None,
                 kv_transfer_config: Mapping[str, Any] | None = None,
