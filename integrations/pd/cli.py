@@ -143,24 +143,23 @@ def run(args: argparse.Namespace) -> int:
     """
     mode = _mode(args)
     try:
-        from .proxy import Order, ProxyConfig, serve
+        from .proxy import Order, Proxy, ProxyConfig
         if mode == "fleet":
-            from .fleet import FleetConfig
-            from .fleet import serve as serve_fleet
+            from .fleet import Fleet, FleetConfig
     except ImportError as exc:
         raise RuntimeError(f"kvhal proxy needs the `proxy` extra (pip install "
                            f"'kvhal[proxy]'): {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
     if mode == "fleet":
-        asyncio.run(serve_fleet(FleetConfig(
+        asyncio.run(Fleet(FleetConfig(
             tuple(args.instance), args.route, args.tokenizer, args.host, args.port,
             args.health_interval_s, args.connect_timeout_s, args.shutdown_timeout_s,
             args.load_tokens, args.p2p_busy, args.p2p_min_tokens, args.replay_timeout_s,
-            args.events_silence_s, args.first_byte_timeout_s)))
+            args.events_silence_s, args.first_byte_timeout_s)).run())
         return 0
     config = ProxyConfig(tuple(args.prefiller), tuple(args.decoder), Order(args.order),
                          args.host, args.port, args.health_interval_s, args.connect_timeout_s,
                          args.prefill_timeout_s, args.shutdown_timeout_s)
-    asyncio.run(serve(config))
+    asyncio.run(Proxy(config).run())
     return 0

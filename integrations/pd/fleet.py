@@ -43,9 +43,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import msgspec
@@ -55,10 +53,9 @@ from aiohttp import web
 from .backends import FIRST_BYTE_TIMEOUT_S, Backend, NoHealthyBackend, Pool
 from .events_sub import EventFeed
 from .front import (FORWARDED_HEADERS, MAX_BODY_BYTES, Front, body_problem, error_response,
-                    failure_text, passed_through)
+                    failure_text, passed_through, verdict)
 from .legs import client_params
 from .prompts import Prompts
-from .proxy import run_app, verdict
 from .route import Decision, Instance, InstanceSpec, Router, conversation_of
 
 log = logging.getLogger("kvhal.proxy")
@@ -149,6 +146,12 @@ class Fleet(Front):
             await self.session.close()
         if self._zmq is not None:
             self._zmq.term()
+
+    def describe(self, url: str) -> str:
+        """The startup line: the listen address `url`, the policy and every instance with its
+        first health verdict."""
+        return (f"kvhal proxy: listening on {url} (route {self.config.policy}); instances: "
+                f"{', '.join(verdict(i.backend) for i in self.router.instances)}")
 
     # -- health and load -------------------------------------------------------------------
 
@@ -373,20 +376,3 @@ def _payload(raw: bytes, body: dict, decision: Decision) -> bytes:
         return raw
     params = client_params(body) | decision.kv_transfer
     return msgspec.json.encode(body | {"kv_transfer_params": params})
-
-
-async def serve(config: FleetConfig, announce: Callable[[str], Any] = print) -> None:
-    """Run the fleet router until SIGTERM or SIGINT, then shut down gracefully.
-
-    `announce` receives one startup line naming the listen address, the policy and every
-    instance with its first health verdict.
-
-    Raises:
-        OSError: the listen address cannot be bound.
-    """
-    fleet = Fleet(config)
-    await run_app(fleet.app(), config.host, config.port, config.shutdown_timeout_s,
-                  lambda url: (f"kvhal proxy: listening on {url} (route {config.policy}); "
-                               f"instances: "
-                               f"{', '.join(verdict(i.backend) for i in fleet.router.instances)}"),
-                  announce)

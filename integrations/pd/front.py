@@ -4,11 +4,19 @@ poll loop, body checks, error answers and passing a backend's answer through."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from .backends import Backend
 from .legs import BodyError, client_params
+
+log = logging.getLogger("kvhal.proxy")
 
 #: Largest client body accepted (aiohttp's default, 1 MiB, is a 150K-token prompt of ids).
 MAX_BODY_BYTES = 256 << 20
@@ -45,6 +53,12 @@ def body_problem(body: object) -> web.Response | None:
     return None
 
 
+def verdict(backend: Backend) -> str:
+    """A backend's URL and health for a startup line: "URL (healthy)" / "URL (unhealthy: why)"."""
+    b = backend
+    return f"{b.url} ({'healthy' if b.healthy else 'unhealthy: ' + str(b.last_error)})"
+
+
 def passed_through(upstream: aiohttp.ClientResponse) -> web.StreamResponse:
     """The client's response (not prepared yet) for a backend's answer `upstream`: its status,
     reason, `PASSED_HEADERS` and content length."""
@@ -60,9 +74,10 @@ def passed_through(upstream: aiohttp.ClientResponse) -> web.StreamResponse:
 class Front:
     """Base of the aiohttp applications in front of vLLM servers.
 
-    Subclasses set `config` (with `connect_timeout_s` and `health_interval_s`, seconds) and
-    implement `_forward(request, chat=...)`, `models`, `health`, `_start`, `_stop` and
-    `_poll_all`; `_routes()` adds routes of their own.
+    Subclasses set `config` (with `host`, `port`, `connect_timeout_s`, `health_interval_s` and
+    `shutdown_timeout_s`, seconds) and
+    implement `_forward(request, chat=...)`, `models`, `health`, `_start`, `_stop`,
+    `_poll_all` and `describe(url)` (the startup line); `_routes()` adds routes of their own.
     """
 
     config: object
@@ -106,3 +121,34 @@ class Front:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """`POST /v1/chat/completions` (module docstring)."""
         return await self._forward(request, chat=True)
+
+    async def run(self, announce: Callable[[str], Any] = print) -> None:
+        """Serve `app()` on config.host:config.port until SIGTERM or SIGINT, then shut down
+        gracefully (module docstrings of `proxy` and `fleet`): the listener closes and
+        requests in flight get `config.shutdown_timeout_s` seconds to finish.
+
+        `announce` receives `describe("http://HOST:PORT")` (the bound address, every backend
+        with its first health verdict) once listening.
+
+        Raises:
+            OSError: the listen address cannot be bound.
+        """
+        # handler_cancellation: a client that leaves cancels its handler at once, which closes
+        # the legs' connections (vLLM aborts those requests), even while no token is due.
+        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                               shutdown_timeout=self.config.shutdown_timeout_s)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.config.host, self.config.port)
+            await site.start()
+            bound_host, bound_port = runner.addresses[0][:2]
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            announce(self.describe(f"http://{bound_host}:{bound_port}"))
+            sys.stdout.flush()
+            await stop.wait()
+            log.info("shutting down: finishing requests in flight")
+        finally:
+            await runner.cleanup()

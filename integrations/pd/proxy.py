@@ -50,19 +50,16 @@ import contextlib
 import enum
 import logging
 import secrets
-import signal
-import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from .backends import Backend, NoHealthyBackend, Pool
 from .front import (FORWARDED_HEADERS, MAX_BODY_BYTES, Front, body_problem, error_response,
-                    failure_text, passed_through)
+                    failure_text, passed_through, verdict)
 from .legs import RemotePrefill, decode_body, prefill_body
 
 log = logging.getLogger("kvhal.proxy")
@@ -141,6 +138,13 @@ class Proxy(Front):
                 await self._poller
         if self.session is not None:
             await self.session.close()
+
+    def describe(self, url: str) -> str:
+        """The startup line: the listen address `url`, the order and every backend with its
+        first health verdict."""
+        return (f"kvhal proxy: listening on {url} ({self.config.order.value}); "
+                f"prefillers: {', '.join(map(verdict, self.prefillers.backends))}; "
+                f"decoders: {', '.join(map(verdict, self.decoders.backends))}")
 
     # -- health ----------------------------------------------------------------------------
 
@@ -331,57 +335,3 @@ class Proxy(Front):
         if ctx is not None and ctx.on_sent is not None:
             on_sent, ctx.on_sent = ctx.on_sent, None
             on_sent()
-
-
-async def serve(config: ProxyConfig, announce: Callable[[str], Any] = print) -> None:
-    """Run the proxy until SIGTERM or SIGINT, then shut down gracefully (module docstring).
-
-    `announce` receives one startup line naming the listen address and every backend with
-    its first health verdict.
-
-    Raises:
-        OSError: the listen address cannot be bound.
-    """
-    proxy = Proxy(config)
-    await run_app(proxy.app(), config.host, config.port, config.shutdown_timeout_s,
-                  lambda url: (f"kvhal proxy: listening on {url} ({config.order.value}); "
-                               f"prefillers: {', '.join(map(verdict, proxy.prefillers.backends))}; "
-                               f"decoders: {', '.join(map(verdict, proxy.decoders.backends))}"),
-                  announce)
-
-
-def verdict(backend: Backend) -> str:
-    """A backend's URL and health for a startup line: "URL (healthy)" / "URL (unhealthy: why)"."""
-    b = backend
-    return f"{b.url} ({'healthy' if b.healthy else 'unhealthy: ' + str(b.last_error)})"
-
-
-async def run_app(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
-                  describe: Callable[[str], str], announce: Callable[[str], Any]) -> None:
-    """Serve `app` on host:port until SIGTERM or SIGINT, then shut down gracefully: the
-    listener closes and requests in flight get `shutdown_timeout_s` seconds to finish.
-
-    `announce` receives `describe("http://HOST:PORT")` (the bound address) once listening.
-
-    Raises:
-        OSError: the listen address cannot be bound.
-    """
-    # handler_cancellation: a client that leaves cancels its handler at once, which closes
-    # the legs' connections (vLLM aborts those requests), even while no token is due.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=shutdown_timeout_s)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound_host, bound_port = runner.addresses[0][:2]
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        announce(describe(f"http://{bound_host}:{bound_port}"))
-        sys.stdout.flush()
-        await stop.wait()
-        log.info("shutting down: finishing requests in flight")
-    finally:
-        await runner.cleanup()
