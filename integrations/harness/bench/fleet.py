@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvhal.argtypes import positive_int
+from kvhal.argtypes import names_from, positive_int
 from kvhal.report import print_json, print_table, progress
 
 from ..vllm.chat import ChatShape
@@ -132,18 +132,8 @@ class Instance:
                 "replay_endpoint": f"tcp://*:{self.replay_port}"}
 
 
-def parse_routers(text: str) -> list[str]:
-    """"round-robin,kv" as a list of `ROUTERS` names, in `ROUTERS` order.
-
-    Raises:
-        argparse.ArgumentTypeError: an unknown name (the message lists the known ones).
-    """
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ROUTERS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown router(s) {unknown or text!r}; known: "
-                                         f"{', '.join(ROUTERS)}")
-    return [n for n in ROUTERS if n in names]
+#: `--routers`: "round-robin,kv" as a list of `ROUTERS` names, in `ROUTERS` order.
+parse_routers = names_from(ROUTERS, "router")
 
 
 def numeric_delta(before: Any, after: Any) -> Any:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvhal.argtypes import positive_int
+from kvhal.argtypes import names_from, positive_int
 from kvhal.report import print_json, print_table, progress
 
 from ..vllm.chat import ChatShape
@@ -104,18 +104,8 @@ def parse_sweep(text: str) -> list[int]:
     return values
 
 
-def parse_contenders(text: str) -> list[str]:
-    """"vllm,reference" as a list of `CONTENDERS` names, in `CONTENDERS` order.
-
-    Raises:
-        argparse.ArgumentTypeError: an unknown name (the message lists the known ones).
-    """
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONTENDERS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown contender(s) {unknown or text!r}; known: "
-                                         f"{', '.join(CONTENDERS)}")
-    return [n for n in CONTENDERS if n in names]
+#: `--contenders`: "vllm,reference" as a list of `CONTENDERS` names, in `CONTENDERS` order.
+parse_contenders = names_from(CONTENDERS, "contender")
 
 
 def make_contenders(names: list[str], largest: ChatShape, num_blocks: int, host_bytes: int,
