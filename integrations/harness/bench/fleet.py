@@ -49,18 +49,8 @@ from kvhal.argtypes import names_from, positive_int
 from kvhal.report import print_json, print_table, progress
 
 from ..vllm.chat import ChatShape
-from .serving import (
-    BLOCK_TOKENS,
-    add_run_args,
-    compare,
-    error_line,
-    ms,
-    print_correctness,
-    reference_blocks,
-    run_point,
-    warmup,
-    warmup_body,
-)
+from .serving import (BLOCK_TOKENS, add_run_args, compare, error_line, ms, print_correctness,
+                     reference_blocks, run_point, server_env, warmup, warmup_body)
 
 ROUTERS = ("round-robin", "affinity", "kv", "kv-p2p")
 LABELS = {"round-robin": "round-robin", "affinity": "session affinity",
@@ -210,18 +200,6 @@ def shapes(args: argparse.Namespace) -> dict[str, ChatShape]:
     }
 
 
-def _server_env(num_blocks: int, core: int | None) -> dict[str, str]:
-    from ..vllm.engine import engine_env
-    from ..vllm.model import DEMO
-
-    kv_gib = max(1, -(-num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
-    env = {**os.environ, **engine_env(1, in_process=False),
-           "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
-    if core is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-    return env
-
-
 def router_stats(proxy_url: str) -> dict[str, Any]:
     """The proxy's `GET /router/stats` JSON, or {"error": why} when it does not answer one."""
     try:
@@ -332,7 +310,7 @@ def run_router(router: str, shapes_: dict[str, ChatShape], args: argparse.Namesp
                 extra=(*extra, "--kv-events-config", json.dumps(inst.kv_events_config())))
             servers.append(stack.enter_context(ServerProcess(
                 argv, inst.port, folder / f"server-{i}.log",
-                _server_env(args.num_blocks, inst.core))))
+                server_env(args.num_blocks, inst.core))))
         for server in servers:
             server.wait_ready()
         for server in servers:
@@ -375,7 +353,7 @@ def run_reference(shapes_: dict[str, ChatShape], args: argparse.Namespace, *,
     argv = server_argv(model_dir, port, num_blocks=num_blocks, max_model_len=max_model_len,
                        extra=("--max-num-seqs", "1"))
     with ServerProcess(argv, port, workdir / "server-reference.log",
-                       _server_env(num_blocks, core)) as server:
+                       server_env(num_blocks, core)) as server:
         server.wait_ready()
         asyncio.run(warmup(server.base_url, warmup_body(
             str(model_dir), shapes_["multi-turn"].initial_tokens, kvhal=False)))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import sys
 import time
@@ -43,18 +42,8 @@ from kvhal.report import print_json, print_table, progress
 
 from ..vllm.chat import ChatShape
 from ..vllm.lmcache_mp import VENV_COMMAND, LMCacheNotRun, LMCacheSpec
-from .serving import (
-    BLOCK_TOKENS,
-    add_run_args,
-    compare,
-    error_line,
-    ms,
-    print_correctness,
-    reference_blocks,
-    run_point,
-    warmup,
-    warmup_body,
-)
+from .serving import (BLOCK_TOKENS, add_run_args, compare, error_line, ms, print_correctness,
+                     reference_blocks, run_point, server_env, warmup, warmup_body)
 
 CONTENDERS = ("vllm", "kvhal-host", "kvhal-fs", "reference", "offloading", "lmcache",
               "lmcache-fs")
@@ -130,16 +119,6 @@ def make_contenders(names: list[str], largest: ChatShape, num_blocks: int, host_
     return [Contender(n, *specs[n]) for n in names]
 
 
-def _warmup_body(model: str, contender: Contender, tokens: int) -> dict:
-    """One request that warms the server's kernels before anything is timed: cache-salted (so
-    no point can hit it) and, on kvhal, never offloaded."""
-    body = {"model": model, "prompt": list(range(3, 3 + tokens)), "max_tokens": 2,
-            "temperature": 0, "ignore_eos": True, "cache_salt": "kvhal-bench-warmup"}
-    if contender.kvhal:
-        body["kv_transfer_params"] = {"max_offload_tokens": 0}
-    return body
-
-
 def _clear_lmcache_l1(base_url: str) -> None:
     """Empty LMCache's L1 (its HTTP `POST /cache/clear`): the warm-up's salted KV, which no
     point can hit, must not take part of its budget (kvhal's warm-up is never offloaded)."""
@@ -165,14 +144,11 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
             with the log's tail). Both servers are stopped on every exit.
     """
     from ..vllm import lmcache_mp
-    from ..vllm.engine import engine_env
     from ..vllm.model import DEMO
     from ..vllm.server import ServerProcess, free_port, server_argv
 
     port = free_port()
-    kv_gib = max(1, -(-contender.num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
-    env = {**os.environ, **engine_env(1, in_process=False),
-           "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    env = server_env(contender.num_blocks)
     task = bar.add_task(f"{contender.name}: starting vLLM's OpenAI server", total=None)
     points = []
     with ExitStack() as stack:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import re
 import statistics
 import time
@@ -202,6 +203,22 @@ def compare(points: dict[str, list[dict]], reference: str = "reference") -> dict
                     counts["equal" if r["token_ids"] == other["token_ids"] else "differ"] += 1
         out[name] = counts
     return out
+
+
+def server_env(num_blocks: int, core: int | None = None) -> dict[str, str]:
+    """The environment of a vLLM-CPU OpenAI server (`vllm.server.ServerProcess`) holding
+    `num_blocks` KV blocks of the demo model: this process's, vLLM's engine settings and
+    `VLLM_CPU_KVCACHE_SPACE` (GiB, rounded up, one spare); its model worker bound to CPU
+    `core` unless None (vLLM's choice)."""
+    from ..vllm.engine import engine_env
+    from ..vllm.model import DEMO
+
+    kv_gib = max(1, -(-num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
+    env = {**os.environ, **engine_env(1, in_process=False),
+           "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    return env
 
 
 def warmup_body(model: str, tokens: int, kvhal: bool) -> dict:
