@@ -39,6 +39,31 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 ("0.5").
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN/infinite, or ≤ 0 (the message quotes
+            `text`).
+    """
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
+def listen_port(text: str) -> int:
+    """A TCP port to listen on, 0..65535, 0 meaning any free port ("8000").
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (the message quotes `text`).
+    """
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535 (0 = any free port), got "
+                                         f"{text!r}")
+    return int(text)
+
+
 def names_from(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
     """A `type=` callable reading "b, a" as a list of `known` names, in `known` order
     (duplicates dropped); `what` is the singular noun its errors use ("router").
