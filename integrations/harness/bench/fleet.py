@@ -46,11 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from kvhal.argtypes import names_from, positive_int
-from kvhal.report import print_json, print_table, progress
+from kvhal.report import print_table, progress
 
 from ..vllm.chat import ChatShape
-from .serving import (BLOCK_TOKENS, add_run_args, compare, error_line, ms, print_correctness,
-                     reference_blocks, run_point, server_env, warmup, warmup_body)
+from .serving import (add_run_args, compare, error_line, ms, print_correctness,
+                     reference_blocks, run_point, server_env, start_run, warmup, warmup_body,
+                     write_report)
 
 ROUTERS = ("round-robin", "affinity", "kv", "kv-p2p")
 LABELS = {"round-robin": "round-robin", "affinity": "session affinity",
@@ -371,23 +372,12 @@ def run(args: argparse.Namespace) -> int:
     exit 0 when every router ran and every request was answered."""
     import secrets
 
-    from ..vllm.demo import check_vllm
     from ..vllm.model import DEMO, build_model
     from ..vllm.server import ServerDidNotStart
 
-    if args.plot is not None:
-        from kvhal.integrations.harness.plot import check_plot_path
-
-        check_plot_path(args.plot)
     shapes_ = shapes(args)
     longest = max(s.longest_prompt() + s.answer_tokens for s in shapes_.values())
-    max_model_len = (args.num_blocks - 1) * BLOCK_TOKENS
-    if longest > max_model_len:
-        raise ValueError(f"--num-blocks: {args.num_blocks} blocks hold {max_model_len} tokens "
-                         f"per request, a prompt and its answer need up to {longest}")
-    check_vllm()
-    workdir = args.workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir, max_model_len = start_run(args, longest, "a prompt and its answer need up to")
     key_file = workdir / "p2p.key"
     key_file.write_text(secrets.token_urlsafe(24))
     key_file.chmod(0o600)
@@ -425,13 +415,7 @@ def run(args: argparse.Namespace) -> int:
     report["ratios"] = ratios(report["points"])
     report["targets"] = targets(report["ratios"])
     report["wall_s"] = time.perf_counter() - start
-    (workdir / "report.json").write_text(json.dumps(report, indent=2))
-    if args.plot is not None:
-        plot(report, args.plot)
-    if args.json:
-        print_json(report)
-    else:
-        print_report(report, workdir)
+    write_report(report, args, workdir, plot, print_report)
     unanswered = sum(p["answered"] != p["requests"] + p["not_sent"]
                      for points in report["points"].values() for p in points)
     return 1 if unanswered or report["not_run"] else 0

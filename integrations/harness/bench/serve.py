@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import sys
 import time
@@ -38,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from kvhal.argtypes import names_from, positive_int
-from kvhal.report import print_json, print_table, progress
+from kvhal.report import print_table, progress
 
 from ..vllm.chat import ChatShape
 from ..vllm.lmcache_mp import VENV_COMMAND, LMCacheNotRun, LMCacheSpec
-from .serving import (BLOCK_TOKENS, add_run_args, compare, error_line, ms, print_correctness,
-                     reference_blocks, run_point, server_env, warmup, warmup_body)
+from .serving import (add_run_args, compare, error_line, ms, print_correctness,
+                     reference_blocks, run_point, server_env, start_run, warmup, warmup_body,
+                     write_report)
 
 CONTENDERS = ("vllm", "kvhal-host", "kvhal-fs", "reference", "offloading", "lmcache",
               "lmcache-fs")
@@ -207,26 +207,15 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
 def run(args: argparse.Namespace) -> int:
     """`kvhal bench serve`: run every contender, print the table (or JSON); exit 0 when every
     request of every contender that ran was answered."""
-    from ..vllm.demo import check_vllm
     from ..vllm.lmcache_mp import venv_python
     from ..vllm.model import DEMO, build_model
     from ..vllm.server import ServerDidNotStart
 
-    if args.plot is not None:
-        from kvhal.integrations.harness.plot import check_plot_path
-
-        check_plot_path(args.plot)
     shapes = [ChatShape(n, args.turns, args.initial_tokens, args.turn_tokens,
                         args.answer_tokens, args.concurrency, args.seed)
               for n in args.conversations]
     longest = shapes[-1].longest_prompt() + args.answer_tokens
-    max_model_len = (args.num_blocks - 1) * BLOCK_TOKENS
-    if longest > max_model_len:
-        raise ValueError(f"--num-blocks: {args.num_blocks} blocks hold {max_model_len} tokens "
-                         f"per request, a conversation's last turn needs {longest}")
-    check_vllm()
-    workdir = args.workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir, max_model_len = start_run(args, longest, "a conversation's last turn needs")
     fs_root = workdir / "fs"
     model_dir = build_model(DEMO)
     contenders = make_contenders(args.contenders, shapes[-1], args.num_blocks,
@@ -269,13 +258,7 @@ def run(args: argparse.Namespace) -> int:
                     exc.log.read_text() if exc.log.exists() else str(exc))
     report["correctness"] = compare(report["points"])
     report["wall_s"] = time.perf_counter() - start
-    (workdir / "report.json").write_text(json.dumps(report, indent=2))
-    if args.plot is not None:
-        plot(report, args.plot)
-    if args.json:
-        print_json(report)
-    else:
-        print_report(report, workdir)
+    write_report(report, args, workdir, plot, print_report)
     failed = sum(p["answered"] != p["conversations"] * args.turns
                  for points in report["points"].values() for p in points)
     return 1 if failed else 0
