@@ -1,10 +1,11 @@
-"""argparse `type=` callables for numeric CLI options, so a bad number is an argparse usage
-error naming the value (exit code 2), never a traceback deep inside a run."""
+"""argparse `type=` callables for numeric and list CLI options, so a bad value is an
+argparse usage error naming it (exit code 2), never a traceback deep inside a run."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from collections.abc import Callable, Sequence
 
 
 def positive_int(text: str) -> int:
@@ -36,6 +37,48 @@ def non_negative_float(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text!r}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 ("0.5").
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN/infinite, or ≤ 0 (the message quotes
+            `text`).
+    """
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
+def listen_port(text: str) -> int:
+    """A TCP port to listen on, 0..65535, 0 meaning any free port ("8000").
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (the message quotes `text`).
+    """
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535 (0 = any free port), got "
+                                         f"{text!r}")
+    return int(text)
+
+
+def names_from(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """A `type=` callable reading "b, a" as a list of `known` names, in `known` order
+    (duplicates dropped); `what` is the singular noun its errors use ("router").
+
+    The callable raises argparse.ArgumentTypeError for an unknown name or an empty list (the
+    message lists the known names).
+    """
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {unknown or text!r}; known: "
+                                             f"{', '.join(known)}")
+        return [n for n in known if n in names]
+    return parse
 
 
 def json_object(text: str, source: str) -> dict:

@@ -1,7 +1,7 @@
 """`kvhal proxy`: the P/D proxy in front of prefiller and decoder vLLM servers, or the fleet
 router in front of N equal instances (`--route`, `--instance`).
 
-See `kvhal proxy --help`; the P/D proxy is `proxy.serve`, the fleet router `fleet.serve` (they
+See `kvhal proxy --help`; the P/D proxy is `proxy.Proxy`, the fleet router `fleet.Fleet` (they
 need the `proxy` extra: aiohttp, pyzmq, msgspec, imported only when the verb runs).
 """
 from __future__ import annotations
@@ -10,32 +10,12 @@ import argparse
 import asyncio
 import logging
 
-from kvhal.argtypes import non_negative_float
+from kvhal.argtypes import listen_port, positive_int, positive_seconds
 
 from .backends import FIRST_BYTE_TIMEOUT_S, parse_decoder, parse_prefiller
 from .route import POLICIES, parse_instance
 
 ORDERS = ("prefill-first", "concurrent", "decode-first")
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535 (0 = any free port), got "
-                                         f"{text!r}")
-    return int(text)
-
-
-def _positive_seconds(text: str) -> float:
-    value = non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return int(text)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,17 +56,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     fleet.add_argument("--tokenizer", metavar="DIR",
                        help="the model's tokenizer (transformers) for text prompts and chat "
                        "messages; token-id prompts need none")
-    fleet.add_argument("--load-tokens", type=_positive_int, default=128,
+    fleet.add_argument("--load-tokens", type=positive_int, default=128,
                        help="prompt tokens one request in flight weighs besides those it "
                        "computes: its decode steps (default: %(default)s)")
-    fleet.add_argument("--p2p-busy", type=_positive_int, default=2,
+    fleet.add_argument("--p2p-busy", type=positive_int, default=2,
                        help="kv-p2p: requests in flight at which a holder is busy and another "
                        "instance may pull its prefix (default: %(default)s)")
-    fleet.add_argument("--p2p-min-tokens", type=_positive_int, default=256,
+    fleet.add_argument("--p2p-min-tokens", type=positive_int, default=256,
                        help="kv-p2p: fewest tokens worth pulling (default: %(default)s)")
-    fleet.add_argument("--replay-timeout-s", type=_positive_seconds, default=2.0,
+    fleet.add_argument("--replay-timeout-s", type=positive_seconds, default=2.0,
                        help="seconds an event replay may take (default: %(default)s)")
-    fleet.add_argument("--first-byte-timeout-s", type=_positive_seconds,
+    fleet.add_argument("--first-byte-timeout-s", type=positive_seconds,
                        default=FIRST_BYTE_TIMEOUT_S,
                        help="seconds an instance may take to send the first byte of its "
                        "answer (queueing and prefill included; for a non-streamed request, "
@@ -94,20 +74,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "is re-sent once to another instance; also the most seconds between "
                        "two chunks of an answer, after which the answer ends incomplete "
                        "(default: %(default)s)")
-    fleet.add_argument("--events-silence-s", type=_positive_seconds, default=10.0,
+    fleet.add_argument("--events-silence-s", type=positive_seconds, default=10.0,
                        help="seconds without events after requests that store blocks before "
                        "an instance's index is cleared (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    p.add_argument("--port", type=_port, default=8000,
+    p.add_argument("--port", type=listen_port, default=8000,
                    help="listen port, 0 = any free port (default: %(default)s)")
-    p.add_argument("--health-interval-s", type=_positive_seconds, default=2.0,
+    p.add_argument("--health-interval-s", type=positive_seconds, default=2.0,
                    help="seconds between /health polls of the backends (default: %(default)s)")
-    p.add_argument("--connect-timeout-s", type=_positive_seconds, default=5.0,
+    p.add_argument("--connect-timeout-s", type=positive_seconds, default=5.0,
                    help="seconds to connect to a backend (default: %(default)s)")
-    p.add_argument("--prefill-timeout-s", type=_positive_seconds, default=300.0,
+    p.add_argument("--prefill-timeout-s", type=positive_seconds, default=300.0,
                    help="seconds a prefill leg may take; prefill-first then decodes without "
                    "it (default: %(default)s)")
-    p.add_argument("--shutdown-timeout-s", type=_positive_seconds, default=60.0,
+    p.add_argument("--shutdown-timeout-s", type=positive_seconds, default=60.0,
                    help="seconds requests in flight get to finish on SIGTERM/SIGINT "
                    "(default: %(default)s)")
     p.set_defaults(func=run)
@@ -143,24 +123,23 @@ def run(args: argparse.Namespace) -> int:
     """
     mode = _mode(args)
     try:
-        from .proxy import Order, ProxyConfig, serve
+        from .proxy import Order, Proxy, ProxyConfig
         if mode == "fleet":
-            from .fleet import FleetConfig
-            from .fleet import serve as serve_fleet
+            from .fleet import Fleet, FleetConfig
     except ImportError as exc:
         raise RuntimeError(f"kvhal proxy needs the `proxy` extra (pip install "
                            f"'kvhal[proxy]'): {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
     if mode == "fleet":
-        asyncio.run(serve_fleet(FleetConfig(
+        asyncio.run(Fleet(FleetConfig(
             tuple(args.instance), args.route, args.tokenizer, args.host, args.port,
             args.health_interval_s, args.connect_timeout_s, args.shutdown_timeout_s,
             args.load_tokens, args.p2p_busy, args.p2p_min_tokens, args.replay_timeout_s,
-            args.events_silence_s, args.first_byte_timeout_s)))
+            args.events_silence_s, args.first_byte_timeout_s)).run())
         return 0
     config = ProxyConfig(tuple(args.prefiller), tuple(args.decoder), Order(args.order),
                          args.host, args.port, args.health_interval_s, args.connect_timeout_s,
                          args.prefill_timeout_s, args.shutdown_timeout_s)
-    asyncio.run(serve(config))
+    asyncio.run(Proxy(config).run())
     return 0

@@ -43,9 +43,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import msgspec
@@ -54,10 +52,10 @@ from aiohttp import web
 
 from .backends import FIRST_BYTE_TIMEOUT_S, Backend, NoHealthyBackend, Pool
 from .events_sub import EventFeed
-from .legs import BodyError, client_params
+from .front import (FORWARDED_HEADERS, MAX_BODY_BYTES, Front, body_problem, error_response,
+                    failure_text, passed_through, verdict)
+from .legs import client_params
 from .prompts import Prompts
-from .proxy import (FORWARDED_HEADERS, MAX_BODY_BYTES, PASSED_HEADERS, _error, _failure,
-                    run_app, verdict)
 from .route import Decision, Instance, InstanceSpec, Router, conversation_of
 
 log = logging.getLogger("kvhal.proxy")
@@ -106,7 +104,7 @@ def parse_queue(text: bytes) -> int:
     return int(sum(float(v) for v in _QUEUE.findall(text)))
 
 
-class Fleet:
+class Fleet(Front):
     """The aiohttp application's state: router, client session, pollers and event feeds."""
 
     def __init__(self, config: FleetConfig):
@@ -127,23 +125,11 @@ class Fleet:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def app(self) -> web.Application:
-        """The aiohttp application serving the routes of the module docstring."""
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/router/stats", self.stats)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
+    def _routes(self) -> list[tuple[str, object]]:
+        return [("/router/stats", self.stats)]
 
     async def _start(self, _app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
-            auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
+        self.session = self._client_session()
         self._zmq = zmq.asyncio.Context()
         self._tasks = [asyncio.create_task(i.feed.run(self._zmq), name=f"events {i.spec.url}")
                        for i in self.router.instances if i.feed is not None]
@@ -160,6 +146,12 @@ class Fleet:
             await self.session.close()
         if self._zmq is not None:
             self._zmq.term()
+
+    def describe(self, url: str) -> str:
+        """The startup line: the listen address `url`, the policy and every instance with its
+        first health verdict."""
+        return (f"kvhal proxy: listening on {url} (route {self.config.policy}); instances: "
+                f"{', '.join(verdict(i.backend) for i in self.router.instances)}")
 
     # -- health and load -------------------------------------------------------------------
 
@@ -186,7 +178,7 @@ class Fleet:
                     if resp.status == 200:
                         inst.queued = parse_queue(await resp.read())
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            ok, why = False, _failure(exc)
+            ok, why = False, failure_text(exc)
         if not ok:
             self._unhealthy(inst, why)
         elif inst.backend.mark(True):
@@ -196,11 +188,6 @@ class Fleet:
 
     async def _poll_all(self) -> None:
         await asyncio.gather(*(self._poll(i) for i in self.router.instances))
-
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            await self._poll_all()
 
     async def health(self, _request: web.Request) -> web.Response:
         """`GET /health`: every instance's state; 503 when none is healthy."""
@@ -222,40 +209,27 @@ class Fleet:
 
     # -- routes ----------------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        """`POST /v1/completions` (module docstring)."""
-        return await self._route(request, chat=False)
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """`POST /v1/chat/completions` (module docstring)."""
-        return await self._route(request, chat=True)
-
     async def models(self, request: web.Request) -> web.StreamResponse:
         """`GET /v1/models`: a healthy instance's answer, passed through."""
         try:
             inst = self.router.live()[0]
         except NoHealthyBackend as exc:
-            return _error(503, str(exc))
+            return error_response(503, str(exc))
         inst.backend.outstanding += 1
         resp, _ = await self._relay(request, inst, "GET", "/v1/models", None, None,
                                     last=True, resend_slow=False)
         return resp
 
-    async def _route(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             raw = await request.read()
             body = msgspec.json.decode(raw)
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
+            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
         except msgspec.DecodeError as exc:
-            return _error(400, f"request body is not JSON: {exc}")
-        if not isinstance(body, dict):
-            return _error(400, f"request body must be a JSON object, got "
-                               f"{type(body).__name__}")
-        try:
-            client_params(body)
-        except BodyError as exc:
-            return _error(400, str(exc))
+            return error_response(400, f"request body is not JSON: {exc}")
+        if (problem := body_problem(body)) is not None:
+            return problem
         tokens = self.prompts.tokens(body, chat=chat)
         conversation = conversation_of(body, tokens)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
@@ -268,7 +242,7 @@ class Fleet:
                 decision = self.router.choose(tokens, conversation, exclude=tried,
                                               cache_salt=salt)
             except NoHealthyBackend as exc:
-                return _error(503, str(exc))
+                return error_response(503, str(exc))
             tried += (decision.instance,)
             feed = decision.instance.feed
             batches_before = None if feed is None else feed.stats.batches
@@ -329,7 +303,7 @@ class Fleet:
             if resend_slow and not last:
                 log.warning("request re-sent from %s (%s) to another instance", url, why)
                 raise _TryAnother(slow=True) from None
-            return _error(504, f"instance {url} sent {why}", url), False
+            return error_response(504, f"instance {url} sent {why}", url), False
         except (aiohttp.ClientError, OSError) as exc:
             if upstream is not None:
                 upstream.close()
@@ -341,12 +315,7 @@ class Fleet:
                 upstream.close()
             Pool.done(backend)
             raise
-        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for name in PASSED_HEADERS:
-            if name in upstream.headers:
-                resp.headers[name] = upstream.headers[name]
-        if upstream.content_length is not None:
-            resp.content_length = upstream.content_length
+        resp = passed_through(upstream)
         error, finished, chunk = None, False, first
         try:
             await resp.prepare(request)
@@ -357,7 +326,7 @@ class Fleet:
                         chunk = await upstream.content.readany()
                 except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     error = (f"no byte for {limit:g} s" if isinstance(
-                        exc, TimeoutError) else _failure(exc))
+                        exc, TimeoutError) else failure_text(exc))
                     self._unhealthy(inst, f"failed mid-answer: {error}")
                     if request.transport is not None:
                         request.transport.abort()   # the client sees an incomplete body
@@ -385,12 +354,12 @@ class Fleet:
         Raises:
             _TryAnother: not `last`.
         """
-        why = _failure(exc)
+        why = failure_text(exc)
         Pool.done(inst.backend, why)
         self._unhealthy(inst, f"unreachable: {why}")
         if not last:
             raise _TryAnother(slow=False)
-        return _error(502, f"instance {inst.spec.url} unreachable: {why}", inst.spec.url), False
+        return error_response(502, f"instance {inst.spec.url} unreachable: {why}", inst.spec.url), False
 
 
 class _TryAnother(Exception):
@@ -409,20 +378,3 @@ def _payload(raw: bytes, body: dict, decision: Decision) -> bytes:
         return raw
     params = client_params(body) | decision.kv_transfer
     return msgspec.json.encode(body | {"kv_transfer_params": params})
-
-
-async def serve(config: FleetConfig, announce: Callable[[str], Any] = print) -> None:
-    """Run the fleet router until SIGTERM or SIGINT, then shut down gracefully.
-
-    `announce` receives one startup line naming the listen address, the policy and every
-    instance with its first health verdict.
-
-    Raises:
-        OSError: the listen address cannot be bound.
-    """
-    fleet = Fleet(config)
-    await run_app(fleet.app(), config.host, config.port, config.shutdown_timeout_s,
-                  lambda url: (f"kvhal proxy: listening on {url} (route {config.policy}); "
-                               f"instances: "
-                               f"{', '.join(verdict(i.backend) for i in fleet.router.instances)}"),
-                  announce)

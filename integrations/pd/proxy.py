@@ -50,31 +50,24 @@ import contextlib
 import enum
 import logging
 import secrets
-import signal
-import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from .backends import Backend, NoHealthyBackend, Pool
-from .legs import BodyError, RemotePrefill, client_params, decode_body, prefill_body
+from .front import (FORWARDED_HEADERS, MAX_BODY_BYTES, Front, body_problem, error_response,
+                    failure_text, passed_through, verdict)
+from .legs import RemotePrefill, decode_body, prefill_body
 
 log = logging.getLogger("kvhal.proxy")
 
 #: Bytes of randomness in a `kv_request_id` (base64url: 32 characters).
 REQUEST_ID_BYTES = 24
-#: Largest client body accepted (aiohttp's default, 1 MiB, is a 150K-token prompt of ids).
-MAX_BODY_BYTES = 256 << 20
 #: Header pinning a request to one data-parallel rank of a vLLM API server.
 DP_RANK_HEADER = "X-data-parallel-rank"
-#: Client headers forwarded to both legs (API keys).
-FORWARDED_HEADERS = ("Authorization",)
-#: Backend answer headers passed to the client (with the status and the body).
-PASSED_HEADERS = ("Content-Type", "Content-Encoding")
 
 
 class Order(enum.Enum):
@@ -110,18 +103,6 @@ class ProxyConfig:
     shutdown_timeout_s: float = 60.0
 
 
-def _error(status: int, message: str, backend: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "kvhal_proxy_error",
-                                        "backend": backend, "code": status}}, status=status)
-
-
-def _failure(exc: BaseException) -> str:
-    """One line saying why a backend call failed, without a traceback."""
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
 def _unreachable(exc: BaseException) -> bool:
     """Whether a failed call says the backend is down (refused, reset, connect timeout), not
     merely slow (`prefill_timeout_s` passed)."""
@@ -131,7 +112,7 @@ def _unreachable(exc: BaseException) -> bool:
         exc, asyncio.TimeoutError)
 
 
-class Proxy:
+class Proxy(Front):
     """The aiohttp application's state: pools, the client session, the health poller."""
 
     def __init__(self, config: ProxyConfig):
@@ -143,25 +124,10 @@ class Proxy:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def app(self) -> web.Application:
-        """The aiohttp application serving the routes of the module docstring."""
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
-
     async def _start(self, _app: web.Application) -> None:
         trace = aiohttp.TraceConfig()
         trace.on_request_chunk_sent.append(self._on_chunk_sent)
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
-            trace_configs=[trace], auto_decompress=False,
-            skip_auto_headers=("Accept-Encoding",))
+        self.session = self._client_session(trace_configs=[trace])
         await self._poll_all()
         self._poller = asyncio.create_task(self._poll_forever())
 
@@ -172,6 +138,13 @@ class Proxy:
                 await self._poller
         if self.session is not None:
             await self.session.close()
+
+    def describe(self, url: str) -> str:
+        """The startup line: the listen address `url`, the order and every backend with its
+        first health verdict."""
+        return (f"kvhal proxy: listening on {url} ({self.config.order.value}); "
+                f"prefillers: {', '.join(map(verdict, self.prefillers.backends))}; "
+                f"decoders: {', '.join(map(verdict, self.decoders.backends))}")
 
     # -- health ----------------------------------------------------------------------------
 
@@ -184,7 +157,7 @@ class Proxy:
             async with self.session.get(f"{backend.url}/health", timeout=timeout) as resp:
                 ok, why = resp.status == 200, f"/health answered HTTP {resp.status}"
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            ok, why = False, _failure(exc)
+            ok, why = False, failure_text(exc)
         if backend.mark(ok, why):
             if ok:
                 log.info("backend %s is healthy", backend.url)
@@ -193,11 +166,6 @@ class Proxy:
 
     async def _poll_all(self) -> None:
         await asyncio.gather(*(self._poll(b) for b in self._all()))
-
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            await self._poll_all()
 
     async def health(self, _request: web.Request) -> web.Response:
         """`GET /health`: every backend's state; 503 when no decoder is healthy."""
@@ -211,41 +179,29 @@ class Proxy:
 
     # -- routes ----------------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        """`POST /v1/completions` (see the module docstring)."""
-        return await self._disaggregate(request, chat=False)
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """`POST /v1/chat/completions` (see the module docstring)."""
-        return await self._disaggregate(request, chat=True)
-
     async def models(self, request: web.Request) -> web.StreamResponse:
         """`GET /v1/models`: a healthy decoder's answer, passed through."""
         try:
             decoder = self.decoders.pick()
         except NoHealthyBackend as exc:
-            return _error(503, str(exc))
+            return error_response(503, str(exc))
         return await self._relay(request, decoder, "GET", "/v1/models", None, None)
 
     # -- one request -----------------------------------------------------------------------
 
-    async def _disaggregate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = await request.json()
         except ValueError as exc:
-            return _error(400, f"request body is not valid JSON: {exc}")
+            return error_response(400, f"request body is not valid JSON: {exc}")
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
-        if not isinstance(body, dict):
-            return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
-        try:
-            client_params(body)
-        except BodyError as exc:
-            return _error(400, str(exc))
+            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
+        if (problem := body_problem(body)) is not None:
+            return problem
         try:
             decoder = self.decoders.pick()
         except NoHealthyBackend as exc:
-            return _error(503, str(exc))
+            return error_response(503, str(exc))
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         request_id = secrets.token_urlsafe(REQUEST_ID_BYTES)
         try:
@@ -315,7 +271,7 @@ class Proxy:
                                          timeout=timeout) as resp:
                 answer = await resp.read()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            why = _failure(exc)
+            why = failure_text(exc)
             log.warning("request %s: prefill leg to %s failed: %s; the decoder recomputes",
                         rid, prefiller.url, why)
             self.prefillers.done(prefiller, why, unreachable=_unreachable(exc))
@@ -336,19 +292,14 @@ class Proxy:
             upstream = await self.session.request(method, f"{backend.url}{path}", json=body,
                                                   headers=headers, trace_request_ctx=ctx)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            why = _failure(exc)
+            why = failure_text(exc)
             log.warning("decoder %s unreachable: %s", backend.url, why)
             self.decoders.done(backend, why, unreachable=True)
-            return _error(502, f"decoder {backend.url} unreachable: {why}", backend.url)
+            return error_response(502, f"decoder {backend.url} unreachable: {why}", backend.url)
         except BaseException:
             self.decoders.done(backend)
             raise
-        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for name in PASSED_HEADERS:
-            if name in upstream.headers:
-                resp.headers[name] = upstream.headers[name]
-        if upstream.content_length is not None:
-            resp.content_length = upstream.content_length
+        resp = passed_through(upstream)
         error, finished = None, False
         try:
             await resp.prepare(request)
@@ -356,7 +307,7 @@ class Proxy:
                 try:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, OSError) as exc:
-                    error = _failure(exc)
+                    error = failure_text(exc)
                     log.warning("decoder %s failed mid-answer: %s", backend.url, error)
                     if request.transport is not None:
                         request.transport.abort()   # the client sees an incomplete body
@@ -384,57 +335,3 @@ class Proxy:
         if ctx is not None and ctx.on_sent is not None:
             on_sent, ctx.on_sent = ctx.on_sent, None
             on_sent()
-
-
-async def serve(config: ProxyConfig, announce: Callable[[str], Any] = print) -> None:
-    """Run the proxy until SIGTERM or SIGINT, then shut down gracefully (module docstring).
-
-    `announce` receives one startup line naming the listen address and every backend with
-    its first health verdict.
-
-    Raises:
-        OSError: the listen address cannot be bound.
-    """
-    proxy = Proxy(config)
-    await run_app(proxy.app(), config.host, config.port, config.shutdown_timeout_s,
-                  lambda url: (f"kvhal proxy: listening on {url} ({config.order.value}); "
-                               f"prefillers: {', '.join(map(verdict, proxy.prefillers.backends))}; "
-                               f"decoders: {', '.join(map(verdict, proxy.decoders.backends))}"),
-                  announce)
-
-
-def verdict(backend: Backend) -> str:
-    """A backend's URL and health for a startup line: "URL (healthy)" / "URL (unhealthy: why)"."""
-    b = backend
-    return f"{b.url} ({'healthy' if b.healthy else 'unhealthy: ' + str(b.last_error)})"
-
-
-async def run_app(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
-                  describe: Callable[[str], str], announce: Callable[[str], Any]) -> None:
-    """Serve `app` on host:port until SIGTERM or SIGINT, then shut down gracefully: the
-    listener closes and requests in flight get `shutdown_timeout_s` seconds to finish.
-
-    `announce` receives `describe("http://HOST:PORT")` (the bound address) once listening.
-
-    Raises:
-        OSError: the listen address cannot be bound.
-    """
-    # handler_cancellation: a client that leaves cancels its handler at once, which closes
-    # the legs' connections (vLLM aborts those requests), even while no token is due.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=shutdown_timeout_s)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound_host, bound_port = runner.addresses[0][:2]
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        announce(describe(f"http://{bound_host}:{bound_port}"))
-        sys.stdout.flush()
-        await stop.wait()
-        log.info("shutting down: finishing requests in flight")
-    finally:
-        await runner.cleanup()

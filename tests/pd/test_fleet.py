@@ -22,7 +22,6 @@ from .servers import (
     BackendProcess,
     FaultyBackend,
     ProxyProcess,
-    RecordingBackend,
     SSEStream,
     request,
 )
@@ -33,47 +32,21 @@ BODY = {"model": "m", "prompt": TOKENS, "max_tokens": 4}
 
 
 @pytest.fixture
-def backend():
-    """Factory of recording backends, all stopped at teardown."""
-    made = []
-
-    def make(name: str, cls=RecordingBackend, **kw) -> RecordingBackend:
-        made.append(cls(name, **kw))
-        return made[-1]
-    yield make
-    for b in made:
-        b.stop()
-
-
-@pytest.fixture
-def backend_process():
+def backend_process(backend):
     """Factory of echo backends in their own processes (`freeze()` = SIGSTOP), killed at
     teardown."""
-    made = []
-
-    def make(name: str) -> BackendProcess:
-        made.append(BackendProcess(name))
-        return made[-1]
-    yield make
-    for b in made:
-        b.stop()
+    return lambda name: backend(name, cls=BackendProcess)
 
 
 @pytest.fixture
-def fleet(tmp_path):
+def fleet(proxy_process):
     """Factory: `fleet(policy, specs, *args)` starts `kvhal proxy --route policy` over the
     `--instance` specs."""
-    made = []
-
     def start(policy: str, specs: list[str], *args: str) -> ProxyProcess:
         argv = [a for s in specs for a in ("--instance", s)]
-        made.append(ProxyProcess([KVHAL, "proxy", "--port", "0", "--route", policy,
-                                  "--health-interval-s", "0.5", *argv, *args],
-                                 tmp_path / f"fleet{len(made)}.log"))
-        return made[-1]
-    yield start
-    for p in made:
-        p.kill()
+        return proxy_process("fleet", "--route", policy, "--health-interval-s", "0.5",
+                             *argv, *args)
+    return start
 
 
 def stats(px: ProxyProcess) -> dict:

@@ -14,7 +14,7 @@ import pytest
 
 from kvhal.integrations.pd.legs import RemotePrefill, decode_body, prefill_body
 
-from .servers import KVHAL, FaultyBackend, ProxyProcess, RecordingBackend, SSEStream, request
+from .servers import FaultyBackend, ProxyProcess, SSEStream, request
 
 CLIENT = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 0,
           "kv_transfer_params": {"max_offload_tokens": 128}}
@@ -22,32 +22,13 @@ P2P = ("10.1.2.3", 7100)
 
 
 @pytest.fixture
-def backend():
-    """Factory of recording backends, all stopped at teardown."""
-    made = []
-
-    def make(name: str, cls=RecordingBackend, **kw) -> RecordingBackend:
-        made.append(cls(name, **kw))
-        return made[-1]
-    yield make
-    for b in made:
-        b.stop()
-
-
-@pytest.fixture
-def proxy(tmp_path):
+def proxy(proxy_process):
     """Factory: `proxy(prefillers, decoders, *args)` starts `kvhal proxy` in front of them."""
-    made = []
-
     def start(prefillers, decoders, *args: str, p2p=P2P) -> ProxyProcess:
         argv = [a for p in prefillers for a in ("--prefiller", f"{p.url},{p2p[0]}:{p2p[1]}")]
         argv += [a for d in decoders for a in ("--decoder", d.url)]
-        made.append(ProxyProcess([KVHAL, "proxy", "--port", "0", *argv, *args],
-                                 tmp_path / f"proxy{len(made)}.log"))
-        return made[-1]
-    yield start
-    for p in made:
-        p.kill()
+        return proxy_process("proxy", *argv, *args)
+    return start
 
 
 def _wait(condition, timeout_s: float = 30.0) -> None:

@@ -45,13 +45,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvhal.argtypes import positive_int
-from kvhal.report import print_json, print_table, progress
+from kvhal.argtypes import names_from, positive_int
+from kvhal.report import print_table, progress
 
 from ..vllm.chat import ChatShape
 from ..vllm.server import kv_events_config
 from .serving import (
-    BLOCK_TOKENS,
     add_run_args,
     compare,
     error_line,
@@ -59,8 +58,11 @@ from .serving import (
     print_correctness,
     reference_blocks,
     run_point,
+    server_env,
+    start_run,
     warmup,
     warmup_body,
+    write_report,
 )
 
 ROUTERS = ("round-robin", "affinity", "kv", "kv-p2p")
@@ -129,18 +131,8 @@ class Instance:
         return kv_events_config(self.events_port, self.replay_port)
 
 
-def parse_routers(text: str) -> list[str]:
-    """"round-robin,kv" as a list of `ROUTERS` names, in `ROUTERS` order.
-
-    Raises:
-        argparse.ArgumentTypeError: an unknown name (the message lists the known ones).
-    """
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ROUTERS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown router(s) {unknown or text!r}; known: "
-                                         f"{', '.join(ROUTERS)}")
-    return [n for n in ROUTERS if n in names]
+#: `--routers`: "round-robin,kv" as a list of `ROUTERS` names, in `ROUTERS` order.
+parse_routers = names_from(ROUTERS, "router")
 
 
 def numeric_delta(before: Any, after: Any) -> Any:
@@ -215,18 +207,6 @@ def shapes(args: argparse.Namespace) -> dict[str, ChatShape]:
                                 args.hot_tokens, args.answer_tokens, args.hot_concurrency,
                                 args.seed, shared_prefix_tokens=args.hot_prefix_tokens),
     }
-
-
-def _server_env(num_blocks: int, core: int | None) -> dict[str, str]:
-    from ..vllm.engine import engine_env
-    from ..vllm.model import DEMO
-
-    kv_gib = max(1, -(-num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
-    env = {**os.environ, **engine_env(1, in_process=False),
-           "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
-    if core is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-    return env
 
 
 def router_stats(proxy_url: str) -> dict[str, Any]:
@@ -339,7 +319,7 @@ def run_router(router: str, shapes_: dict[str, ChatShape], args: argparse.Namesp
                 extra=(*extra, "--kv-events-config", json.dumps(inst.kv_events_config())))
             servers.append(stack.enter_context(ServerProcess(
                 argv, inst.port, folder / f"server-{i}.log",
-                _server_env(args.num_blocks, inst.core))))
+                server_env(args.num_blocks, inst.core))))
         for server in servers:
             server.wait_ready()
         for server in servers:
@@ -382,7 +362,7 @@ def run_reference(shapes_: dict[str, ChatShape], args: argparse.Namespace, *,
     argv = server_argv(model_dir, port, num_blocks=num_blocks, max_model_len=max_model_len,
                        extra=("--max-num-seqs", "1"))
     with ServerProcess(argv, port, workdir / "server-reference.log",
-                       _server_env(num_blocks, core)) as server:
+                       server_env(num_blocks, core)) as server:
         server.wait_ready()
         asyncio.run(warmup(server.base_url, warmup_body(
             str(model_dir), shapes_["multi-turn"].initial_tokens, kvhal=False)))
@@ -400,23 +380,12 @@ def run(args: argparse.Namespace) -> int:
     exit 0 when every router ran and every request was answered."""
     import secrets
 
-    from ..vllm.demo import check_vllm
     from ..vllm.model import DEMO, build_model
     from ..vllm.server import ServerDidNotStart
 
-    if args.plot is not None:
-        from kvhal.integrations.harness.plot import check_plot_path
-
-        check_plot_path(args.plot)
     shapes_ = shapes(args)
     longest = max(s.longest_prompt() + s.answer_tokens for s in shapes_.values())
-    max_model_len = (args.num_blocks - 1) * BLOCK_TOKENS
-    if longest > max_model_len:
-        raise ValueError(f"--num-blocks: {args.num_blocks} blocks hold {max_model_len} tokens "
-                         f"per request, a prompt and its answer need up to {longest}")
-    check_vllm()
-    workdir = args.workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir, max_model_len = start_run(args, longest, "a prompt and its answer need up to")
     key_file = workdir / "p2p.key"
     key_file.write_text(secrets.token_urlsafe(24))
     key_file.chmod(0o600)
@@ -454,13 +423,7 @@ def run(args: argparse.Namespace) -> int:
     report["ratios"] = ratios(report["points"])
     report["targets"] = targets(report["ratios"])
     report["wall_s"] = time.perf_counter() - start
-    (workdir / "report.json").write_text(json.dumps(report, indent=2))
-    if args.plot is not None:
-        plot(report, args.plot)
-    if args.json:
-        print_json(report)
-    else:
-        print_report(report, workdir)
+    write_report(report, args, workdir, plot, print_report)
     unanswered = sum(p["answered"] != p["requests"] + p["not_sent"]
                      for points in report["points"].values() for p in points)
     return 1 if unanswered or report["not_run"] else 0

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import shutil
 import sys
 import time
@@ -38,23 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvhal.argtypes import positive_int
-from kvhal.report import print_json, print_table, progress
+from kvhal.argtypes import names_from, positive_int
+from kvhal.report import print_table, progress
 
 from ..vllm.chat import ChatShape
 from ..vllm.lmcache_mp import VENV_COMMAND, LMCacheNotRun, LMCacheSpec
-from .serving import (
-    BLOCK_TOKENS,
-    add_run_args,
-    compare,
-    error_line,
-    ms,
-    print_correctness,
-    reference_blocks,
-    run_point,
-    warmup,
-    warmup_body,
-)
+from .serving import (add_run_args, compare, error_line, ms, print_correctness,
+                     reference_blocks, run_point, server_env, start_run, warmup, warmup_body,
+                     write_report)
 
 CONTENDERS = ("vllm", "kvhal-host", "kvhal-fs", "reference", "offloading", "lmcache",
               "lmcache-fs")
@@ -104,18 +93,8 @@ def parse_sweep(text: str) -> list[int]:
     return values
 
 
-def parse_contenders(text: str) -> list[str]:
-    """"vllm,reference" as a list of `CONTENDERS` names, in `CONTENDERS` order.
-
-    Raises:
-        argparse.ArgumentTypeError: an unknown name (the message lists the known ones).
-    """
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONTENDERS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown contender(s) {unknown or text!r}; known: "
-                                         f"{', '.join(CONTENDERS)}")
-    return [n for n in CONTENDERS if n in names]
+#: `--contenders`: "vllm,reference" as a list of `CONTENDERS` names, in `CONTENDERS` order.
+parse_contenders = names_from(CONTENDERS, "contender")
 
 
 def make_contenders(names: list[str], largest: ChatShape, num_blocks: int, host_bytes: int,
@@ -138,16 +117,6 @@ def make_contenders(names: list[str], largest: ChatShape, num_blocks: int, host_
              "lmcache": (num_blocks, None, LMCacheSpec(host_bytes)),
              "lmcache-fs": (num_blocks, None, LMCacheSpec(host_bytes, fs_root, fs_bytes))}
     return [Contender(n, *specs[n]) for n in names]
-
-
-def _warmup_body(model: str, contender: Contender, tokens: int) -> dict:
-    """One request that warms the server's kernels before anything is timed: cache-salted (so
-    no point can hit it) and, on kvhal, never offloaded."""
-    body = {"model": model, "prompt": list(range(3, 3 + tokens)), "max_tokens": 2,
-            "temperature": 0, "ignore_eos": True, "cache_salt": "kvhal-bench-warmup"}
-    if contender.kvhal:
-        body["kv_transfer_params"] = {"max_offload_tokens": 0}
-    return body
 
 
 def _clear_lmcache_l1(base_url: str) -> None:
@@ -175,14 +144,11 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
             with the log's tail). Both servers are stopped on every exit.
     """
     from ..vllm import lmcache_mp
-    from ..vllm.engine import engine_env
     from ..vllm.model import DEMO
     from ..vllm.server import ServerProcess, free_port, server_argv
 
     port = free_port()
-    kv_gib = max(1, -(-contender.num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
-    env = {**os.environ, **engine_env(1, in_process=False),
-           "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    env = server_env(contender.num_blocks)
     task = bar.add_task(f"{contender.name}: starting vLLM's OpenAI server", total=None)
     points = []
     with ExitStack() as stack:
@@ -241,26 +207,15 @@ def run_contender(contender: Contender, shapes: list[ChatShape], *, model_dir: P
 def run(args: argparse.Namespace) -> int:
     """`kvhal bench serve`: run every contender, print the table (or JSON); exit 0 when every
     request of every contender that ran was answered."""
-    from ..vllm.demo import check_vllm
     from ..vllm.lmcache_mp import venv_python
     from ..vllm.model import DEMO, build_model
     from ..vllm.server import ServerDidNotStart
 
-    if args.plot is not None:
-        from kvhal.integrations.harness.plot import check_plot_path
-
-        check_plot_path(args.plot)
     shapes = [ChatShape(n, args.turns, args.initial_tokens, args.turn_tokens,
                         args.answer_tokens, args.concurrency, args.seed)
               for n in args.conversations]
     longest = shapes[-1].longest_prompt() + args.answer_tokens
-    max_model_len = (args.num_blocks - 1) * BLOCK_TOKENS
-    if longest > max_model_len:
-        raise ValueError(f"--num-blocks: {args.num_blocks} blocks hold {max_model_len} tokens "
-                         f"per request, a conversation's last turn needs {longest}")
-    check_vllm()
-    workdir = args.workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir, max_model_len = start_run(args, longest, "a conversation's last turn needs")
     fs_root = workdir / "fs"
     model_dir = build_model(DEMO)
     contenders = make_contenders(args.contenders, shapes[-1], args.num_blocks,
@@ -303,13 +258,7 @@ def run(args: argparse.Namespace) -> int:
                     exc.log.read_text() if exc.log.exists() else str(exc))
     report["correctness"] = compare(report["points"])
     report["wall_s"] = time.perf_counter() - start
-    (workdir / "report.json").write_text(json.dumps(report, indent=2))
-    if args.plot is not None:
-        plot(report, args.plot)
-    if args.json:
-        print_json(report)
-    else:
-        print_report(report, workdir)
+    write_report(report, args, workdir, plot, print_report)
     failed = sum(p["answered"] != p["conversations"] * args.turns
                  for points in report["points"].values() for p in points)
     return 1 if failed else 0

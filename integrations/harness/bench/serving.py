@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import os
 import re
 import statistics
 import time
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhal.argtypes import positive_int
+from kvhal.report import print_json
 
 from ..vllm import serve_metrics
 from ..vllm.chat import ChatShape, RequestResult, run_chats
@@ -202,6 +205,62 @@ def compare(points: dict[str, list[dict]], reference: str = "reference") -> dict
                     counts["equal" if r["token_ids"] == other["token_ids"] else "differ"] += 1
         out[name] = counts
     return out
+
+
+def start_run(args: argparse.Namespace, longest: int, needs: str) -> tuple[Path, int]:
+    """What a serving bench checks and prepares before its first server: `--plot`'s path,
+    `--num-blocks` against `longest` (the most tokens one request needs; `needs` words it in
+    the error, "... needs"), vLLM installed, `--workdir` created.
+    Returns (the resolved workdir, the servers' `max_model_len`: every block but one).
+
+    Raises:
+        ValueError: `--num-blocks` holds fewer than `longest` tokens (the message names it);
+            `--plot` unusable or vLLM missing (their checks' errors).
+    """
+    from ..vllm.demo import check_vllm
+
+    if args.plot is not None:
+        from kvhal.integrations.harness.plot import check_plot_path
+
+        check_plot_path(args.plot)
+    max_model_len = (args.num_blocks - 1) * BLOCK_TOKENS
+    if longest > max_model_len:
+        raise ValueError(f"--num-blocks: {args.num_blocks} blocks hold {max_model_len} tokens "
+                         f"per request, {needs} {longest}")
+    check_vllm()
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir, max_model_len
+
+
+def write_report(report: dict, args: argparse.Namespace, workdir: Path,
+                 plot: Callable[[dict, Path], None],
+                 print_report: Callable[[dict, Path], None]) -> None:
+    """Write `report` to `workdir/report.json`, `plot` it to `--plot` if given, and print it:
+    JSON with `--json`, else `print_report`'s table."""
+    (workdir / "report.json").write_text(json.dumps(report, indent=2))
+    if args.plot is not None:
+        plot(report, args.plot)
+    if args.json:
+        print_json(report)
+    else:
+        print_report(report, workdir)
+
+
+def server_env(num_blocks: int, core: int | None = None) -> dict[str, str]:
+    """The environment of a vLLM-CPU OpenAI server (`vllm.server.ServerProcess`) holding
+    `num_blocks` KV blocks of the demo model: this process's, vLLM's engine settings and
+    `VLLM_CPU_KVCACHE_SPACE` (GiB, rounded up, one spare); its model worker bound to CPU
+    `core` unless None (vLLM's choice)."""
+    from ..vllm.engine import engine_env
+    from ..vllm.model import DEMO
+
+    kv_gib = max(1, -(-num_blocks * BLOCK_TOKENS * DEMO.kv_bytes_per_token >> 30) + 1)
+    env = {**os.environ, **engine_env(1, in_process=False),
+           "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    return env
 
 
 def warmup_body(model: str, tokens: int, kvhal: bool) -> dict:
