@@ -1,0 +1,119 @@
+"""`kvhal soak`'s checks and fault tools against real services, no vLLM: the keyless p2p client
+against a real p2p listener, object damage and same-port restarts against a real
+`moto_server`, and the wait bound."""
+from __future__ import annotations
+
+import pytest
+from kvhal.integrations.harness.soak import checks, fleet
+from kvhal.integrations.harness.soak import faults as faultlib
+from kvhal.tiers.p2p import P2PTier
+from kvhal.tiers.p2p.client import Puller
+from kvhal.tiers.p2p.transport import TcpTransport
+
+from conformance.tier_fixtures import chunk_key, store
+from tests.tiers.helpers import NAMESPACE, host_region
+from tests.tiers.p2p_helpers import KEY, config
+
+
+@pytest.fixture
+def p2p_server():
+    """A real p2p tier in this process serving chunk 0 (4096 bytes of 7s) from its own store."""
+    host, array = host_region(1 << 20)
+    tier = P2PTier(config(), host, NAMESPACE)
+    array[:4096] = 7
+    assert store(tier, chunk_key(NAMESPACE, 0), 0, 4096).ok
+    yield tier
+    tier.close()
+
+
+def _port(tier: P2PTier) -> int:
+    return int(tier.identity.rsplit(":", 1)[1])
+
+
+def test_a_keyless_client_gets_no_bytes_of_a_chunk_the_server_holds(p2p_server):
+    """Fails when the server serves a `get` before (or without) checking the client's proof
+    (tried: `server_handshake` skipping its `compare_digest`: 4,219 bytes came)."""
+    got = checks.nokey_pull(_port(p2p_server), [chunk_key(NAMESPACE, 0)], 4096)
+    assert got == {"port": _port(p2p_server), "keys": 1, "bytes": 0, "error": None}
+
+
+def test_the_keyless_client_counts_what_a_server_would_send(p2p_server):
+    """The probe can see bytes: with the key, a real client pulls the same chunk (so a 0 above
+    is the server refusing, not the chunk missing)."""
+    import time
+    puller = Puller(TcpTransport(), KEY.encode(), "test:1", lambda *a: None)
+    host, array = host_region(1 << 20)
+    try:
+        puller.pull(("127.0.0.1", _port(p2p_server)), chunk_key(NAMESPACE, 0), host[:4096],
+                    time.monotonic() + 5)
+    finally:
+        puller.close()
+    assert (array[:4096] == 7).all()
+
+
+def test_a_keyless_pull_at_a_closed_port_is_an_error_not_bytes():
+    got = checks.nokey_pull(fleet.free_port(), [], 4096)
+    assert got["bytes"] == 0 and "ConnectionRefused" in got["error"]
+
+
+@pytest.fixture
+def moto():
+    pytest.importorskip("moto.server", reason="needs moto[server] (the dev extra)")
+    server = fleet.start_s3()
+    assert server is not None
+    yield server
+    server.kill()
+
+
+def _put(endpoint: str, name: str, data: bytes) -> None:
+    faultlib.s3_client(endpoint, fleet.S3_KEYS).put_object(Bucket=fleet.BUCKET, Key=name, Body=data)
+
+
+def _get(endpoint: str, name: str) -> bytes:
+    got = faultlib.s3_client(endpoint, fleet.S3_KEYS).get_object(Bucket=fleet.BUCKET, Key=name)
+    return got["Body"].read()
+
+
+def test_objects_are_truncated_or_overwritten_in_moto(moto):
+    body = bytes(range(256)) * 64
+    for name in ("soak/a.kv", "soak/b.kv", "soak/c.kv"):
+        _put(moto.endpoint, name, body)
+    assert faultlib.object_names(moto.endpoint, fleet.BUCKET, fleet.S3_KEYS) == ["soak/a.kv", "soak/b.kv",
+                                                                  "soak/c.kv"]
+    name = faultlib.damage_object(moto.endpoint, fleet.BUCKET, fleet.S3_KEYS,
+                                  faultlib.Fault(1.0, "obj_truncate", 0, 4))
+    assert name == "soak/b.kv" and _get(moto.endpoint, name) == body[:8192]
+    name = faultlib.damage_object(moto.endpoint, fleet.BUCKET, fleet.S3_KEYS,
+                                  faultlib.Fault(1.0, "obj_overwrite", 0, 5))
+    got = _get(moto.endpoint, name)
+    assert name == "soak/c.kv" and len(got) == len(body) and got != body
+    assert got[:8192] == body[:8192]
+
+
+def test_moto_restarts_on_the_same_port_with_its_bucket_gone(moto):
+    """Fails when a restart moves moto to a new port (the servers' configs name the old one:
+    the first soak test run failed so)."""
+    endpoint = moto.endpoint
+    _put(endpoint, "soak/x.kv", b"x" * 100)
+    fleet.restart_same_port(moto, moto.port)
+    assert moto.endpoint == endpoint and moto.running
+    moto.create_bucket(fleet.BUCKET)
+    assert faultlib.object_names(endpoint, fleet.BUCKET, fleet.S3_KEYS) == []
+
+
+def test_listening_names_a_socket_on_a_watched_port_only():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        found = checks.listening([port, fleet.free_port()])
+        assert [f["port"] for f in found] == [port]
+    assert checks.listening([port]) == []
+
+
+def test_the_wait_bound_adds_the_kills_and_stops_a_request_overlapped():
+    kills, stops = [(10.0, 40.0)], [(50.0, 62.0)]
+    assert checks.wait_bound_s(30.0, kills, stops, 0.0, 5.0) == 30.0
+    assert checks.wait_bound_s(30.0, kills, stops, 35.0, 55.0) == 30.0 + 30.0 + 12.0
+    assert checks.wait_bound_s(30.0, kills, stops, 41.0, 49.0) == 30.0
