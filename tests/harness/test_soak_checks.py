@@ -34,7 +34,8 @@ def test_a_keyless_client_gets_no_bytes_of_a_chunk_the_server_holds(p2p_server):
     """Fails when the server serves a `get` before (or without) checking the client's proof
     (tried: `server_handshake` skipping its `compare_digest`: 4,219 bytes came)."""
     got = checks.nokey_pull(_port(p2p_server), [chunk_key(NAMESPACE, 0)], 4096)
-    assert got == {"port": _port(p2p_server), "keys": 1, "bytes": 0, "error": None}
+    assert got == {"port": _port(p2p_server), "keys": 1, "bytes": 0, "challenged": 2,
+                   "error": None}
 
 
 def test_the_keyless_client_counts_what_a_server_would_send(p2p_server):

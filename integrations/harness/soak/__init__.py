@@ -61,6 +61,8 @@ MIN_SERVED = 0.1
 #: server computes at a time (`--max-num-seqs 1`) on a loaded 2-core machine, plus every tier's
 #: deadline (`fleet.TIER_TIMEOUT_S`) for the tiers a load may try in turn.
 WAIT_BASE_S = 30.0
+#: Faults that kill a server: a request in flight there may fail (`Request.faults_during`).
+KILLS = ("kill_restart@", "p2p_kill_mid_pull@")
 #: Seconds of load between two keyless p2p pulls (`checks.nokey_pull`) at each server.
 NOKEY_EVERY_S = 30.0
 
@@ -391,7 +393,7 @@ def _summarize(requests: list[Request], report: dict, served: Counter) -> dict:
     cross = [r for r in requests if r.cached_tokens > r.reusable_tokens]
     late = [r for r in requests if r.done_s - r.sent_s > r.wait_bound_s]
     failed_unexplained = [r for r in requests if r.verdict == "failed"
-                          and "kill_restart" not in " ".join(r.faults_during)]
+                          and not any(f.startswith(KILLS) for f in r.faults_during)]
     checks = report.get("checks", {})
     by_fault: dict[str, dict] = {}
     for f in report.get("faults", []):

@@ -103,12 +103,15 @@ def nokey_pull(port: int, keys: list[ChunkKey], chunk_bytes: int) -> dict:
 
     Returns:
         {"port", "keys", "bytes": bytes received after the challenge on both connections,
-        "error": why it could not connect, or None}.
+        "challenged": connections that got the server's challenge (0 or 1 of 2: the server
+        was stopped or went down), "error": why it could not connect, or None}.
     """
-    out = {"port": port, "keys": len(keys), "bytes": 0, "error": None}
+    out = {"port": port, "keys": len(keys), "bytes": 0, "challenged": 0, "error": None}
     try:
         for prove in (True, False):
-            out["bytes"] += _one(port, keys, chunk_bytes, prove)["bytes_after"]
+            one = _one(port, keys, chunk_bytes, prove)
+            out["bytes"] += one["bytes_after"]
+            out["challenged"] += one["challenge"]
     except OSError as e:       # the server is down (a fault) or restarting: nothing learned
         out["error"] = f"{type(e).__name__}: {e}"[:200]
     return out

@@ -71,7 +71,7 @@ class PullProbe:
             req.verdict, req.max_logprob_diff = compare(got["answer"], ref)
         else:
             req.verdict, req.error = "failed", got.get("error")
-        req.faults_during = ["p2p_kill_mid_pull"]
+        req.faults_during = ["pulling during p2p_kill_mid_pull"]   # its server was not killed
         self.requests.append(req)
         return (f"{self.servers[puller].name} asked for {len(prompt)} tokens "
                 f"{self.servers[holder].name} holds; {killed}; p2p hit tokens {p2p}, "
