@@ -33,7 +33,7 @@ from kvhal.report import print_table
 
 from ..vllm.chat import ChatShape, user_tokens
 from ..vllm.model import TINY, build_model
-from ..vllm.serve_metrics import cached_by_source, delta
+from ..vllm.serve_metrics import cached_by_source, delta, loaded_by_tier
 from . import checks, fleet
 from . import faults as faultlib
 from .load import (
@@ -223,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     servers = [fleet.Server(f"kvhal{i}", model, workdir, configs[i]) for i in range(2)]
     scraped: list[dict] = [{}, {}]      # metrics at the last scrape of each server's life
     served = Counter()
+    loaded = Counter()                  # chunks by tier, kvhal's own count
 
     def scrape(i: int) -> None:         # adds a server's counters before it dies
         try:
@@ -230,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError:
             return
         served.update(cached_by_source(delta(scraped[i], now_)))
+        loaded.update(loaded_by_tier(delta(scraped[i], now_)))
         scraped[i] = now_
 
     report: dict = {"seed": args.seed, "minutes": args.minutes, "config": configs,
@@ -289,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
             fleet.unmount(fs_mount)
     report["requests"] = [r.to_json() for r in requests]
     report["served_by_source"] = dict(served)
+    report["loaded_chunks_by_tier"] = dict(loaded)
     report["summary"] = summary = _summarize(requests, report, served)
     (workdir / "soak.json").write_text(json.dumps(report, indent=1))
     _plot(requests, report.get("faults", []), workdir / "soak.png", args.seed)
@@ -440,6 +443,7 @@ def _print(summary: dict, report: dict, workdir: Path) -> None:
                  ["reusable prompt tokens", summary["reusable_prompt_tokens"]],
                  ["served by kvhal (host/disk/p2p)", summary["kvhal_served_tokens"]],
                  ["by source", json.dumps(summary["served_by_source"])],
+                 ["chunks kvhal loaded, by tier", json.dumps(report.get("loaded_chunks_by_tier"))],
                  ["server starts refused (retried)", len(report.get("starts_refused", []))],
                  ["longest wait s", f"{summary['max_wait_s']:.1f}"],
                  ["keyless p2p pulls tried", summary["nokey_pulls"]],

@@ -6,7 +6,8 @@ sends that prompt (same tenant salt) to the other server, the puller, whose p2p 
 the holder's host tier; `faults.PULL_KILL_S` later the holder is SIGKILLed (a timing
 approximation of "mid-pull": the pull's start is not observed). The answer is checked against
 the reference like every other (`load.compare`) and recorded as a request of the run; the
-puller's p2p hit tokens for it (its `/metrics`, before and after) say whether a pull landed.
+chunks the puller's kvhal loaded over p2p meanwhile (its `/metrics`, before and after) say
+whether a pull landed.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..vllm.serve_metrics import cached_by_source, delta
+from ..vllm.serve_metrics import delta, loaded_by_tier
 from . import faults as faultlib
 from .fleet import scrape
 from .load import Request, answer_of, compare, complete, now
@@ -65,7 +66,7 @@ class PullProbe:
         killed = kill() if thread.is_alive() else "not killed: the answer came first"
         thread.join()
         req.done_s = now(self.t0)
-        p2p = cached_by_source(delta(before, scrape(url))).get("p2p", 0)
+        p2p = loaded_by_tier(delta(before, scrape(url))).get("p2p", 0)
         if "answer" in got:
             req.cached_tokens = got["answer"]["cached_tokens"]
             req.verdict, req.max_logprob_diff = compare(got["answer"], ref)
@@ -74,5 +75,5 @@ class PullProbe:
         req.faults_during = ["pulling during p2p_kill_mid_pull"]   # its server was not killed
         self.requests.append(req)
         return (f"{self.servers[puller].name} asked for {len(prompt)} tokens "
-                f"{self.servers[holder].name} holds; {killed}; p2p hit tokens {p2p}, "
+                f"{self.servers[holder].name} holds; {killed}; chunks it loaded over p2p {p2p}, "
                 f"verdict {req.verdict}")
