@@ -118,3 +118,39 @@ def test_the_wait_bound_adds_the_kills_and_stops_a_request_overlapped():
     assert checks.wait_bound_s(30.0, kills, stops, 0.0, 5.0) == 30.0
     assert checks.wait_bound_s(30.0, kills, stops, 35.0, 55.0) == 30.0 + 30.0 + 12.0
     assert checks.wait_bound_s(30.0, kills, stops, 41.0, 49.0) == 30.0
+
+
+class PortHeldOnce:
+    """Wraps a `LocalS3Server` for `restart_same_port`; another socket holds the server's port
+    until the first start fails on it (so a retry is needed, with no timing guess)."""
+
+    def __init__(self, server):
+        import socket
+        self.server, self.failed = server, []
+        self.holder = socket.socket()
+        self.holder.bind(("127.0.0.1", server.port))
+        self.holder.listen()
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    def start(self):
+        try:
+            return self.server.start()
+        except RuntimeError as e:
+            self.failed.append(str(e))
+            self.holder.close()
+            raise
+
+
+def test_a_restart_waits_for_its_port_to_be_free_again(moto):
+    """Another process holding the port at the restart delays it, never moves it. Fails when
+    a held port makes the restart give up at once (tried: no retry in `restart_same_port`)."""
+    endpoint = moto.endpoint
+    moto.kill()
+    held = PortHeldOnce(moto)
+    fleet.restart_same_port(held, moto.port)
+    assert len(held.failed) == 1 and "in use" in held.failed[0]
+    assert moto.running and moto.endpoint == endpoint
+    moto.create_bucket(fleet.BUCKET)
+    assert faultlib.object_names(moto.endpoint, fleet.BUCKET, fleet.S3_KEYS) == []
