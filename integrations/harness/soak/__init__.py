@@ -219,8 +219,8 @@ def run(args: argparse.Namespace) -> int:
     configs = [fleet.kvhal_config(fs_root, None if s3 is None else s3.endpoint, p2p_ports, i,
                                   key_file, None if mooncake is None
                                   else fleet.mooncake_tier(mooncake)) for i in range(2)]
-    reference = fleet.Server("reference", model, workdir, None)
-    servers = [fleet.Server(f"kvhal{i}", model, workdir, configs[i]) for i in range(2)]
+    reference = fleet.Server("reference", model, workdir, None, core=1)
+    servers = [fleet.Server(f"kvhal{i}", model, workdir, configs[i], core=i) for i in range(2)]
     scraped: list[dict] = [{}, {}]      # metrics at the last scrape of each server's life
     served = Counter()
     loaded = Counter()                  # chunks by tier, kvhal's own count
@@ -256,7 +256,10 @@ def run(args: argparse.Namespace) -> int:
                                    NOKEY_EVERY_S, t0)
         faulter.start()
         nokey.start()
-        _drive(args, model, reference, servers, faulter, requests, t0, seconds)
+        try:
+            _drive(args, model, reference, servers, faulter, requests, t0, seconds)
+        except Exception as e:  # noqa: BLE001 - the run stops, cleans up and reports it
+            report["drive_error"] = f"{type(e).__name__}: {e} (at {now(t0):.0f} s)"[:500]
         nokey.stop.set()
         faulter.stop.set()
         nokey.join()
@@ -419,6 +422,7 @@ def _summarize(requests: list[Request], report: dict, served: Counter) -> dict:
         "fsck: corrupt chunks no fault made": len(checks.get("fsck_unexplained", [])),
         "kvhal served < 1/10 of reusable tokens": int(kvhal_served < MIN_SERVED * reusable),
         "fault thread error": int(bool(report.get("fault_error"))),
+        "load stopped by an error": int(bool(report.get("drive_error"))),
         "p2p bytes a keyless client got": sum(p["bytes"] for p in report.get("nokey_pulls", [])),
         "sockets left listening": len(checks.get("listening", [])),
         "requests over their wait bound": len(late),
@@ -453,6 +457,9 @@ def _print(summary: dict, report: dict, workdir: Path) -> None:
                            "worst latency s"],
                 [[k, r["count"], r["requests"], r["retries"], r["recomputed"],
                   f"{r['worst_s']:.1f}"] for k, r in sorted(summary["by_fault"].items())])
+    for key in ("drive_error", "fault_error"):
+        if report.get(key):
+            print(f"{key}: {report[key]}")
     print(f"{'PASSED' if summary['passed'] else 'FAILED'}; report {workdir / 'soak.json'}, "
           f"timeline {workdir / 'soak.png'}")
 

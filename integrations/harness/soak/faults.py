@@ -149,3 +149,17 @@ def damage_object(endpoint: str, bucket: str, keys: dict, fault: Fault) -> str |
     except botocore.exceptions.ClientError:
         return None
     return name
+
+
+def fill(folder: str) -> str:
+    """Fill the filesystem of `folder` with one file (written until ENOSPC); its path."""
+    path = os.path.join(folder, "soak-filler")
+    block = b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
+    return path

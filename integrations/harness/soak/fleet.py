@@ -67,16 +67,18 @@ def unmount(folder: Path) -> None:
 def kvhal_config(fs_root: Path, s3_endpoint: str | None, p2p_ports: list[int] | None = None,
                  index: int = 0, key_file: Path | None = None,
                  mooncake: dict | None = None) -> dict:
-    """Kvhal server `index`'s `kv_connector_extra_config`: host, fs (budget `FS_BUDGET`), with
-    `p2p_ports` a p2p tier listening on `p2p_ports[index]` and following the others (`peers`,
-    key in `key_file`), with `mooncake` that tier config, and with an endpoint the obj tier on
-    `BUCKET`."""
-    tiers: list[dict] = [{"type": "fs", "root_dir": str(fs_root), "max_bytes": FS_BUDGET}]
+    """Kvhal server `index`'s `kv_connector_extra_config`: host, with `p2p_ports` a p2p tier
+    listening on `p2p_ports[index]` and following the others (`peers`, key in `key_file`;
+    first, so a chunk the other server's host tier holds is pulled from it), fs (budget
+    `FS_BUDGET`), with `mooncake` that tier config, and with an endpoint the obj tier on
+    `BUCKET`. A miss asks the secondary tiers in this order."""
+    tiers: list[dict] = []
     if p2p_ports is not None:
         tiers.append({"type": "p2p", "host": "127.0.0.1", "port": p2p_ports[index],
                       "peers": [f"127.0.0.1:{p}" for j, p in enumerate(p2p_ports)
                                 if j != index],
                       "timeout_s": TIER_TIMEOUT_S, "auth_key_file": str(key_file)})
+    tiers.append({"type": "fs", "root_dir": str(fs_root), "max_bytes": FS_BUDGET})
     if mooncake is not None:
         tiers.append(mooncake)
     if s3_endpoint is not None:
@@ -167,10 +169,15 @@ class Server:
         model: Model folder.
         workdir: Folder of its logs.
         config: kvhal's config, or None for the keep-everything reference.
+        core: The CPU its model computes on (`VLLM_CPU_OMP_THREADS_BIND`; every server
+            computes with one OpenMP thread, so the numerics do not depend on it), or None for
+            vLLM's choice (core 0 for every server).
     """
 
-    def __init__(self, name: str, model: Path, workdir: Path, config: dict | None):
+    def __init__(self, name: str, model: Path, workdir: Path, config: dict | None,
+                 core: int | None = None):
         self.name, self.model, self.workdir, self.config = name, model, workdir, config
+        self.core = None if core is None else core % (os.cpu_count() or 1)
         self.port = free_port()
         self.starts = 0
         self.proc: ServerProcess | None = None
@@ -189,6 +196,8 @@ class Server:
                            else kv_transfer_config(self.config))
         self.starts += 1
         env = {**os.environ, **engine_env(1, in_process=False)}
+        if self.core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
         self.proc = ServerProcess(argv, self.port,
                                   self.workdir / f"{self.name}.{self.starts}.log", env)
         if wait:

@@ -3,8 +3,9 @@ that other one is killed.
 
 The soak's driver records the last prompt each server answered (`PullProbe.served`). The fault
 sends that prompt (same tenant salt) to the other server, the puller, whose p2p tier follows
-the holder's host tier; `faults.PULL_KILL_S` later the holder is SIGKILLed (a timing
-approximation of "mid-pull": the pull's start is not observed). The answer is checked against
+the holder's host tier (p2p is the puller's first secondary tier); `faults.PULL_KILL_S` later
+the holder is SIGKILLed (a timing approximation of "mid-pull": the pull's start is not
+observed; an answer faster than that is reported, and the holder killed all the same). The answer is checked against
 the reference like every other (`load.compare`) and recorded as a request of the run; the
 chunks the puller's kvhal loaded over p2p meanwhile (its `/metrics`, before and after) say
 whether a pull landed.
@@ -63,7 +64,8 @@ class PullProbe:
         thread = threading.Thread(target=ask, name="soak-pull", daemon=True)
         thread.start()
         thread.join(faultlib.PULL_KILL_S)
-        killed = kill() if thread.is_alive() else "not killed: the answer came first"
+        mid = thread.is_alive()
+        killed = kill() + ("" if mid else " after the answer came (not mid-pull)")
         thread.join()
         req.done_s = now(self.t0)
         p2p = loaded_by_tier(delta(before, scrape(url))).get("p2p", 0)
