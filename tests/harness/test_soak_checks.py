@@ -154,3 +154,26 @@ def test_a_restart_waits_for_its_port_to_be_free_again(moto):
     assert moto.running and moto.endpoint == endpoint
     moto.create_bucket(fleet.BUCKET)
     assert faultlib.object_names(moto.endpoint, fleet.BUCKET, fleet.S3_KEYS) == []
+
+
+def test_moto_the_fault_thread_restarted_outlives_the_schedule(moto, tmp_path):
+    """moto restarted by the Faulter thread is its child and dies with it (PR_SET_PDEATHSIG);
+    the thread must outlive its schedule until released. Fails when `Faulter.run` returns at
+    the schedule's end (seen: moto gone, then every server restart refused)."""
+    import time
+
+    from kvhal.integrations.harness.soak import Faulter
+    faulter = Faulter([faultlib.Fault(0.0, "s3_restart", 0, 0)], [], moto, tmp_path, tmp_path,
+                      False, time.monotonic(), lambda i: None, lambda i: None)
+    faulter.start()
+    assert faulter.idle.wait(60) and faulter.error is None
+    try:
+        faulter.join(0.5)        # (alive: it waits for `release`)
+        deadline = time.monotonic() + 5.0
+        while not faulter.is_alive() and moto.running and time.monotonic() < deadline:
+            time.sleep(0.05)     # a thread that ended takes its moto child within this
+        assert faulter.is_alive() and moto.running
+        assert faultlib.object_names(moto.endpoint, fleet.BUCKET, fleet.S3_KEYS) == []
+    finally:
+        faulter.release.set()
+        faulter.join()

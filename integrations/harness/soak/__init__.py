@@ -87,18 +87,26 @@ class Faulter(threading.Thread):
         self.restarts: list[threading.Thread] = []
         self.refused: list[dict] = []       # server starts vLLM refused (then retried)
         self.error: str | None = None
+        self.idle = threading.Event()       # set when no fault is applied any more
+        self.release = threading.Event()    # set when this thread may end
 
     def run(self) -> None:
+        """Apply the schedule, then stay alive until `release`: moto_server and mooncake_master
+        restarts are children of this thread, and die with it (`kvhal.procs.die_with_parent`:
+        seen as moto gone after the schedule ended, and then every server restart refused)."""
         try:
             for fault in self.schedule:
                 if self.stop.wait(max(0.0, fault.at_s - now(self.t0))):
-                    return
+                    break
                 start = now(self.t0)
                 what = self.apply(fault)
                 self.done.append(fault.to_json() | {"start_s": start, "end_s": now(self.t0),
                                                     "what": what})
         except Exception as e:  # noqa: BLE001 - reported as the run's error
             self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.idle.set()
+            self.release.wait()
 
     def _restart(self, i: int) -> None:
         """Start server `i` again; a start vLLM refuses (e.g. kvhal's obj tier finding the S3
@@ -264,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         nokey.stop.set()
         faulter.stop.set()
         nokey.join()
-        faulter.join()
+        faulter.idle.wait()
         faulter.join_restarts()
         report["faults"] = faulter.done
         report["nokey_pulls"] = nokey.results
@@ -281,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
             left += s.stop()
         left += reference.stop()
         report["left_processes"] = left + fleet.wait_gone(sorted(all_pids), 10.0)
+        faulter.release.set()
+        faulter.join()
         report["checks"] = _post_checks(fs_root, faulter.damaged, mounted, report)
         report["checks"]["listening"] = checks.listening(
             [s.port for s in (reference, *servers)] + p2p_ports)
