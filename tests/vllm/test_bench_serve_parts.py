@@ -85,6 +85,17 @@ def test_metrics_are_summed_over_engines_per_source():
     assert not any(k.startswith("http_") or k.endswith("_created") for k in now)
 
 
+def test_chunks_loaded_are_counted_per_tier():
+    """kvhal's own per-tier count tells p2p from mooncake (vLLM's sources call both "p2p").
+    Fails when the tier label is summed away (one key for every tier)."""
+    text = ("# TYPE vllm:kv_offload_loaded_chunks_total counter\n"
+            'vllm:kv_offload_loaded_chunks_total{engine="0",tier="p2p"} 3.0\n'
+            'vllm:kv_offload_loaded_chunks_total{engine="0",tier="mooncake"} 5.0\n'
+            'vllm:kv_offload_loaded_chunks_total{engine="0",tier="fs"} 0.0\n')
+    assert serve_metrics.loaded_by_tier(serve_metrics.parse(text)) == {"p2p": 3,
+                                                                      "mooncake": 5}
+
+
 def test_flags_name_the_bad_value():
     assert parse_sweep("2,4,16") == [2, 4, 16]
     for bad in ("4,2", "2,2", "0,1", "2,x"):

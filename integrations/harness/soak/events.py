@@ -496,7 +496,8 @@ class EventWatch(threading.Thread):
         for f in new:
             if f["kind"] == "stop_cont":
                 self.ledger.stopped(self.servers[f["target"]][0], f["start_s"], f["end_s"])
-            elif f["kind"] == "kill_restart" and "skipped" not in f.get("what", ""):
+            elif (f["kind"] in ("kill_restart", "p2p_kill_mid_pull")
+                  and "skipped" not in f.get("what", "")):
                 # a router's health poll drops a dead instance (`EventFeed.drop`)
                 self.ledger.cleared(self.servers[f["target"]][0], f["start_s"], "killed")
             elif f["kind"] == "s3_restart" and "skipped" not in f.get("what", ""):

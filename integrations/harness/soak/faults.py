@@ -9,6 +9,14 @@ Kinds (each one a real event, applied from a thread while requests run):
     fs_truncate: truncate a chunk file of the fs tier to half its size.
     fs_overwrite: overwrite 4 KiB in the middle of a chunk file with random bytes.
     fs_full: fill the fs tier's (small) filesystem with a file for `FULL_S`, then delete it.
+    obj_truncate / obj_overwrite: the same damage to an object in `moto_server`, read and
+        written back directly (boto3, not through kvhal).
+    mooncake_restart: SIGKILL `mooncake_master` and start it again on the same ports (the
+        pool's objects are gone; the servers' clients reconnect). Skipped without Mooncake.
+    p2p_kill_mid_pull: a request goes to one server for a conversation whose KV the other
+        server's host tier holds (it just served it), and that other server is SIGKILLed
+        `PULL_KILL_S` after the request was sent, while the first may be pulling from it over
+        p2p (a timing approximation: the pull's start is not observed), then restarted.
 """
 from __future__ import annotations
 
@@ -17,13 +25,17 @@ import os
 import random
 from dataclasses import asdict, dataclass
 
-KINDS = ("kill_restart", "stop_cont", "s3_restart", "fs_truncate", "fs_overwrite", "fs_full")
-#: Seconds a stopped server stays stopped (above every tier's deadline used by the soak).
-STOP_S = 12.0
+KINDS = ("kill_restart", "stop_cont", "s3_restart", "fs_truncate", "fs_overwrite", "fs_full",
+         "obj_truncate", "obj_overwrite", "mooncake_restart", "p2p_kill_mid_pull")
+#: Seconds a stopped server stays stopped (above every tier's deadline used by the soak,
+#: `fleet.TIER_TIMEOUT_S`).
+STOP_S = 8.0
 #: Seconds the fs tier's filesystem stays full.
-FULL_S = 15.0
+FULL_S = 8.0
+#: Seconds after the pulling request was sent that `p2p_kill_mid_pull` kills the peer.
+PULL_KILL_S = 0.3
 #: Kinds that take a server (0 or 1) as their target.
-SERVER_KINDS = ("kill_restart", "stop_cont")
+SERVER_KINDS = ("kill_restart", "stop_cont", "p2p_kill_mid_pull")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +91,16 @@ def chunk_files(root: str) -> list[str]:
     return sorted(glob.glob(os.path.join(root, "*", "chunks", "*", "*.kv")))
 
 
+def damaged(data: bytes, fault: Fault) -> bytes:
+    """`data` truncated to half (`*_truncate`) or with up to 4 KiB from its middle replaced by
+    seeded random bytes (`*_overwrite`)."""
+    half = len(data) // 2
+    if fault.kind.endswith("_truncate"):
+        return data[:half]
+    junk = random.Random(fault.pick).randbytes(min(4096, len(data) - half))
+    return data[:half] + junk + data[half + len(junk):]
+
+
 def damage(root: str, fault: Fault) -> str | None:
     """Apply `fs_truncate` or `fs_overwrite` to the picked chunk file; its path (None: no
     chunk file, or it vanished meanwhile)."""
@@ -87,16 +109,46 @@ def damage(root: str, fault: Fault) -> str | None:
         return None
     path = files[fault.pick % len(files)]
     try:
-        size = os.path.getsize(path)
         with open(path, "r+b") as f:
-            if fault.kind == "fs_truncate":
-                f.truncate(size // 2)
-            else:
-                f.seek(size // 2)
-                f.write(random.Random(fault.pick).randbytes(min(4096, size - size // 2)))
+            new = damaged(f.read(), fault)
+            f.seek(0)
+            f.write(new)
+            f.truncate(len(new))
     except OSError:
         return None
     return path
+
+
+def s3_client(endpoint: str, keys: dict):
+    """A boto3 S3 client of the server at `endpoint` (`keys`: {"access_key", "secret_key"})."""
+    import boto3
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id=keys["access_key"],
+                        aws_secret_access_key=keys["secret_key"])
+
+
+def object_names(endpoint: str, bucket: str, keys: dict) -> list[str]:
+    """The names of the objects in `bucket` of an S3 server (first 1,000: one listing page),
+    sorted (so a seeded pick is reproducible); `keys`: {"access_key", "secret_key"}."""
+    page = s3_client(endpoint, keys).list_objects_v2(Bucket=bucket)
+    return sorted(o["Key"] for o in page.get("Contents", []))
+
+
+def damage_object(endpoint: str, bucket: str, keys: dict, fault: Fault) -> str | None:
+    """Apply `obj_truncate` or `obj_overwrite` to the picked object (`damaged`, written back
+    with a plain PUT, boto3); its name (None: no object, or it vanished meanwhile)."""
+    import botocore.exceptions
+    names = object_names(endpoint, bucket, keys)
+    if not names:
+        return None
+    name = names[fault.pick % len(names)]
+    client = s3_client(endpoint, keys)
+    try:
+        data = client.get_object(Bucket=bucket, Key=name)["Body"].read()
+        client.put_object(Bucket=bucket, Key=name, Body=damaged(data, fault))
+    except botocore.exceptions.ClientError:
+        return None
+    return name
 
 
 def fill(folder: str) -> str:

@@ -66,6 +66,7 @@ class Request:
     tries: int = 0
     error: str | None = None
     verdict: str = ""               # "ok", "near_tie", "wrong", "failed"
+    wait_bound_s: float = float("inf")   # `checks.wait_bound_s`, set after the run
     max_logprob_diff: float = 0.0
     faults_during: list[str] = field(default_factory=list)
 

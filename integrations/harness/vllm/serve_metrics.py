@@ -10,13 +10,15 @@ Names (vLLM 0.32, `vllm/v1/metrics/loggers.py`, `v1/metrics/cache_hit_source.py`
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 #: vLLM's sources of cached prompt tokens (`v1/metrics/cache_hit_source.py`).
 SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
-#: Per-source series whose label is kept in the key.
-_LABELLED = {CACHED_BY_SOURCE: "source"}
+#: kvhal's own count of chunks loaded, per tier label ("host", "fs", "p2p", "mooncake", "obj").
+LOADED_BY_TIER = "vllm:kv_offload_loaded_chunks_total"
+#: Per-source (per-tier) series whose label is kept in the key.
+_LABELLED = {CACHED_BY_SOURCE: "source", LOADED_BY_TIER: "tier"}
 
 Scrape = dict[str, float]
 
@@ -47,6 +49,14 @@ def delta(before: Mapping[str, float], after: Mapping[str, float]) -> Scrape:
 def cached_by_source(d: Mapping[str, float]) -> dict[str, int]:
     """Prompt tokens served from each source in a `delta` (every source, zeros included)."""
     return {src: int(d.get(f"{CACHED_BY_SOURCE}/{src}", 0)) for src in SOURCES}
+
+
+def loaded_by_tier(d: Mapping[str, float]) -> dict[str, int]:
+    """Chunks kvhal loaded from each tier in a `delta` (kvhal's own accounting: it tells the
+    p2p tier from mooncake, which vLLM's sources both count as "p2p"); tiers that loaded
+    nothing are left out."""
+    prefix = f"{LOADED_BY_TIER}/"
+    return {k[len(prefix):]: int(v) for k, v in d.items() if k.startswith(prefix) and v}
 
 
 def mean(d: Mapping[str, float], name: str) -> float | None:
