@@ -14,21 +14,33 @@ REPO = Path(__file__).resolve().parents[2]
 #: The modules of the `s3`, `p2p`, `mooncake` and `vllm` extras, made unimportable in the child.
 BLOCKED = ("obstore", "boto3", "msgpack", "zmq", "vllm", "mooncake")
 
-#: A `sitecustomize` that makes every `BLOCKED` module raise ModuleNotFoundError on import,
-#: as in an environment where those extras were never installed.
-IMPORT_BLOCKER = f'''
+#: Modules of the extras `pip install 'kvhal[vllm]'` leaves out (the README's first command).
+NOT_IN_VLLM_EXTRA = ("obstore", "boto3", "msgpack", "mooncake")
+
+
+def import_blocker(blocked: tuple[str, ...]) -> str:
+    """A `sitecustomize` that makes every `blocked` module raise ModuleNotFoundError on
+    import, as in an environment where those extras were never installed."""
+    return f'''
 import sys
 
 
 class _NotInstalled:
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in {BLOCKED!r}:
+        if name.partition(".")[0] in {blocked!r}:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         return None
 
 
 sys.meta_path.insert(0, _NotInstalled())
 '''
+
+
+def blocked_env(tmp_path: Path, blocked: tuple[str, ...]) -> dict[str, str]:
+    """This environment with `import_blocker(blocked)` first on PYTHONPATH."""
+    (tmp_path / "sitecustomize.py").write_text(import_blocker(blocked))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 
 
 @pytest.mark.slow  # a pytest run of its own: 1 min 49 s on 2 loaded cores (load average 10-12)
@@ -52,9 +64,7 @@ def test_conformance_suite_runs_without_the_s3_p2p_mooncake_and_vllm_extras(tmp_
     then fail instead of skipping); and with `conformance/mooncake.py` importing
     `mooncake.store` at its top (seen: conftest.py stops with "No module named 'mooncake'").
     """
-    (tmp_path / "sitecustomize.py").write_text(IMPORT_BLOCKER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = blocked_env(tmp_path, BLOCKED)
     env.pop("KVHAL_REQUIRE_MOONCAKE", None)
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
@@ -72,3 +82,29 @@ def test_conformance_suite_runs_without_the_s3_p2p_mooncake_and_vllm_extras(tmp_
     passed = int(re.search(r"(\d+) passed", text).group(1))
     assert passed >= 700, text[-2000:]  # the hal, fs and memory tests ran (753 when written)
     assert " failed" not in text and " error" not in text
+
+
+#: Every verb `test_every_verb_loads_with_only_the_vllm_extra` asks for its help.
+VERBS = ([], ["demo"], ["soak"], ["bench", "fleet"], ["bench", "serve"], ["proxy"], ["replay"])
+
+
+def test_every_verb_loads_with_only_the_vllm_extra(tmp_path):
+    """The README's first command installs `kvhal[vllm]` only, then runs `kvhal demo`: every
+    verb's module must load without the s3, p2p and mooncake extras. Fails when a verb's
+    registration imports one (seen: `kvhal soak`'s checks imported the p2p wire format, and
+    every kvhal command, `kvhal demo` included, stopped with "No module named 'msgpack'")."""
+    script = ("import contextlib, io, sys\nfrom kvhal.cli import main\n"
+              f"for verb in {list(VERBS)!r}:\n"
+              "    out = io.StringIO()\n"
+              "    with contextlib.redirect_stdout(out):\n"
+              "        try:\n"
+              "            main([*verb, '--help'])\n"
+              "        except SystemExit as e:\n"
+              "            assert e.code == 0, (verb, e.code)\n"
+              "    assert out.getvalue().startswith('usage: kvhal'), verb\n"
+              "print('all verbs loaded')\n")
+    out = subprocess.run([sys.executable, "-c", script],
+                         env=blocked_env(tmp_path, NOT_IN_VLLM_EXTRA), capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "all verbs loaded"

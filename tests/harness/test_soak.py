@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from kvhal.integrations.harness.soak import MIN_SERVED
+from kvhal.integrations.harness.soak.driver import MIN_SERVED
 from kvhal.integrations.harness.soak import faults as faultlib
 
 pytest.importorskip("vllm", reason="the soak runs real vLLM servers (the `vllm` extra)")

@@ -162,7 +162,7 @@ def test_moto_the_fault_thread_restarted_outlives_the_schedule(moto, tmp_path):
     the schedule's end (seen: moto gone, then every server restart refused)."""
     import time
 
-    from kvhal.integrations.harness.soak import Faulter
+    from kvhal.integrations.harness.soak.driver import Faulter
     faulter = Faulter([faultlib.Fault(0.0, "s3_restart", 0, 0)], [], moto, tmp_path, tmp_path,
                       False, time.monotonic(), lambda i: None, lambda i: None)
     faulter.start()
