@@ -72,5 +72,5 @@ def test_a_seeded_soak_passes_every_check(tmp_path):
     assert late == []
     found = {k: summary["failures"][k] for k in OPEN_FINDINGS if summary["failures"].get(k)}
     if found:       # every other check above held
-        pytest.xfail(f"open findings of the soak (issue 40), not fixed yet: {found}")
+        pytest.xfail(f"open findings of the soak, not fixed yet: {found}")
     assert code == 0, output

@@ -10,20 +10,15 @@ from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.client import Puller
 from kvhal.tiers.p2p.transport import TcpTransport
 
-from conformance.tier_fixtures import chunk_key, store
+from conformance.tier_fixtures import chunk_key
 from tests.tiers.helpers import NAMESPACE, host_region
-from tests.tiers.p2p_helpers import KEY, config
+from tests.tiers.p2p_helpers import KEY, serving_tier
 
 
 @pytest.fixture
 def p2p_server():
     """A real p2p tier in this process serving chunk 0 (4096 bytes of 7s) from its own store."""
-    host, array = host_region(1 << 20)
-    tier = P2PTier(config(), host, NAMESPACE)
-    array[:4096] = 7
-    assert store(tier, chunk_key(NAMESPACE, 0), 0, 4096).ok
-    yield tier
-    tier.close()
+    yield from serving_tier()
 
 
 def _port(tier: P2PTier) -> int:

@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvhal.procs import bindable
-from kvhal.procs import free_port  # noqa: F401  (re-exported for the p2p tests)
+from kvhal.procs import (
+    bindable,
+    free_port,  # noqa: F401  (re-exported for the p2p tests)
+)
 
 #: The shared secret of the tests' peers (a test value).
 KEY = "kvhal-test-p2p-shared-key"
@@ -94,3 +96,18 @@ class PeerProcess:
                 self.proc.wait(30)
         self.proc.stdout.close()
         return self.proc.returncode
+
+
+def serving_tier():
+    """Yield a real p2p tier in this process serving chunk 0 (4096 bytes of 7s) from its own
+    store; closed after (the body of a pytest fixture)."""
+    from kvhal.tiers.p2p import P2PTier
+
+    from conformance.tier_fixtures import chunk_key, store
+    from tests.tiers.helpers import NAMESPACE, host_region
+    host, array = host_region(1 << 20)
+    tier = P2PTier(config(), host, NAMESPACE)
+    array[:4096] = 7
+    assert store(tier, chunk_key(NAMESPACE, 0), 0, 4096).ok
+    yield tier
+    tier.close()

@@ -12,14 +12,12 @@ import socket
 import time
 
 import pytest
-
-from kvhal.tiers.p2p import P2PTier
 from kvhal.tiers.p2p.auth import _CLIENT, _mac, client_handshake
 from kvhal.tiers.p2p.transport import TcpConnection
 from kvhal.tiers.p2p.wire import NONCE_BYTES, PROTOCOL_VERSION, encode
 
-from .helpers import NAMESPACE, chunk_key, host_region, store, wait_for
-from .p2p_helpers import KEY, config
+from .helpers import NAMESPACE, chunk_key, wait_for
+from .p2p_helpers import KEY, serving_tier
 
 #: Seconds a test waits for the server to answer or close (it closes in milliseconds).
 REPLY_S = 5.0
@@ -33,12 +31,7 @@ SERVICE = ("chunk", "snap", "ev")
 @pytest.fixture
 def server():
     """A p2p tier in this process serving chunk 0 (4096 bytes) from its own store."""
-    host, array = host_region(1 << 20)
-    tier = P2PTier(config(), host, NAMESPACE)
-    array[:4096] = 7
-    assert store(tier, chunk_key(NAMESPACE, 0), 0, 4096).ok
-    yield tier
-    tier.close()
+    yield from serving_tier()
 
 
 class FaultyClient:

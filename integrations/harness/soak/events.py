@@ -1,5 +1,5 @@
 """Events stay true under faults: each kvhal server's KV events, replayed into a ledger of
-claims, checked against what the tiers can actually load (issue 40, clause 4).
+claims, checked against what the tiers can actually load.
 
 Each kvhal server publishes vLLM's KV events over ZMQ (`kv_events_config`); `EventWatch`
 subscribes to each with the fleet router's own feed (`integrations/pd/events_sub.EventFeed`:

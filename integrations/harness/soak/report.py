@@ -1,4 +1,4 @@
-"""The soak's report a person reads (issue 40, clause 5): what each fault cost, hit tokens by
+"""The soak's report a person reads: what each fault cost, hit tokens by
 source over time (scraped from each server's `/metrics`), the events' truth, as tables and a
 timeline.
 
