@@ -26,7 +26,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     A worker that dies mid-test (a segfault, `os._exit`, a backend killing its process) costs
     that one test: xdist reports it as failed ("worker 'gw1' crashed while running '<test>'"),
     the rest of the dead worker's tests go back to the queue, and the replacement worker takes
-    work once it has collected.
+    work once it has collected. Two workers dying at once cost one test each.
     """
     if config.getvalue("dist") != "load":
         return None
@@ -60,6 +60,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             # a replacement worker gets work once its collection is in (`schedule`)
             if node in self.registered_collections:
                 super()._reschedule(node)
+
+        def _assign_work_unit(self, node) -> None:
+            # a worker can die before the node-down of another worker reaches it (two crashes
+            # at once): the unit goes back to the front of the queue for the survivors
+            scope = next(iter(self.workqueue))
+            try:
+                super()._assign_work_unit(node)
+            except OSError:
+                self.workqueue[scope] = self.assigned_work[node].pop(scope)
+                self.workqueue.move_to_end(scope, last=False)
 
         def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
             if node in self.assigned_work:  # not a late report of a worker already gone

@@ -69,8 +69,11 @@ def test_crashed_worker_is_reported_by_test_and_the_run_completes(tmp_path):
                  "tests/vllm/test_grouped.py::test_dies"):
         assert f"FAILED {dead} - worker 'gw" in text, text[-3000:]
         assert re.search(rf"worker 'gw\d+' crashed while running '{re.escape(dead)}'", text)
-    assert re.search(r"^=* ?3 failed, 8 passed in ", out.stdout.splitlines()[-1]), text[-3000:]
+    # warnings: pytest's own cleanup of an earlier run's temp folders may warn
+    assert re.search(r"^=* ?3 failed, 8 passed(, \d+ warnings?)? in ",
+                     out.stdout.splitlines()[-1]), text[-3000:]
     for alive in ("test_a", "test_b", "test_c", "test_d", "test_e"):
         assert f"PASSED test_single.py::{alive}" in text
     for alive in ("test_first", "test_after_1", "test_after_2"):
         assert f"PASSED tests/vllm/test_grouped.py::{alive}" in text
+

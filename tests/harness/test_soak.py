@@ -8,6 +8,7 @@ to join the Mooncake pool at its restart ("setup returned -1", 3 tries), which s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,6 +65,7 @@ def test_a_seeded_soak_passes_every_check(tmp_path):
     checks = report["checks"]
     assert checks["dev_shm_kvhal"] == [] and checks["temp_files"] == []
     assert checks["left_processes"] == [] and checks["listening"] == []
+    assert not os.path.ismount(tmp_path / "fs")  # a mount left would fail pytest's cleanup
     tried = {p["port"] for p in report["nokey_pulls"] if p["challenged"] == 2}
     assert tried == set(report["p2p_ports"]), report["nokey_pulls"]
     assert sum(p["bytes"] for p in report["nokey_pulls"]) == 0

@@ -322,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
         if mooncake is not None:
             mooncake.kill()
         if mounted:
-            fleet.unmount(fs_mount)
+            report["fs_held_at_unmount"] = fleet.unmount(fs_mount)
+            report["fs_left_mounted"] = os.path.ismount(fs_mount)
     report["requests"] = [r.to_json() for r in requests]
     report["served_by_source"] = dict(served)
     report["loaded_chunks_by_tier"] = dict(loaded)
@@ -454,6 +455,7 @@ def _summarize(requests: list[Request], report: dict, served: Counter) -> dict:
         "load stopped by an error": int(bool(report.get("drive_error"))),
         "p2p bytes a keyless client got": sum(p["bytes"] for p in report.get("nokey_pulls", [])),
         "sockets left listening": len(checks.get("listening", [])),
+        "fs left mounted": int(bool(report.get("fs_left_mounted"))),
         "requests over their wait bound": len(late),
     }
     return {"requests": len(requests), "verdicts": dict(verdicts),

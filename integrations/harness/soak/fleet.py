@@ -60,9 +60,39 @@ def mount_small_fs(folder: Path) -> bool:
     return out.returncode == 0
 
 
-def unmount(folder: Path) -> None:
-    """Unmount the tmpfs on `folder` (its files go with it)."""
-    subprocess.run(["umount", str(folder)], capture_output=True, check=False)
+def unmount(folder: Path, timeout_s: float = 10.0) -> list[str]:
+    """Unmount the tmpfs on `folder` (its files go with it), waiting up to `timeout_s` for
+    processes still dying to let go of it; then detach it lazily (`umount -l`: gone from the
+    namespace now, freed when its last user closes it). Returns the processes that held it
+    at the lazy detach ("pid name"), [] when a plain unmount worked. The caller checks
+    `os.path.ismount(folder)` after it.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if subprocess.run(["umount", str(folder)], capture_output=True,
+                          check=False).returncode == 0 or not os.path.ismount(folder):
+            return []
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    holders = _holders(folder)
+    subprocess.run(["umount", "-l", str(folder)], capture_output=True, check=False)
+    return holders
+
+
+def _holders(folder: Path) -> list[str]:
+    """The processes with a file, cwd or mapping under `folder`."""
+    prefix = str(folder.resolve()) + os.sep
+    out = []
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            paths = [f.path for f in p.open_files()] + [p.cwd()]
+            paths += [m.path for m in p.memory_maps()]
+        except (psutil.Error, OSError):
+            continue
+        if any(x.startswith(prefix) for x in paths):
+            out.append(f"{p.info['pid']} {p.info['name']}")
+    return out
 
 
 def kvhal_config(fs_root: Path, s3_endpoint: str | None, p2p_ports: list[int] | None = None,
