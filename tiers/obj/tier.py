@@ -42,8 +42,18 @@ from .names import key_from_object, namespace_prefix, object_name
 _log = logging.getLogger(__name__)
 
 
-def start_error(failure: StoreFailure, describe: str) -> TierError:
-    """The one clear error of a tier that cannot use its bucket at start."""
+#: Seconds between LIST tries while the start listing has not succeeded yet.
+START_RETRY_S = 1.0
+
+
+def start_error(failure: StoreFailure, describe: str) -> TierError | None:
+    """The one clear error of a tier that cannot use its bucket at start; None when the
+    failure is transient (a timeout, a refused or cut connection, an HTTP 5xx): the tier then
+    starts with an empty index and lists again (an S3 endpoint down or slow while a server
+    restarts must not keep vLLM from serving; its KV is a cache)."""
+    if failure.errno_name in ("ETIMEDOUT", "ECONNREFUSED", "ECONNRESET") or (
+            failure.errno_name == "EIO" and (failure.status is None or failure.status >= 500)):
+        return None
     if failure.code == "NoSuchBucket" or (failure.errno_name == "ENOENT"):
         return TierError(f"store_config.bucket: {describe} does not exist ({failure})")
     if failure.errno_name == "EACCES":
@@ -62,8 +72,11 @@ class ObjTier(IndexedTier):
         namespace: 16-byte namespace digest; objects go under `<prefix>/<namespace hex>/`.
 
     Raises:
-        TierError: bad config, or the bucket cannot be listed at start (missing bucket, denied
-            credentials, unreachable endpoint): one message naming bucket and endpoint.
+        TierError: bad config, or the bucket cannot be used (missing bucket, denied
+            credentials, an HTTP 4xx at the start listing): one message naming bucket and
+            endpoint. An endpoint that does not answer at start (refused, timed out, 5xx) is
+            not an error: the tier logs a warning, starts with an empty index (misses, stores
+            go on) and lists again every `START_RETRY_S` until a listing succeeds.
     """
 
     name = "obj"
@@ -87,10 +100,18 @@ class ObjTier(IndexedTier):
         #: Seconds a chunk whose load failed stays a miss (a bad object is not asked for
         #: again at every step; a listing brings it back after that).
         self.hold_s = max(1.0, cfg.refresh_interval_s)
+        #: Set once a listing succeeded (the index holds what the bucket held then).
+        self.listed = threading.Event()
         try:
             self.refresh()
         except StoreFailure as failure:
-            raise start_error(failure, cfg.store.describe()) from None
+            error = start_error(failure, cfg.store.describe())
+            if error is not None:
+                raise error from None
+            self._jobs.count("refresh_errors")
+            _log.warning("obj tier: cannot list %s at start (%s); starting with an empty "
+                         "index, listing again every %s s", cfg.store.describe(), failure,
+                         START_RETRY_S)
         self._scratch = threading.local()
         self._load_pool = JobPool(cfg.io_threads, "kvhal-obj-load")
         self._store_pool = JobPool(cfg.io_threads, "kvhal-obj-store")
@@ -131,14 +152,21 @@ class ObjTier(IndexedTier):
                     listed.append((mtime, name, key, size))
             listed.sort()
             self._index.reconcile({key: size for _, _, key, size in listed}, epoch)
+            self.listed.set()
 
     def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.config.refresh_interval_s):
+        while not self._stop.wait(self.config.refresh_interval_s if self.listed.is_set()
+                                  else min(START_RETRY_S, self.config.refresh_interval_s)):
+            first = not self.listed.is_set()
             try:
                 self.refresh()
             except StoreFailure as failure:  # keep the index; try again next interval
                 self._jobs.count("refresh_errors")
                 _log.debug("obj tier %s: refresh failed: %s", self.ns_prefix, failure)
+                continue
+            if first:
+                _log.warning("obj tier: %s listed after a failed start listing (%d chunks)",
+                             self.config.store.describe(), len(self._index))
 
     # -- SecondaryTier ------------------------------------------------------------------------
     def close(self) -> None:
@@ -156,10 +184,12 @@ class ObjTier(IndexedTier):
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, already_stored,
         corrupt, missing, request_errors, evictions, refused_in_flight (stores failed because
         stores in flight held the room: `index.StoresInFlight`), deleted, delete_errors,
-        refresh_errors (absent while 0); plus used_bytes, max_bytes, chunks and conditional_put
-        (whether the server honours If-None-Match)."""
+        refresh_errors (absent while 0); plus used_bytes, max_bytes, chunks, listed (whether a
+        listing succeeded since start) and conditional_put (whether the server honours
+        If-None-Match)."""
         return self._jobs.counters() | {"used_bytes": self._index.used_bytes,
                                         "max_bytes": self.max_bytes, "chunks": len(self._index),
+                                        "listed": self.listed.is_set(),
                                         "conditional_put": self._client.conditional_put}
 
     # -- jobs ---------------------------------------------------------------------------------

@@ -42,6 +42,11 @@ from .tier_obj import bucket_config
 MODES = ("always", "model")
 #: Tokens generated per request (outputs compared token by token).
 MAX_TOKENS = 4
+#: The obj tier's `timeout_s`: each attempt of a GET has half of it, and at 4 Mbit/s one chunk
+#: of a 1,024-token prompt (1 MiB, 4 loading at a time) takes ~8.4 s, against 10 s at the
+#: default 20 s; on a loaded machine half the prompt timed out and "always" loaded 512 of 1,024
+#: tokens (seen in CI). A load that times out would measure the timeout, not the link.
+LOAD_TIMEOUT_S = 300.0
 #: Seconds to wait for a prompt's chunks to reach the bucket.
 CASCADE_TIMEOUT_S = 600.0
 
@@ -78,7 +83,7 @@ def measure_here(context_tokens: int, samples: int, workdir: Path) -> dict:
     chunks = context_tokens // 128
     out: dict = {}
     objects = 0
-    with bucket_config({"type": "obj", "io_threads": 4}) as tier:
+    with bucket_config({"type": "obj", "io_threads": 4, "timeout_s": LOAD_TIMEOUT_S}) as tier:
         for mode in MODES:
             config = {"cpu_bytes_to_use": 2 * context_tokens * DEMO.kv_bytes_per_token,
                       "secondary_tiers": [tier], "cost_model": mode}
