@@ -264,6 +264,16 @@ class SecondaryTier(abc.ABC):
         index of its store)."""
         return []
 
+    def watch(self, on_change: Callable[[], None]) -> None:
+        """Have the tier call `on_change()` whenever `take_removed` or `take_found` gained
+        keys that no job of this process's engine caused: a listing of its store found
+        another process's writes or deletions, a sweep found evictions. Called once, before
+        any job; `on_change` may run on any thread of the tier, with none of its locks held,
+        and never blocks. An engine that publishes events while idle wakes on it (vLLM steps
+        only for a request or a transfer in flight: without it, what an idle instance's
+        listing learns waits for the next request). Default: nothing (a tier whose index
+        changes only through the engine's own jobs)."""
+
     def forget(self, keys: Sequence[ChunkKey]) -> None:
         """A load of `keys[0]` from this tier failed; `keys[1:]` are the later chunks of the
         same prefix, in order. Called by the engine on the manager's thread once per failed

@@ -21,7 +21,7 @@ import collections
 import math
 import threading
 import time
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from kvhal.keys import ChunkKey
 
@@ -60,6 +60,9 @@ class ChunkIndex:
         self._doubted: dict[ChunkKey, None] = {}
         #: Keys a listing added (`reconcile`) and `take_found` has not handed out yet.
         self._found: list[ChunkKey] = []
+        #: Called (outside the lock) after a `reconcile` that added or dropped keys
+        #: (`SecondaryTier.watch`).
+        self.on_change: Callable[[], None] | None = None
 
     def __contains__(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -89,8 +92,9 @@ class ChunkIndex:
         with self._lock:
             self._held = {k: t for k, t in self._held.items() if t > now}
             removed, self._removed_epoch = self._removed_epoch, {}
-            for key in [k for k in self._lru if k not in found
-                        and self._added_epoch.get(k, 0) < epoch]:
+            changed = [k for k in self._lru if k not in found
+                       and self._added_epoch.get(k, 0) < epoch]
+            for key in changed:
                 self._indexed -= self._lru.pop(key)
                 self._added_epoch.pop(key, None)
                 self._gone.append(key)
@@ -101,6 +105,9 @@ class ChunkIndex:
                     self._indexed += nbytes
                     self._added_epoch[key] = epoch
                     self._found.append(key)
+                    changed.append(key)
+        if changed and self.on_change is not None:
+            self.on_change()
 
     def touch(self, key: ChunkKey) -> bool:
         """Mark `key` most recently used; False if it is not indexed."""

@@ -434,6 +434,11 @@ class IndexedTier(BoardedTier):
         holds (`ChunkIndex.forget`: doubted until stored). No I/O."""
         self._index.forget(keys)
 
+    def watch(self, on_change: Callable[[], None]) -> None:
+        """Call `on_change` after each listing that added or dropped keys (see
+        `SecondaryTier.watch`)."""
+        self._index.on_change = on_change
+
     def take_found(self) -> list[tuple[ChunkKey, bytes | None]]:
         """Keys a listing of the store added to the index since the last call (at start: what
         the store held), without descriptions (see `SecondaryTier.take_found`)."""

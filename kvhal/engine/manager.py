@@ -113,6 +113,13 @@ class Manager:
             lambda slot: (slot * slot_bytes, chunk_nbytes))
         self._layout = layout
         self.tiers = tuple(tiers)
+        #: A tier learned of a change by itself (`SecondaryTier.watch`) since the last `poll`.
+        self._tier_changed = False
+        #: Called on such a change (any thread; must not block): the integration wakes an
+        #: idle engine with it so that the change's event leaves (None: nobody to wake).
+        self.on_tier_change: Callable[[], None] | None = None
+        for tier in self.tiers:
+            tier.watch(self._on_tier_change)
         self._emit = emit_events
         self._ids = itertools.count(1)
         # store job id -> (keys, slots, request id or None)
@@ -628,6 +635,7 @@ class Manager:
         Returns:
             The tier results collected by this call.
         """
+        self._tier_changed = False      # before `take_removed`: a later change is kept
         results: list[JobResult] = []
         landed: dict[int, list[ChunkKey]] = defaultdict(list)  # tier index (-1: host) → keys
         count, observe = self.metrics.count, self.metrics.observe
@@ -705,9 +713,17 @@ class Manager:
     @_locked
     def has_pending_work(self) -> bool:
         """Whether something will change without a new request: a secondary-tier job in
-        flight, or events not yet taken (`take_events`). The integration keeps its engine
-        stepping while this holds, so that events leave within a bounded time."""
-        return bool(self._tier_jobs or self._events)
+        flight, a change a tier learned by itself and `poll` has not collected, or events not
+        yet taken (`take_events`). The integration keeps its engine stepping while this
+        holds, so that events leave within a bounded time."""
+        return bool(self._tier_jobs or self._events or self._tier_changed)
+
+    def _on_tier_change(self) -> None:
+        """A tier's listing added or dropped chunks (`SecondaryTier.watch`; its thread)."""
+        self._tier_changed = True
+        wake = self.on_tier_change
+        if wake is not None:
+            wake()
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for every secondary-tier job, then `poll`.

@@ -14,6 +14,7 @@ from ..events import ChunkEvents, GroupSpec
 from ..geometry import Deployment, check_shareable
 from ..lifetime import exit_with_parent, on_shutdown_signal
 from ..metadata import KVHalMetadata, KVHalWorkerMetadata, RegionInfo
+from ..wake import engine_waker
 from .counters import SideCounters, timeline
 from .jobs import InFlightJobs, Job
 from .loads import LoadPlanner
@@ -107,6 +108,7 @@ class SchedulerSide:
                              if kv_events else None)
         if self.chunk_events is not None:   # kept beside the chunk by the tiers that can
             manager.describe = self.chunk_events.describe
+            manager.on_tier_change = engine_waker()   # a listing's news leaves while idle
         self._blocks = VllmBlocks()
         self.requests = RequestTable(deployment, config, namespace, manager)
         self.counters = SideCounters(len(deployment.groups))
