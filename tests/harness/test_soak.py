@@ -54,6 +54,9 @@ def test_a_seeded_soak_passes_every_check(tmp_path):
     others = {k: n for k, n in summary["failures"].items() if k not in OPEN_FINDINGS}
     assert all(n == 0 for n in others.values()), others
     assert summary["cross_tenant"] == []
+    # kvhal's own per-request accounting reached the client (the cross-tenant check reads it)
+    assert summary["kvhal_reported_tokens"] > 0
+    assert len(summary["kvhal_tokens_by_tenant"]) >= 4
     expected = set(faultlib.KINDS)
     if report["mooncake_skipped"]:
         expected.discard("mooncake_restart")

@@ -10,10 +10,11 @@ key tries to pull from each server (`checks.nokey_pull`: 0 bytes). After a
 clean shutdown the run checks that nothing leaked (no process, no socket listening on a server's
 or p2p port, no kvhal memory file in /dev/shm, no temp file in the fs tier, the fs budget held,
 `kvhal fsck` finds no corrupt chunk but those the faults damaged) and that kvhal served at
-least a tenth of the reusable prompt tokens. Cross-tenant hits are counted per request from the
-cached prompt tokens vLLM reports for it (`usage.prompt_tokens_details.cached_tokens`, which
-includes kvhal's hits) against the prefix the request shares with its own tenant's earlier
-prompts. Meanwhile each kvhal server's KV events are checked against what the fs and obj tiers can load
+least a tenth of the reusable prompt tokens. Cross-tenant hits are counted per request twice, each against the
+prefix the request shares with its own tenant's earlier prompts: from the cached prompt tokens
+vLLM reports for it (`usage.prompt_tokens_details.cached_tokens`, device and kvhal hits), and
+from kvhal's own accounting, the hit tokens by tier it returns in the reply's
+`kv_transfer_params` (`{"kvhal": {"hit_tokens": ...}}`), summed per tenant in the report. Meanwhile each kvhal server's KV events are checked against what the fs and obj tiers can load
 (`events.py`: a claim of a missing chunk may not outlive it by more than its tier's bound) and
 its hit tokens by source are scraped every few seconds (`report.py`). Writes `soak.json` and
 `soak.png` (timeline: requests/s, hit tokens by source, faults) in `--workdir`; prints a summary
@@ -364,6 +365,7 @@ def _drive(args, model: Path, reference, servers, faulter: Faulter, requests: li
             else:
                 faulter.probe.served[req.server] = (conv.name, conv.salt, list(conv.prompt))
                 req.cached_tokens = got["cached_tokens"]
+                req.kvhal_hit_tokens = got["kvhal_hit_tokens"]
                 req.verdict, req.max_logprob_diff = compare(got, ref)
             requests.append(req)
             seen.setdefault(conv.salt, []).append(list(conv.prompt))
@@ -430,7 +432,9 @@ def _summarize(requests: list[Request], report: dict, served: Counter) -> dict:
     verdicts = Counter(r.verdict for r in requests)
     reusable = sum(r.reusable_tokens for r in requests)
     kvhal_served = sum(v for k, v in served.items() if k != "device")
-    cross = [r for r in requests if r.cached_tokens > r.reusable_tokens]
+    # vLLM's count (device + kvhal) and kvhal's own, each against what the tenant could reuse
+    cross = [r for r in requests if r.cached_tokens > r.reusable_tokens
+             or sum(r.kvhal_hit_tokens.values()) > r.reusable_tokens]
     late = [r for r in requests if r.done_s - r.sent_s > r.wait_bound_s]
     failed_unexplained = [r for r in requests if r.verdict == "failed"
                           and not any(f.startswith(KILLS) for f in r.faults_during)]
@@ -458,8 +462,13 @@ def _summarize(requests: list[Request], report: dict, served: Counter) -> dict:
         "fs left mounted": int(bool(report.get("fs_left_mounted"))),
         "requests over their wait bound": len(late),
     }
+    tenants: dict[str, Counter] = {}     # salt → kvhal's hit tokens by tier, its own count
+    for r in requests:
+        tenants.setdefault(r.salt, Counter()).update(r.kvhal_hit_tokens)
     return {"requests": len(requests), "verdicts": dict(verdicts),
             "reusable_prompt_tokens": reusable, "kvhal_served_tokens": kvhal_served,
+            "kvhal_reported_tokens": sum(sum(c.values()) for c in tenants.values()),
+            "kvhal_tokens_by_tenant": {salt: dict(c) for salt, c in tenants.items()},
             "served_by_source": dict(served), "fault_costs": costs, "failures": failures,
             "max_wait_s": max((r.done_s - r.sent_s for r in requests), default=0.0),
             "nokey_pulls": len(report.get("nokey_pulls", [])),
@@ -477,6 +486,9 @@ def _print(summary: dict, report: dict, workdir: Path) -> None:
                    f"{v.get('failed', 0)}")],
                  ["reusable prompt tokens", summary["reusable_prompt_tokens"]],
                  ["served by kvhal (host/disk/p2p)", summary["kvhal_served_tokens"]],
+                 ["the same, per request by kvhal itself (tenants)",
+                  f"{summary['kvhal_reported_tokens']} "
+                  f"({len(summary['kvhal_tokens_by_tenant'])})"],
                  ["by source", json.dumps(summary["served_by_source"])],
                  ["chunks kvhal loaded, by tier", json.dumps(report.get("loaded_chunks_by_tier"))],
                  ["server starts refused (retried)", len(report.get("starts_refused", []))],

@@ -62,6 +62,9 @@ class Request:
     done_s: float = 0.0
     reusable_tokens: int = 0        # longest prefix shared with an earlier prompt of the salt
     cached_tokens: int = 0
+    #: Prompt tokens kvhal reports it served this request, by tier (its `kv_transfer_params`:
+    #: `{"kvhal": {"hit_tokens": ...}}`, kvhal's own accounting, beside vLLM's count).
+    kvhal_hit_tokens: dict = field(default_factory=dict)
     ref_cached_tokens: int = 0
     tries: int = 0
     error: str | None = None
@@ -117,7 +120,9 @@ def complete(url: str, model: str, prompt: list[int], salt: str, max_tokens: int
 
 
 def answer_of(reply: dict) -> dict:
-    """{token_ids, logprobs, top2_gap, cached_tokens} of a completion reply."""
+    """{token_ids, logprobs, top2_gap, cached_tokens, kvhal_hit_tokens} of a completion
+    reply (the last: kvhal's hit tokens by tier from the reply's `kv_transfer_params`, {}
+    from a server without kvhal)."""
     choice = reply["choices"][0]
     lp = choice.get("logprobs") or {}
     gaps = []
@@ -127,7 +132,9 @@ def answer_of(reply: dict) -> dict:
     details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
     return {"token_ids": choice.get("token_ids") or [],
             "logprobs": lp.get("token_logprobs") or [], "top2_gap": gaps,
-            "cached_tokens": details.get("cached_tokens") or 0}
+            "cached_tokens": details.get("cached_tokens") or 0,
+            "kvhal_hit_tokens": dict(((reply.get("kv_transfer_params") or {}).get("kvhal")
+                                      or {}).get("hit_tokens") or {})}
 
 
 def compare(got: dict, ref: dict) -> tuple[str, float]:

@@ -71,6 +71,7 @@ class PullProbe:
         p2p = loaded_by_tier(delta(before, scrape(url))).get("p2p", 0)
         if "answer" in got:
             req.cached_tokens = got["answer"]["cached_tokens"]
+            req.kvhal_hit_tokens = got["answer"]["kvhal_hit_tokens"]
             req.verdict, req.max_logprob_diff = compare(got["answer"], ref)
         else:
             req.verdict, req.error = "failed", got.get("error")
