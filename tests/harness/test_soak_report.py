@@ -55,6 +55,22 @@ def test_each_fault_kind_costs_its_windows_requests_against_the_baseline():
     assert [r[0] for r in rows] == ["(no fault: baseline)", "kill_restart", "s3_restart"]
 
 
+def test_a_request_in_two_kinds_windows_counts_for_each_but_alone_for_neither():
+    """Fails when "alone" keeps a request another kind's window also holds."""
+    faults = [{"kind": "kill_restart", "start_s": 100.0, "end_s": 101.0},
+              {"kind": "s3_restart", "start_s": 110.0, "end_s": 112.0}]
+    requests = [_req(105.0, 106.0, cached=0, reusable=256),     # kill only
+                _req(111.0, 125.0, cached=0, reusable=512),     # both windows
+                _req(125.0, 126.0)]                             # s3 only
+    costs = fault_costs(requests, faults, after_s=20.0)
+    kill, s3 = costs["by_kind"]["kill_restart"], costs["by_kind"]["s3_restart"]
+    assert (kill["requests"], kill["recompute_tokens"]) == (2, 256 + 512)
+    assert (kill["alone"]["requests"], kill["alone"]["recompute_tokens"]) == (1, 256)
+    assert (s3["requests"], s3["recompute_tokens"]) == (2, 512)
+    assert (s3["alone"]["requests"], s3["alone"]["recompute_tokens"]) == (1, 0)
+    assert fault_rows(costs)[1][-1] == "1 / 1 / 256 / 1.0"
+
+
 def test_hit_counters_continue_across_a_server_restart():
     """Fails when a restarted server's counters (from 0) are taken as they are."""
     sampler = HitSampler([SimpleNamespace(url="http://127.0.0.1:1", starts=1)], 0.0)

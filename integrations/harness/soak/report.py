@@ -8,7 +8,9 @@ retries (`tries - 1`), failed requests, misses (a request that hit fewer prompt 
 could reuse: `cached_tokens < reusable_tokens`), recompute tokens (`reusable - cached` summed,
 the prompt tokens computed again that kvhal could have served) and latency (p99 and max of
 `done_s - sent_s`). The baseline row is the requests outside every window, so a kind's numbers
-read against what the same load costs without faults.
+read against what the same load costs without faults. Windows overlap when faults come closer
+than `AFTER_S` plus their length: a kind's "alone" figures take only the requests no other
+kind's window holds, what that kind cost by itself.
 """
 from __future__ import annotations
 
@@ -67,14 +69,17 @@ def fault_costs(requests: Sequence[Mapping], faults: Sequence[Mapping],
 
     Returns:
         {"baseline": costs of the requests outside every window, "by_kind": {kind: costs of
-        its windows' requests (each request once per kind) plus "count" (faults)}, "each":
-        [per fault: kind, start_s, end_s and its window's costs]}.
+        its windows' requests (each request once per kind) plus "count" (faults) and "alone"
+        (the costs of those of its requests in no other kind's window)}, "each": [per fault:
+        kind, start_s, end_s and its window's costs]}.
     """
     by_kind: dict[str, dict] = {}
     for kind in sorted({f["kind"] for f in faults}):
         mine = [f for f in faults if f["kind"] == kind]
+        others = [f for f in faults if f["kind"] != kind]
         hit = [r for r in requests if any(in_window(r, f, after_s) for f in mine)]
-        by_kind[kind] = {"count": len(mine)} | _costs(hit)
+        alone = [r for r in hit if not any(in_window(r, f, after_s) for f in others)]
+        by_kind[kind] = {"count": len(mine)} | _costs(hit) | {"alone": _costs(alone)}
     calm = [r for r in requests if not any(in_window(r, f, after_s) for f in faults)]
     each = [{"kind": f["kind"], "start_s": f["start_s"], "end_s": f["end_s"]}
             | _costs([r for r in requests if in_window(r, f, after_s)]) for f in faults]
@@ -87,13 +92,17 @@ def fault_rows(costs: Mapping) -> list[list]:
     rows = []
     for name, c in [("(no fault: baseline)", costs["baseline"] | {"count": "-"}),
                     *sorted(costs["by_kind"].items())]:
+        alone = c.get("alone")
         rows.append([name, c["count"], c["requests"], c["retries"], c["failed"], c["misses"],
-                     c["recompute_tokens"], f"{c['p99_s']:.1f}", f"{c['max_s']:.1f}"])
+                     c["recompute_tokens"], f"{c['p99_s']:.1f}", f"{c['max_s']:.1f}",
+                     "-" if alone is None else f"{alone['requests']} / {alone['misses']} / "
+                     f"{alone['recompute_tokens']} / {alone['max_s']:.1f}"])
     return rows
 
 
 FAULT_COLUMNS = ["fault", "count", "requests", "retries", "failed", "misses",
-                 "recompute tokens", "p99 s", "max s"]
+                 "recompute tokens", "p99 s", "max s",
+                 "alone: requests / misses / recompute / max s"]
 
 
 def event_rows(events: Mapping) -> list[list]:
