@@ -214,6 +214,8 @@ class Faulter(threading.Thread):
                 return "skipped: no small filesystem (not root)"
             filler = faultlib.fill(str(self.fs_mount))
             self.stop.wait(faultlib.FULL_S)
+            if filler is None:
+                return f"filesystem full already (no filler) {faultlib.FULL_S} s"
             os.unlink(filler)
             return f"filesystem full {faultlib.FULL_S} s"
         raise ValueError(kind)

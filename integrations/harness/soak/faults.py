@@ -151,15 +151,20 @@ def damage_object(endpoint: str, bucket: str, keys: dict, fault: Fault) -> str |
     return name
 
 
-def fill(folder: str) -> str:
-    """Fill the filesystem of `folder` with one file (written until ENOSPC); its path."""
+def fill(folder: str) -> str | None:
+    """Fill the filesystem of `folder` with one file (written until ENOSPC); its path, or
+    None when even creating it failed (the filesystem is full already)."""
     path = os.path.join(folder, "soak-filler")
     block = b"\0" * (1 << 20)
-    with open(path, "wb") as f:
+    try:
+        # unbuffered: a buffered file's close would flush what ENOSPC left and raise again
+        f = open(path, "wb", buffering=0)
+    except OSError:
+        return None
+    with f:
         try:
-            while True:
-                f.write(block)
-                f.flush()
+            while f.write(block):
+                pass
         except OSError:
             pass
     return path
