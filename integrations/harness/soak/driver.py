@@ -39,7 +39,7 @@ from kvhal.report import print_table
 from ..vllm.chat import ChatShape, user_tokens
 from ..vllm.model import TINY, build_model
 from ..vllm.serve_metrics import cached_by_source, delta, loaded_by_tier
-from . import checks, fleet
+from . import checks, drain, fleet
 from . import events as soak_events
 from . import faults as faultlib
 from . import report as soak_report
@@ -84,8 +84,12 @@ class Faulter(threading.Thread):
     start and end (seconds after `t0`) and what it did."""
 
     def __init__(self, schedule: list, servers: list, s3, fs_mount: Path, fs_root: Path,
-                 mounted: bool, t0: float, scrape, restarted, mooncake=None, probe=None):
+                 mounted: bool, t0: float, scrape, restarted, mooncake=None, probe=None,
+                 drain=None):
         super().__init__(name="soak-faults", daemon=True)
+        #: `tp2_sigterm`'s run (`drain.sigterm_at_tp2` with the soak's model and seed but its
+        #: number) and its results, one per fault.
+        self.drain, self.drains = drain, []
         self.schedule, self.servers, self.s3 = schedule, servers, s3
         self.fs_mount, self.fs_root, self.mounted, self.t0 = fs_mount, fs_root, mounted, t0
         self.scrape, self.restarted = scrape, restarted
@@ -141,8 +145,13 @@ class Faulter(threading.Thread):
         finally:
             self.down[i].clear()
 
+    def _sigterm_at_tp2(self, n: int) -> None:
+        result = self.drain(n)
+        result["at_s"] = now(self.t0)
+        self.drains.append(result)
+
     def join_restarts(self) -> None:
-        """Wait for every background restart."""
+        """Wait for every background restart (and `tp2_sigterm` run)."""
         for thread in self.restarts:
             thread.join()
 
@@ -209,6 +218,14 @@ class Faulter(threading.Thread):
             if path is not None:
                 self.damaged.add(path)
             return f"{kind} {path}"
+        if kind == "tp2_sigterm":
+            if self.drain is None:
+                return "skipped: no TP=2 server"
+            run = threading.Thread(target=self._sigterm_at_tp2, args=(len(self.restarts),),
+                                   name="soak-tp2", daemon=True)
+            run.start()
+            self.restarts.append(run)
+            return "a TP=2 server started in the background (answers, then SIGTERM)"
         if kind == "fs_full":
             if not self.mounted:
                 return "skipped: no small filesystem (not root)"
@@ -274,7 +291,9 @@ def run(args: argparse.Namespace) -> int:
         faulter = Faulter(schedule, servers, s3, fs_mount, fs_root, mounted, t0, scrape,
                           restarted, mooncake,
                           PullProbe(reference.url, servers, model, SHAPE["answer_tokens"],
-                                    requests, t0))
+                                    requests, t0),
+                          lambda n: drain.sigterm_at_tp2(model, workdir, args.seed, n,
+                                                         TINY.vocab_size))
         nokey = checks.NokeyProber(p2p_ports, faulter.down, fs_root, CHUNK_BYTES,
                                    NOKEY_EVERY_S, t0)
         watch = soak_events.EventWatch.of_fleet(servers, fs_root, configs[0], t0)
@@ -303,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
             r.wait_bound_s = checks.wait_bound_s(WAIT_BASE_S, faulter.kills, faulter.stops,
                                                  r.sent_s, r.done_s)
         report["fault_error"] = faulter.error
+        report["tp2_sigterm"] = faulter.drains
         report["starts_refused"] = faulter.refused
         for i in range(2):
             scrape(i)
@@ -462,6 +482,11 @@ def _summarize(requests: list[Request], report: dict, served: Counter) -> dict:
         "p2p bytes a keyless client got": sum(p["bytes"] for p in report.get("nokey_pulls", [])),
         "sockets left listening": len(checks.get("listening", [])),
         "fs left mounted": int(bool(report.get("fs_left_mounted"))),
+        "TP=2 chunks lost at a clean shutdown": sum(d["lost"] for d in report.get(
+            "tp2_sigterm", [])),
+        "TP=2 shutdowns that did not run, answer or exit": sum(
+            bool(d["error"] or d.get("left") or not d["answered"])
+            for d in report.get("tp2_sigterm", [])),
         "requests over their wait bound": len(late),
     }
     tenants: dict[str, Counter] = {}     # salt → kvhal's hit tokens by tier, its own count
@@ -496,6 +521,9 @@ def _print(summary: dict, report: dict, workdir: Path) -> None:
                  ["server starts refused (retried)", len(report.get("starts_refused", []))],
                  ["longest wait s", f"{summary['max_wait_s']:.1f}"],
                  ["keyless p2p pulls tried", summary["nokey_pulls"]],
+                 ["TP=2 SIGTERMs: chunks on disk at the signal / after the exit",
+                  ", ".join(f"{d.get('on_disk_at_sigterm', '-')} / {d['on_disk']} of "
+                            f"{d['chunks']}" for d in report.get("tp2_sigterm", [])) or "-"],
                  ["mooncake", report.get("mooncake_skipped") or "in the fleet"]]
                 + [[k, n] for k, n in summary["failures"].items()])
     print_table(f"what each fault cost (its requests: in flight at its start or sent until "

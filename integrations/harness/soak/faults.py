@@ -17,6 +17,10 @@ Kinds (each one a real event, applied from a thread while requests run):
         server's host tier holds (it just served it), and that other server is SIGKILLed
         `PULL_KILL_S` after the request was sent, while the first may be pulling from it over
         p2p (a timing approximation: the pull's start is not observed), then restarted.
+    tp2_sigterm: a third kvhal server at TP=2 (its own fs folder) answers one prompt and gets
+        SIGTERM as its answer arrives; every chunk of the prompt must be on its disk once it
+        exited (stores in flight at a clean shutdown are drained: `drain.py`). Runs on a
+        thread of its own.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import random
 from dataclasses import asdict, dataclass
 
 KINDS = ("kill_restart", "stop_cont", "s3_restart", "fs_truncate", "fs_overwrite", "fs_full",
-         "obj_truncate", "obj_overwrite", "mooncake_restart", "p2p_kill_mid_pull")
+         "obj_truncate", "obj_overwrite", "mooncake_restart", "p2p_kill_mid_pull",
+         "tp2_sigterm")
 #: Seconds a stopped server stays stopped (above every tier's deadline used by the soak,
 #: `fleet.TIER_TIMEOUT_S`).
 STOP_S = 8.0

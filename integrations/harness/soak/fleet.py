@@ -202,13 +202,23 @@ class Server:
         config: kvhal's config, or None for the keep-everything reference.
         core: The CPU its model computes on (`VLLM_CPU_OMP_THREADS_BIND`; every server
             computes with one OpenMP thread, so the numerics do not depend on it), or None for
-            vLLM's choice (core 0 for every server).
+            vLLM's choice (core 0 for every server). Not with `tp` > 1 (one core per rank).
+        tp: `--tensor-parallel-size`.
+        events: Whether a kvhal server publishes KV events (on `events_port`).
+        max_model_len: vLLM's `--max-model-len` (tokens).
+        num_blocks: vLLM's KV cache blocks of a kvhal server (the reference keeps vLLM's).
+        shutdown_s: vLLM's `--shutdown-timeout` (seconds it may drain at SIGTERM).
     """
 
     def __init__(self, name: str, model: Path, workdir: Path, config: dict | None,
-                 core: int | None = None):
+                 core: int | None = None, tp: int = 1, events: bool = True,
+                 max_model_len: int = MAX_MODEL_LEN, num_blocks: int = NUM_BLOCKS,
+                 shutdown_s: float = SHUTDOWN_S):
         self.name, self.model, self.workdir, self.config = name, model, workdir, config
-        self.core = None if core is None else core % (os.cpu_count() or 1)
+        self.tp, self.events = tp, events
+        self.max_model_len, self.num_blocks, self.shutdown_s = (max_model_len, num_blocks,
+                                                                shutdown_s)
+        self.core = None if core is None or tp > 1 else core % (os.cpu_count() or 1)
         self.port = free_port()
         #: Where a kvhal server publishes its KV events (ZMQ PUB) and replays them (ROUTER).
         self.events_port, self.replay_port = free_port(), free_port()
@@ -222,16 +232,18 @@ class Server:
 
     def start(self, wait: bool = True) -> None:
         """Start it and (with `wait`) wait for `/health` (raises `ServerDidNotStart`)."""
-        extra = ["--max-num-seqs", "1", "--shutdown-timeout", str(SHUTDOWN_S)]
-        if self.config is not None:
+        extra = ["--max-num-seqs", "1", "--shutdown-timeout", f"{self.shutdown_s:g}",
+                 "--tensor-parallel-size", str(self.tp)]
+        if self.config is not None and self.events:
             extra += ["--kv-events-config",
                       json.dumps(kv_events_config(self.events_port, self.replay_port))]
-        argv = server_argv(self.model, self.port, max_model_len=MAX_MODEL_LEN, extra=extra,
-                           num_blocks=None if self.config is None else NUM_BLOCKS,
+        argv = server_argv(self.model, self.port, max_model_len=self.max_model_len,
+                           extra=extra, num_blocks=None if self.config is None
+                           else self.num_blocks,
                            kv_transfer_config=None if self.config is None
                            else kv_transfer_config(self.config))
         self.starts += 1
-        env = {**os.environ, **engine_env(1, in_process=False)}
+        env = {**os.environ, **engine_env(self.tp, in_process=False)}
         if self.core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
         self.proc = ServerProcess(argv, self.port,
