@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 OPEN_FINDINGS = ("fs budget exceeded", "event claims of missing chunks past the bound")
 MINUTES = 2.0
 GAP_S = 7.0
-SEED = 38
+#: A seed whose 2-minute schedule damages objects before it restarts moto_server (a restart
+#: empties the bucket, and the restarted servers' host tiers hold the next minute's chunks, so
+#: an object fault after it found nothing to damage) and whose kills end before 85 s.
+SEED = 10
 
 
 def run_soak(workdir):
