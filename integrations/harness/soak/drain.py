@@ -18,17 +18,16 @@ schedule goes on).
 from __future__ import annotations
 
 import glob
-import json
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import psutil
 
 from . import fleet
+from .load import complete
 
 #: Full chunks (128 tokens each) of the prompt the TP=2 server prefills at its SIGTERM.
 CHUNKS = 100
@@ -94,13 +93,8 @@ def sigterm_at_tp2(model: Path, workdir: Path, seed: int, n: int, vocab_size: in
 
 
 def _ask(url: str, model: str, prompt: list[int], out: dict) -> None:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=ANSWER_S) as r:
-            out["answered"] = r.status == 200 and bool(json.loads(r.read())["choices"])
+        out["answered"] = bool(complete(url, model, prompt, "tp2", 1)["choices"])
     except Exception as e:  # noqa: BLE001 - reported with the fault
         out["answer_error"] = f"{type(e).__name__}: {e}"[:300]
 
