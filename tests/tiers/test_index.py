@@ -115,3 +115,18 @@ def test_a_held_key_stays_out_of_listings_until_its_deadline_or_unhold():
 
     assert held_after_listing == (False, True)
     assert _key(1) in index
+
+
+def test_a_listing_that_adds_or_drops_keys_calls_on_change_and_one_that_does_not_stays_quiet():
+    """`SecondaryTier.watch`'s source: fails when a listing's news reach `take_found` /
+    `take_removed` without a call (an idle engine would not wake to publish them), or when a
+    listing that changed nothing calls it (an idle engine would step for nothing)."""
+    index = ChunkIndex()
+    calls = []
+    index.on_change = lambda: calls.append((index.take_found(), index.take_removed()))
+    index.reconcile({_key(1): 100, _key(2): 100}, index.snapshot()[1])   # found at start
+    index.reconcile({_key(1): 100, _key(2): 100}, index.snapshot()[1])   # nothing new
+    index.reconcile({_key(1): 100}, index.snapshot()[1])                 # 2 deleted elsewhere
+    index.reconcile({_key(1): 100, _key(3): 100}, index.snapshot()[1])   # 3 written elsewhere
+
+    assert calls == [([_key(1), _key(2)], []), ([], [_key(2)]), ([_key(3)], [])]
