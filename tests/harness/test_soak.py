@@ -2,9 +2,10 @@
 every `GAP_S` seconds on average, so every fault kind comes once; its report's real values are
 checked (not only its exit code): 0 wrong answers, 0 cross-tenant hits, nothing leaked, every
 fault kind applied, a keyless p2p client got 0 bytes from each server, kvhal served at least a
-tenth of the reusable prompt tokens. Without the mooncake tier: a server killed with -9 failed
-to join the Mooncake pool at its restart ("setup returned -1", 3 tries), which stops the run
-(see the report of this change)."""
+tenth of the reusable prompt tokens. Still without the mooncake tier (`--no-mooncake`): the
+'setup returned -1' that kept it out was the soak's own, fixed (tests/harness/test_soak_checks.py),
+but no seeded run with it has passed yet on this loaded 2-core machine (nor without it: a fault
+kind unapplied, too few requests); see the README's soak section."""
 from __future__ import annotations
 
 import json
@@ -60,6 +61,8 @@ def test_a_seeded_soak_passes_every_check(tmp_path):
     # kvhal's own per-request accounting reached the client (the cross-tenant check reads it)
     assert summary["kvhal_reported_tokens"] > 0
     assert len(summary["kvhal_tokens_by_tenant"]) >= 4
+    # every killed server came back at its first start
+    assert report["starts_refused"] == [], report["starts_refused"]
     expected = set(faultlib.KINDS)
     if report["mooncake_skipped"]:
         expected.discard("mooncake_restart")

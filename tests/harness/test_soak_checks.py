@@ -1,7 +1,12 @@
 """`kvhal soak`'s checks and fault tools against real services, no vLLM: the keyless p2p client
 against a real p2p listener, object damage and same-port restarts against a real
-`moto_server`, and the wait bound."""
+`moto_server`, the restarts of both by the fault thread (a kill -9'd Mooncake pool member
+rejoining after them, in separate processes), and the wait bound."""
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 from kvhal.integrations.harness.soak import checks, fleet
@@ -13,6 +18,7 @@ from kvhal.tiers.p2p.transport import TcpTransport
 from conformance.tier_fixtures import chunk_key
 from tests.tiers.helpers import NAMESPACE, host_region
 from tests.tiers.p2p_helpers import KEY, serving_tier
+from tests.tiers.test_mooncake_tier import ROOT, N, worker
 
 
 @pytest.fixture
@@ -172,3 +178,85 @@ def test_moto_the_fault_thread_restarted_outlives_the_schedule(moto, tmp_path):
     finally:
         faulter.release.set()
         faulter.join()
+
+
+def _member(config: dict, *args: str) -> subprocess.Popen:
+    """A separate process with the mooncake tier of `config` (`tests.tiers.obj_worker ...
+    hold`): a pool member until its stdin closes or it is killed."""
+    return subprocess.Popen([sys.executable, "-m", "tests.tiers.obj_worker", json.dumps(config),
+                             *args, "hold"], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def _pool_capacity(master) -> float:
+    """The bytes of every segment the master counts mounted (`master_total_capacity_bytes`)."""
+    from kvhal.tiers.mooncake.pool_figures import PoolFigures
+    figures = PoolFigures(f"http://127.0.0.1:{master.metrics_port}/metrics", 3600.0)
+    figures.close()
+    return figures.capacity
+
+
+def _await_capacity(master, nbytes: int, timeout_s: float = 60.0) -> None:
+    """Wait until the master counts `nbytes` of mounted segments (AssertionError after
+    `timeout_s`, with the last figure)."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while (capacity := _pool_capacity(master)) != nbytes and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert capacity == nbytes
+
+
+def test_a_pool_member_killed_after_the_faults_rejoins_the_pool_the_faulter_restarted(tmp_path):
+    """The soak's 'setup returned -1' at a kvhal server's restart (3 starts in a row): the
+    mooncake_master restarted by the Faulter thread (`mooncake_restart`) is that thread's child
+    (PR_SET_PDEATHSIG) and died when the thread ended after its schedule, so every later start
+    found no master. Here, as in the soak: a member joins, the Faulter restarts the master, the
+    schedule ends, the member is killed with -9 while the master still counts it, and a new
+    member process starts on the same config: it joins, and its segment serves the pool (a
+    third process stores into it, a fourth loads it back byte-exact). Fails when `Faulter.run`
+    returns at the schedule's end (tried: 'mooncake_master died with the Faulter thread'; a
+    member started then fails as the soak's did: 20 setup tries, 'setup returned -1' after
+    92 s)."""
+    import time
+
+    from kvhal.integrations.harness.soak.driver import Faulter
+    from kvhal.tiers.mooncake.local_master import LocalMaster
+
+    from conformance.mooncake import require
+    require()
+    # client_ttl 20 s (the soak's master: 10 s): room for the new member's start under load
+    master = LocalMaster({"client_ttl": "20"}, str(tmp_path / "master.log")).start()
+    config = fleet.mooncake_tier(master)
+    first = _member(config, "load", "0", "0", str(N))
+    faulter = Faulter([faultlib.Fault(0.0, "mooncake_restart", 0, 0)], [], None, tmp_path,
+                      tmp_path, False, time.monotonic(), lambda i: None, lambda i: None, master)
+    members = [first]
+    try:
+        assert json.loads(first.stdout.readline()) == {"ok": [], "errors": []}
+        faulter.start()
+        assert faulter.idle.wait(60) and faulter.error is None, faulter.error
+        faulter.join(0.5)         # (alive: it waits for `release`)
+        deadline = time.monotonic() + 5.0
+        while not faulter.is_alive() and master.running and time.monotonic() < deadline:
+            time.sleep(0.05)      # a thread that ended takes its master child within this
+        assert master.running, "mooncake_master died with the Faulter thread"
+        segment = config["global_segment_size"]
+        _await_capacity(master, segment)      # the member remounted on the restarted master
+        first.kill()              # SIGKILL: the master keeps counting it until client_ttl
+        first.wait()
+        again = _member(config, "load", "0", "0", str(N))
+        members.append(again)
+        assert json.loads(again.stdout.readline()) == {"ok": [], "errors": []}
+        assert _pool_capacity(master) == 2 * segment   # joined beside the dead member
+        _await_capacity(master, segment)      # the dead one's segment goes at client_ttl
+        lender_free = config | {"global_segment_size": 0}
+        assert worker(lender_free, "store", 1, 1, N) == {"ok": [1], "errors": []}
+        assert worker(lender_free, "load", 1, 1, N) == {"ok": [1], "errors": []}
+    finally:
+        for member in members:
+            member.kill()
+            member.wait()
+        faulter.release.set()
+        if faulter.ident is not None:
+            faulter.join()
+        master.kill()

@@ -40,15 +40,18 @@ class LocalMaster(LocalService):
 
     Args:
         flags: Extra master flags, e.g. {"default_kv_lease_ttl": "100"}.
+        log_path: File its output is appended to, every start's (after a "== start" line);
+            None: a temporary file, gone with it.
 
     Attributes:
         rpc_port, metadata_port, metrics_port: Its 127.0.0.1 ports.
     """
 
-    def __init__(self, flags: dict[str, str] | None = None):
+    def __init__(self, flags: dict[str, str] | None = None, log_path: str | None = None):
         self.rpc_port, self.metadata_port, self.metrics_port = (free_port(), free_port(),
                                                                 free_port())
         self._flags = dict(flags or {})
+        self._log_path = log_path
         self._proc: subprocess.Popen | None = None
         self._log = None
         self._started = False
@@ -93,14 +96,20 @@ class LocalMaster(LocalService):
                  "http_metadata_server_port": str(self.metadata_port),
                  "metrics_port": str(self.metrics_port), "metrics_host": "127.0.0.1",
                  "rpc_thread_num": "2"} | self._flags
-        self._log = tempfile.TemporaryFile()
+        if self._log_path is None:
+            self._log = tempfile.TemporaryFile()
+        else:
+            self._log = open(self._log_path, "ab+")
+            self._log.write(f"== start {time.strftime('%H:%M:%S')} on ports {self.rpc_port}, "
+                            f"{self.metadata_port}, {self.metrics_port}\n".encode())
+            self._log.flush()
         self._proc = subprocess.Popen([binary] + [f"-{k}={v}" for k, v in flags.items()],
                                       stdout=self._log, stderr=subprocess.STDOUT,
                                       preexec_fn=die_with_parent)
         try:
             _await_serving(self._proc, (self.rpc_port, self.metadata_port), "mooncake_master")
         except _NotServing as exc:
-            self._log.seek(0)
+            self._log.seek(0)   # (appended: the tail is this start's)
             tail = self._log.read().decode(errors="replace")[-800:].strip()
             raise _NotServing(f"{exc}: {tail}" if tail else str(exc)) from None
         except RuntimeError:

@@ -30,9 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault-gap-s", type=float, default=25.0,
                    help="mean seconds between faults (default 25)")
     p.add_argument("--no-mooncake", dest="mooncake", action="store_false",
-                   help="leave the mooncake tier out even where Mooncake is installed (a "
-                        "server killed with -9 was seen failing to join the pool again at its "
-                        "restart: 'setup returned -1')")
+                   help="leave the mooncake tier (and the mooncake_restart fault) out even "
+                        "where Mooncake is installed")
     p.add_argument("--workdir", default="kvhal-soak", help="logs, soak.json, soak.png")
     p.set_defaults(func=_run)
 

@@ -252,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     fs_root = fs_mount / "kv"
     fs_root.mkdir(exist_ok=True)
     s3 = fleet.start_s3()
-    mooncake, no_mooncake = (fleet.start_mooncake() if args.mooncake
+    mooncake, no_mooncake = (fleet.start_mooncake(workdir / "mooncake_master.log")
+                             if args.mooncake
                              else (None, "left out (--no-mooncake)"))
     p2p_ports = [fleet.free_port() for _ in range(2)]
     key_file = fleet.p2p_key(workdir)

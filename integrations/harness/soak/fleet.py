@@ -145,9 +145,9 @@ def start_s3():
     return None
 
 
-def start_mooncake():
-    """A `mooncake_master` (restarts keep its ports), or (None, why) where Mooncake is not
-    installed or does not start here."""
+def start_mooncake(log_path: Path | None = None):
+    """A `mooncake_master` (restarts keep its ports; every start's output appended to
+    `log_path`), or (None, why) where Mooncake is not installed or does not start here."""
     from kvhal.tiers.mooncake.client import store_class
     from kvhal.tiers.mooncake.local_master import LocalMaster, master_binary
 
@@ -159,7 +159,7 @@ def start_mooncake():
     if master_binary() is None:
         return None, "mooncake_master not found: pip install 'kvhal[mooncake]'"
     try:
-        return LocalMaster().start(), None
+        return LocalMaster(log_path=None if log_path is None else str(log_path)).start(), None
     except RuntimeError as e:
         return None, str(e)[:300]
 
