@@ -176,12 +176,12 @@ def _open_temp(osm, tmp: str, flags: int, reuse: str | None) -> tuple[int, bool]
             os.utime(reuse, follow_symlinks=False)
             osm.rename(reuse, tmp)
         except OSError:
-            _unlink_quietly(reuse)
+            unlink_file(reuse)
         else:
             try:
                 fd = osm.open(tmp, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
             except OSError:
-                _unlink_quietly(tmp)
+                unlink_file(tmp)
             else:
                 try:
                     if not _single_regular_file(os.fstat(fd)):
@@ -189,17 +189,44 @@ def _open_temp(osm, tmp: str, flags: int, reuse: str | None) -> tuple[int, bool]
                     fcntl.fcntl(fd, fcntl.F_SETFL, flags & O_DIRECT)
                 except OSError:
                     os.close(fd)
-                    _unlink_quietly(tmp)
+                    unlink_file(tmp)
                 else:
                     return fd, True
     return osm.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o644), False
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_file(path: str) -> bool:
+    """Unlink `path`; True if this call removed it, False if it failed (gone already:
+    another process removed it first; or any other OSError)."""
     try:
         os.unlink(path)
     except OSError:
-        pass
+        return False
+    return True
+
+
+def file_size(path: str) -> int:
+    """Bytes of the file `path` names (not following a symlink); 0 if there is none."""
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
+
+
+def claim_file(path: str, claimed: str) -> str | None:
+    """Rename the evicted chunk file at `path` to the temp name `claimed` (`format.chunk_paths`)
+    so that only this process can recycle it (`write_chunk`'s `reuse`), with a fresh mtime (no
+    scan takes it for a dead writer's temp file). Returns `claimed`, or None if `path` is no
+    lone regular file (`_open_temp` tells why) or the rename failed (ENOENT: another process
+    removed it first)."""
+    try:
+        if not _single_regular_file(os.lstat(path)):
+            return None
+        os.utime(path, follow_symlinks=False)
+        os.rename(path, claimed)
+    except OSError:
+        return None
+    return claimed
 
 
 def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bool,
@@ -259,7 +286,7 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
             os.close(fd)
         osm.rename(tmp, final)
     except BaseException:
-        _unlink_quietly(tmp)
+        unlink_file(tmp)
         raise
     if sync:
         fsync_dir(osm, folder)
