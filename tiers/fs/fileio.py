@@ -31,7 +31,7 @@ from ..chunk_format import (ALIGN, CHECKSUM_OFFSET, HEADER_BYTES, CorruptChunk, 
                             Header, SizeMismatch, check_record_size, checked_header,
                             decode_header, encode_header, encode_header_fields,
                             payload_checksum, record_nbytes, verify_payload)
-from .format import QUARANTINE_DIR, chunk_paths
+from .format import QUARANTINE_DIR, TEMP_SUFFIX, chunk_paths
 
 try:  # the C helper (`_chunkio.c`, built by setup.py where a C compiler is found)
     from . import _chunkio
@@ -214,15 +214,16 @@ def file_size(path: str) -> int:
 
 
 def claim_file(path: str, claimed: str) -> str | None:
-    """Rename the evicted chunk file at `path` to the temp name `claimed` (`format.chunk_paths`)
-    so that only this process can recycle it (`write_chunk`'s `reuse`), with a fresh mtime (no
-    scan takes it for a dead writer's temp file). Returns `claimed`, or None if `path` is no
-    lone regular file (`_open_temp` tells why) or the rename failed (ENOENT: another process
+    """Rename the chunk file at `path` (evicted, or a copy of the chunk a store writes) to the
+    temp name `claimed` (`format.chunk_paths` of the storing key) so that only this process
+    can recycle it (`write_chunk`'s `reuse`, which makes its mtime fresh: a scan
+    that meanwhile takes the old file for a dead writer's temp file and removes it costs the
+    store its recycling, nothing else). Returns `claimed`, or None if `path` is no lone
+    regular file (`_open_temp` tells why) or the rename failed (ENOENT: another process
     removed it first)."""
     try:
         if not _single_regular_file(os.lstat(path)):
             return None
-        os.utime(path, follow_symlinks=False)
         os.rename(path, claimed)
     except OSError:
         return None
@@ -247,7 +248,9 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
     creating a file after many deletes can cost more than writing it). A reader that opened
     the evicted file before reads a mix of two chunks, which its key and checksum checks turn
     into a miss (`read_chunk`); readers that open it later find no file. If `reuse` cannot
-    be renamed it is unlinked and a new file created.
+    be renamed it is unlinked and a new file created. A `reuse` that is a temp name in the folder
+    of `key`'s chunk file already (`claim_file` put it there) is overwritten where it lies
+    (renamed onto itself: one rename saved).
 
     Returns:
         True if `reuse` was recycled, False if a new file was created.
@@ -270,6 +273,8 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
         scratch.tail[rem:] = bytes(ALIGN - rem)
         bufs.append(scratch.tail)
     folder, final, tmp = chunk_paths(ns_dir, key)
+    if reuse is not None and reuse.endswith(TEMP_SUFFIX) and os.path.dirname(reuse) == folder:
+        tmp = reuse
     if fast:
         return _chunkio.write_file(tmp, final, bufs, direct, sync, folder,
                                    *((CHECKSUM_OFFSET, digest_at) if seal else (-1, -1)), reuse)

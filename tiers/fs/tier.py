@@ -482,8 +482,9 @@ class FsTier(IndexedTier):
                     self._count("refused_in_flight")
                     return Reservation(error=f"chunk file: {exc}" + (
                         f" (max_bytes {self.max_bytes}{less})" if held else ""))
-                own = self._take_own_file(usage, job.key)
-                reuse = self._make_room(usage, nbytes, budget, recycle=own is None)
+                _, final, tmp = chunk_paths(self.ns_dir, job.key)
+                own = self._take_own_file(usage, final, tmp)
+                reuse = self._make_room(usage, nbytes, budget, tmp if own is None else None)
                 if usage.total + nbytes > budget:
                     self._index.release(nbytes)
                     for claimed in (own, reuse and reuse[1]):
@@ -506,13 +507,13 @@ class FsTier(IndexedTier):
             return Reservation(error=f"usage ledger: {_errno_text(exc)}")
         return reservation
 
-    def _take_own_file(self, usage: Usage, key: ChunkKey) -> str | None:
-        """Take away a file already under the chunk name of `key` (another process's copy, or
-        one this tier did not index), under the ledger's lock, so that the store's rename
-        does not replace it uncounted: claimed for the store to recycle (returns its temp
-        path), else (`recycle_files` off, or no lone regular file) unlinked. Its bytes are
-        freed either way. None if no file was claimed."""
-        _, final, tmp = chunk_paths(self.ns_dir, key)
+    def _take_own_file(self, usage: Usage, final: str, tmp: str) -> str | None:
+        """Take away a file already at `final`, the chunk file path of a store (another
+        process's copy of its chunk, or one this tier did not index), under the ledger's lock,
+        so that the store's rename does not replace it uncounted: claimed for the store to
+        recycle (renamed to the store's temp path `tmp`, returned), else (`recycle_files` off,
+        or no lone regular file) unlinked. Its bytes are freed either way. None if no file was
+        claimed."""
         size = file_size(final)
         if not size:
             return None
@@ -522,14 +523,15 @@ class FsTier(IndexedTier):
         return own
 
     def _make_room(self, usage: Usage, nbytes: int, budget: int,
-                   recycle: bool) -> tuple[ChunkKey, str] | None:
+                   tmp: str | None) -> tuple[ChunkKey, str] | None:
         """Evict this tier's least recently used chunks (under the ledger's lock) until a store
         of `nbytes` fits in `budget` with the namespace's `usage` or none is left; each file
         removed frees its bytes, one already gone (another process evicted it) frees none.
-        Returns the victim whose file the store recycles (`recycle_files`, and `recycle`),
-        renamed to a temp name of its own (key, that path), or None: the first victim of the
-        store's size that no load of this tier is reading, and a lone regular file."""
-        recycle = recycle and self._recycle
+        Returns the victim whose file the store recycles (`recycle_files`, and a `tmp` path
+        given), renamed to the store's temp path `tmp` (key, `tmp`), or None: the first
+        victim of the store's size that no load of this tier is reading, and a lone regular
+        file."""
+        recycle = tmp is not None and self._recycle
         loading = self._loading.snapshot() if recycle else frozenset()
         reuse = None
         while usage.total + nbytes > budget:
@@ -540,7 +542,7 @@ class FsTier(IndexedTier):
             self._count("evictions")
             path = chunk_path(self.ns_dir, key)
             if reuse is None and recycle and size == nbytes and key not in loading:
-                claimed = claim_file(path, chunk_paths(self.ns_dir, key)[2])
+                claimed = claim_file(path, tmp)
                 if claimed:
                     usage.free(size)
                     reuse = (key, claimed)
