@@ -14,7 +14,9 @@ refreshed by a background thread, so chunks written by other processes sharing `
 become visible within `refresh_interval_s`. Loads run on `n_read_threads` threads, stores on
 `n_write_threads` threads that also load while no store is queued (`jobs.LanePool`).
 Capacity: `max_bytes` covers every namespace under `root_dir` (`budget.py`: namespaces nobody
-uses are deleted first, then this namespace's least recently used chunks); ENOSPC fails the
+uses are deleted first, then this namespace's least recently used chunks), and holds for a
+namespace folder several processes share (`ledger.py`: every store, eviction and failed write
+is counted in one ledger file under a lock; each refresh re-bases it); ENOSPC fails the
 store and evicts about a tenth of the namespace. A store that evicts overwrites one evicted
 file of its own size in place (`recycle_files`), so a full tier's stores allocate no inode and
 no blocks; a load that finds its file rewritten under it reads it once more and misses.
@@ -272,9 +274,14 @@ class FsTier(IndexedTier):
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
         io_errors, quarantined, evictions, files_recycled (evictions whose file a store
-        overwrote in place), refused_in_flight (stores failed because stores in flight held
-        the room: `index.StoresInFlight`), enospc, orphaned_temps_removed, refresh_errors,
-        namespaces_deleted (absent while 0); plus used_bytes, max_bytes (root-wide),
+        overwrote in place: an evicted chunk's, or a copy of its own chunk another process
+        wrote), refused_in_flight (stores failed because stores in flight held the room:
+        `index.StoresInFlight`), refused_shared (stores failed because the namespace folder
+        was full of chunks other processes wrote that this tier had not indexed even after
+        listing it again), usage_errors (I/O errors of the usage ledger), enospc, orphaned_temps_removed, refresh_errors,
+        namespaces_deleted (absent while 0); plus used_bytes (this tier's index),
+        namespace_bytes (the namespace's chunk files and stores in flight in every process
+        sharing its folder: `ledger.py`), max_bytes (root-wide),
         other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
         chunks, o_direct (bool, detected at start: every read and write with O_DIRECT),
         o_direct_writes_below and o_direct_reads_below (bytes: payloads below them are
