@@ -12,7 +12,9 @@ import sys
 import pytest
 
 from conformance.tier_harness import FaultyOs
+from kvhal.tier import JobKind, TierJob
 from kvhal.tiers.fs import FsTier
+from kvhal.tiers.fs.fileio import Scratch, write_chunk
 from kvhal.tiers.fs.check import check_dir
 from kvhal.tiers.fs.ledger import USAGE_FILE, Ledger, read_usage
 from kvhal.tiers.fs.scan import scan_namespace
@@ -155,5 +157,22 @@ def test_a_store_that_finishes_while_a_rescan_lists_the_folder_is_counted_once(t
     assert store(tier, chunk_key(NAMESPACE, 1), 0, 4096).ok
     scan = scan_namespace(tier.ns_dir, NAMESPACE, {})
     ledger.rebase(mark, scan.chunk_bytes, scan.found)
+    assert read_usage(tier.ns_dir).total == kv_bytes(tier.ns_dir) == FILE
+    tier.close()
+
+
+def test_a_store_whose_file_a_rescan_lists_before_it_commits_is_counted_once(tmp_path):
+    # a refresh lists the folder between a store's rename and its commit
+    host, array = host_region()
+    tier = FsTier({"root_dir": str(tmp_path), "max_bytes": 4 * FILE,
+                   "refresh_interval_s": 3600}, host, NAMESPACE)
+    key = chunk_key(NAMESPACE, 1)
+    array[:4096] = payload(1, 4096)
+    job = TierJob(1, JobKind.STORE, key, 0, 4096)
+    reservation = tier._store_begin(job)
+    write_chunk(os, tier.ns_dir, key, tier._payload(job), False, Scratch(), False)
+    tier.refresh()                                   # lists the file, the store in flight
+    assert read_usage(tier.ns_dir).total == kv_bytes(tier.ns_dir) == FILE
+    assert tier._store_end(job, reservation, None) is None
     assert read_usage(tier.ns_dir).total == kv_bytes(tier.ns_dir) == FILE
     tier.close()

@@ -30,9 +30,10 @@ rename replaces the first file: counted twice), when a process was killed (-9) w
 in flight (their reservations stay), and when something else removed files (`kvhal fsck
 --repair`, a person). Every refresh of every tier sets it right (`rebase`): the bytes its
 listing found, plus the reservations of live slots, plus what was committed while it listed,
-less its own process's commits whose files the listing found (another process's store that
-finished meanwhile may or may not be in the listing: counted once more rather than missed,
-until the next rescan); the slots of dead owners are freed there. A folder written by an
+less its own stores (in flight or committed meanwhile) whose files the listing found
+(another process's store that finished meanwhile, or was renamed into place before it
+commits, may or may not be in the listing: counted once more rather than missed, until the
+next rescan); the slots of dead owners are freed there. A folder written by an
 older kvhal (no ledger) is counted by a listing when the first tier creates the ledger, and
 so is one whose ledger is damaged (then the reservations of stores in flight elsewhere are
 lost: a damaged ledger is a fault).
@@ -62,7 +63,7 @@ import os
 import struct
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Container, Hashable, Iterator
 
 #: Name of the ledger file inside a namespace folder.
@@ -103,22 +104,22 @@ class Usage:
 
     Attributes:
         total: Bytes of the chunk files plus reservations in flight (all processes).
-        reserved: Bytes this ledger's stores reserved in this section.
+        reserved: Stores this section reserved, (file name, bytes).
     """
 
     total: int
-    reserved: int = 0
+    reserved: list[tuple[Hashable, int]] = field(default_factory=list)
 
     def free(self, nbytes: int) -> None:
         """Count `nbytes` of chunk files as gone: call only after removing (unlinking,
         renaming away) a file succeeded, with that file's size."""
         self.total = max(0, self.total - nbytes)
 
-    def reserve(self, nbytes: int) -> None:
-        """Count a store's `nbytes` (its file's bytes), until `Ledger.commit` or
-        `Ledger.release`."""
+    def reserve(self, nbytes: int, name: Hashable) -> None:
+        """Count a store's `nbytes` (its file's bytes; `name` names the file as the listings
+        passed to `Ledger.rebase` do), until `Ledger.commit` or `Ledger.release`."""
         self.total += nbytes
-        self.reserved += nbytes
+        self.reserved.append((name, nbytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +157,8 @@ class Ledger:
         self.path = os.path.join(ns_dir, USAGE_FILE)
         self._mutex = threading.Lock()
         self._pending = 0
+        #: This ledger's stores in flight: file name → bytes of each.
+        self._in_flight: dict[Hashable, list[int]] = {}
         self._slot = -1
         #: This ledger's commits since `mark`, (file name, bytes); None outside a listing.
         self._window: list[tuple[Hashable, int]] | None = None
@@ -214,13 +217,27 @@ class Ledger:
                     if usage.total != total:
                         os.pwrite(self._fd, _U64.pack(usage.total), 8)
                     if usage.reserved:
-                        self._pending += usage.reserved
+                        for name, nbytes in usage.reserved:
+                            self._in_flight.setdefault(name, []).append(nbytes)
+                            self._pending += nbytes
                         self._write_pending()
             finally:
                 _lock(self._fd, fcntl.F_UNLCK, 0, True)
 
     def _write_pending(self) -> None:
         os.pwrite(self._fd, _U64.pack(self._pending), _slot_at(self._slot) + 8)
+
+    def _ended(self, nbytes: int, name: Hashable) -> None:
+        """Forget one store of `name` in flight (`nbytes`); the caller holds the lock."""
+        sizes = self._in_flight.get(name)
+        if sizes:
+            if nbytes in sizes:
+                sizes.remove(nbytes)
+            else:
+                sizes.pop()
+            if not sizes:
+                del self._in_flight[name]
+        self._pending -= nbytes
 
     def commit(self, nbytes: int, name: Hashable) -> None:
         """A store of `nbytes` reserved by this ledger finished: its file, named `name` (as
@@ -230,19 +247,19 @@ class Ledger:
             try:
                 committed = _U64.unpack(os.pread(self._fd, 8, 16))[0]
                 os.pwrite(self._fd, _U64.pack(committed + nbytes), 16)
-                self._pending -= nbytes
+                self._ended(nbytes, name)
                 self._write_pending()
                 if self._window is not None:
                     self._window.append((name, nbytes))
             finally:
                 _lock(self._fd, fcntl.F_UNLCK, 0, True)
 
-    def release(self, nbytes: int) -> None:
-        """A store of `nbytes` reserved by this ledger failed and left no file. Raises
-        OSError."""
+    def release(self, nbytes: int, name: Hashable) -> None:
+        """A store of `nbytes` (file `name`) reserved by this ledger failed and left no file.
+        Raises OSError."""
         with self.locked() as usage:
             usage.free(nbytes)
-            self._pending -= nbytes
+            self._ended(nbytes, name)
             self._write_pending()
 
     def total(self) -> int:
@@ -264,9 +281,9 @@ class Ledger:
         """Set the total from a listing of the folder that began after `mark` (`mark()`),
         found `chunk_bytes` of chunk files and the files named in `listed`: plus the
         reservations of live slots and what was committed since `mark`, less this ledger's
-        commits of files the listing found (other processes' are counted once more: their
-        files may or may not be in the listing). Frees the slots of dead owners. Raises
-        OSError."""
+        stores (in flight, or committed since `mark`) whose files the listing found (other
+        processes' are counted once more: their files may or may not be in the listing).
+        Frees the slots of dead owners. Raises OSError."""
         with self._mutex:
             window, self._window = self._window or [], None
             _lock(self._fd, fcntl.F_WRLCK, 0, True)
@@ -276,7 +293,10 @@ class Ledger:
                     self._write_pending()
                 data = os.pread(self._fd, FILE_BYTES, 0)
                 committed = _COUNTS.unpack_from(data, 8)[1]
-                held = self._pending
+                # a store in flight whose file the listing found (renamed, not committed
+                # yet) is counted once
+                held = self._pending - sum(sizes[0] for name, sizes in self._in_flight.items()
+                                           if name in listed)
                 for slot in range(SLOTS):
                     pending = _U64.unpack_from(data, _slot_at(slot) + 8)[0]
                     if not pending or slot == self._slot:

@@ -278,7 +278,8 @@ class FsTier(IndexedTier):
         wrote), refused_in_flight (stores failed because stores in flight held the room:
         `index.StoresInFlight`), refused_shared (stores failed because the namespace folder
         was full of chunks other processes wrote that this tier had not indexed even after
-        listing it again), usage_errors (I/O errors of the usage ledger), enospc, orphaned_temps_removed, refresh_errors,
+        listing it again), usage_errors (I/O errors of the usage ledger), enospc,
+        orphaned_temps_removed, refresh_errors,
         namespaces_deleted (absent while 0); plus used_bytes (this tier's index),
         namespace_bytes (the namespace's chunk files and stores in flight in every process
         sharing its folder: `ledger.py`), max_bytes (root-wide),
@@ -498,7 +499,7 @@ class FsTier(IndexedTier):
                         if claimed:
                             unlink_file(claimed)          # freed when it was claimed
                     return None
-                usage.reserve(nbytes)
+                usage.reserve(nbytes, job.key)
                 reservation = (Reservation(nbytes, None, own) if own is not None else
                                Reservation(nbytes, *(reuse or (None, None))))
                 # until the reservation ends, a refresh must not index this key's file
@@ -566,7 +567,7 @@ class FsTier(IndexedTier):
         back."""
         try:
             if stored is None:
-                self._ledger.release(reservation.nbytes)
+                self._ledger.release(reservation.nbytes, job.key)
             else:
                 self._ledger.commit(reservation.nbytes, stored)
         except OSError:  # counted too high until the next refresh's rebase: room, not bytes
