@@ -220,14 +220,29 @@ class ChunkIndex:
         with self._lock:
             if nbytes > max_bytes:
                 return None
-            if self._reserved + nbytes > max_bytes:
-                raise StoresInFlight(f"{nbytes} bytes do not fit in max_bytes {max_bytes} while "
-                                     f"stores in flight hold {self._reserved} bytes")
+            self._check_in_flight(nbytes, max_bytes)
             victims = []
             while self._lru and self._indexed + self._reserved + nbytes > max_bytes:
                 victims.append(self._pop_lru())
             self._reserved += nbytes
             return victims
+
+    def reserve_room(self, nbytes: int, max_bytes: int) -> None:
+        """Reserve `nbytes` for a store whose room the caller makes itself (the fs tier
+        evicts with `pop_lru` against a count that other processes share: its `ledger.py`).
+
+        Raises:
+            StoresInFlight: other reservations hold more than `max_bytes - nbytes` bytes.
+        """
+        with self._lock:
+            self._check_in_flight(nbytes, max_bytes)
+            self._reserved += nbytes
+
+    def pop_lru(self) -> tuple[ChunkKey, int] | None:
+        """Take the least recently used entry out of the index: (key, bytes), whose stored
+        object the caller deletes; None if the index is empty."""
+        with self._lock:
+            return self._pop_lru() if self._lru else None
 
     def release(self, nbytes: int, stored: ChunkKey | None = None) -> None:
         """End a reservation of `nbytes`: a failed store's, or with `stored` a finished one's,
@@ -264,6 +279,11 @@ class ChunkIndex:
             out = list(self._gone)
             self._gone.clear()
             return out
+
+    def _check_in_flight(self, nbytes: int, max_bytes: int) -> None:
+        if self._reserved + nbytes > max_bytes:
+            raise StoresInFlight(f"{nbytes} bytes do not fit in max_bytes {max_bytes} while "
+                                 f"stores in flight hold {self._reserved} bytes")
 
     def _pop_lru(self) -> tuple[ChunkKey, int]:
         key, size = self._lru.popitem(last=False)

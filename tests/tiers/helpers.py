@@ -73,3 +73,15 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0, what: str =
 def temp_files(ns_dir: str) -> list[str]:
     """Temp files (`*.tmp`) in the chunk folders of the namespace folder `ns_dir`, sorted."""
     return sorted(glob.glob(os.path.join(ns_dir, "chunks", "*", "*.tmp")))
+
+
+def kv_bytes(ns_dir: str) -> int:
+    """Bytes of the chunk files (`*.kv`) in the chunk folders of the namespace folder `ns_dir`
+    now (files that vanish while listed are skipped)."""
+    total = 0
+    for path in glob.glob(os.path.join(ns_dir, "chunks", "*", "*.kv")):
+        try:
+            total += os.stat(path).st_size
+        except FileNotFoundError:
+            pass
+    return total

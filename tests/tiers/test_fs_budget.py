@@ -10,6 +10,7 @@ import pytest
 from kvhal.tier import JobKind, Lookup, TierJob
 from kvhal.tiers.fs import FsTier
 from kvhal.tiers.fs.budget import IN_USE_FILE, MIN_STALE_S
+from kvhal.tiers.fs.ledger import USAGE_FILE
 
 from .helpers import (NAMESPACE, OTHER_NAMESPACE, FaultyPausedOs, chunk_key, host_region,
                       payload, store, wait_for)
@@ -29,6 +30,13 @@ def _fill(root, host, array, namespace, count, **config) -> FsTier:
         array[:4096] = payload(i, 4096)
         assert store(tier, chunk_key(namespace, i), 0, 4096).ok
     return tier
+
+
+def _held(tier: FsTier) -> int:
+    """Bytes the namespace of `tier` holds on disk: its chunk files, in-use marker and usage
+    ledger."""
+    return tier.stats()["used_bytes"] + sum(os.path.getsize(os.path.join(tier.ns_dir, name))
+                                            for name in (IN_USE_FILE, USAGE_FILE))
 
 
 def _age(tier: FsTier, seconds: float) -> None:
@@ -56,9 +64,8 @@ def test_a_namespace_in_use_is_kept_and_counts_against_the_budget(tmp_path, regi
     host, array = region
     other = _fill(tmp_path, host, array, OTHER_NAMESPACE, 3)
     _age(other, MIN_STALE_S / 2)                   # marked within the stale limit: in use
-    other_bytes = other.stats()["used_bytes"] + os.path.getsize(
-        os.path.join(other.ns_dir, IN_USE_FILE))
-    new = _fill(tmp_path, host, array, NAMESPACE, 4, max_bytes=5 * FILE + 64)
+    other_bytes = _held(other)
+    new = _fill(tmp_path, host, array, NAMESPACE, 4, max_bytes=2 * FILE + other_bytes + 64)
 
     assert [other.lookup(chunk_key(OTHER_NAMESPACE, i)) for i in range(3)] == [Lookup.HIT] * 3
     assert [new.lookup(chunk_key(NAMESPACE, i)) for i in range(4)] == [Lookup.MISS] * 2 + [
@@ -73,7 +80,7 @@ def test_a_namespace_in_use_is_kept_and_counts_against_the_budget(tmp_path, regi
 def test_a_chunk_that_fits_only_without_namespaces_in_use_fails_naming_them(tmp_path, region):
     host, array = region
     other = _fill(tmp_path, host, array, OTHER_NAMESPACE, 2)
-    held = other.stats()["used_bytes"] + os.path.getsize(os.path.join(other.ns_dir, IN_USE_FILE))
+    held = _held(other)
     new = FsTier({"root_dir": str(tmp_path), "max_bytes": FILE + held - 1}, host, NAMESPACE)
 
     result = store(new, chunk_key(NAMESPACE, 0), 0, 4096)
@@ -90,8 +97,7 @@ def test_a_store_in_flight_keeps_a_second_one_from_taking_the_tier_past_max_byte
                                                                                     others):
     host, array = region
     other = _fill(tmp_path, host, array, OTHER_NAMESPACE, 2) if others else None
-    held = (other.stats()["used_bytes"] + os.path.getsize(os.path.join(other.ns_dir, IN_USE_FILE))
-            if others else 0)
+    held = _held(other) if others else 0
     array[:2 * 4096] = payload(7, 2 * 4096)
     osm = FaultyPausedOs("pwritev")
     tier = FsTier({"root_dir": str(tmp_path), "refresh_interval_s": 3600,

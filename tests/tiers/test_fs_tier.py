@@ -502,10 +502,12 @@ def test_enospc_fails_the_store_evicts_and_serving_continues(tmp_path):
         if mnt is None:
             pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
         tier = _open(mnt, host, max_bytes=1 << 30)
-        n = 200 << 10
+        n = 196 << 10
         keys = [chunk_key(NAMESPACE, i) for i in range(8)]
         results = []
-        for i, key in enumerate(keys):  # 1 MiB holds 5 files of 200 KiB + 4 KiB header
+        # 1 MiB holds 5 files of 196 KiB + 4 KiB header beside the in-use marker and the
+        # usage ledger (4 KiB each), not 6
+        for i, key in enumerate(keys):
             array[:n] = payload(i, n)
             results.append(store(tier, key, 0, n, job_id=i))
             if not results[-1].ok:

@@ -31,7 +31,7 @@ from ..chunk_format import (ALIGN, CHECKSUM_OFFSET, HEADER_BYTES, CorruptChunk, 
                             Header, SizeMismatch, check_record_size, checked_header,
                             decode_header, encode_header, encode_header_fields,
                             payload_checksum, record_nbytes, verify_payload)
-from .format import QUARANTINE_DIR, chunk_paths
+from .format import QUARANTINE_DIR, TEMP_SUFFIX, chunk_paths
 
 try:  # the C helper (`_chunkio.c`, built by setup.py where a C compiler is found)
     from . import _chunkio
@@ -176,12 +176,12 @@ def _open_temp(osm, tmp: str, flags: int, reuse: str | None) -> tuple[int, bool]
             os.utime(reuse, follow_symlinks=False)
             osm.rename(reuse, tmp)
         except OSError:
-            _unlink_quietly(reuse)
+            unlink_file(reuse)
         else:
             try:
                 fd = osm.open(tmp, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
             except OSError:
-                _unlink_quietly(tmp)
+                unlink_file(tmp)
             else:
                 try:
                     if not _single_regular_file(os.fstat(fd)):
@@ -189,17 +189,45 @@ def _open_temp(osm, tmp: str, flags: int, reuse: str | None) -> tuple[int, bool]
                     fcntl.fcntl(fd, fcntl.F_SETFL, flags & O_DIRECT)
                 except OSError:
                     os.close(fd)
-                    _unlink_quietly(tmp)
+                    unlink_file(tmp)
                 else:
                     return fd, True
     return osm.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o644), False
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_file(path: str) -> bool:
+    """Unlink `path`; True if this call removed it, False if it failed (gone already:
+    another process removed it first; or any other OSError)."""
     try:
         os.unlink(path)
     except OSError:
-        pass
+        return False
+    return True
+
+
+def file_size(path: str) -> int:
+    """Bytes of the file `path` names (not following a symlink); 0 if there is none."""
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
+
+
+def claim_file(path: str, claimed: str) -> str | None:
+    """Rename the chunk file at `path` (evicted, or a copy of the chunk a store writes) to the
+    temp name `claimed` (`format.chunk_paths` of the storing key) so that only this process
+    can recycle it (`write_chunk`'s `reuse`, which makes its mtime fresh: a scan
+    that meanwhile takes the old file for a dead writer's temp file and removes it costs the
+    store its recycling, nothing else). Returns `claimed`, or None if `path` is no lone
+    regular file (`_open_temp` tells why) or the rename failed (ENOENT: another process
+    removed it first)."""
+    try:
+        if not _single_regular_file(os.lstat(path)):
+            return None
+        os.rename(path, claimed)
+    except OSError:
+        return None
+    return claimed
 
 
 def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bool,
@@ -220,7 +248,9 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
     creating a file after many deletes can cost more than writing it). A reader that opened
     the evicted file before reads a mix of two chunks, which its key and checksum checks turn
     into a miss (`read_chunk`); readers that open it later find no file. If `reuse` cannot
-    be renamed it is unlinked and a new file created.
+    be renamed it is unlinked and a new file created. A `reuse` that is a temp name in the folder
+    of `key`'s chunk file already (`claim_file` put it there) is overwritten where it lies
+    (renamed onto itself: one rename saved).
 
     Returns:
         True if `reuse` was recycled, False if a new file was created.
@@ -243,6 +273,8 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
         scratch.tail[rem:] = bytes(ALIGN - rem)
         bufs.append(scratch.tail)
     folder, final, tmp = chunk_paths(ns_dir, key)
+    if reuse is not None and reuse.endswith(TEMP_SUFFIX) and os.path.dirname(reuse) == folder:
+        tmp = reuse
     if fast:
         return _chunkio.write_file(tmp, final, bufs, direct, sync, folder,
                                    *((CHECKSUM_OFFSET, digest_at) if seal else (-1, -1)), reuse)
@@ -259,7 +291,7 @@ def write_chunk(osm, ns_dir: str, key: ChunkKey, payload: memoryview, direct: bo
             os.close(fd)
         osm.rename(tmp, final)
     except BaseException:
-        _unlink_quietly(tmp)
+        unlink_file(tmp)
         raise
     if sync:
         fsync_dir(osm, folder)

@@ -79,6 +79,11 @@ def key_from_name(namespace: bytes, name: str) -> ChunkKey | None:
     return ChunkKey(namespace, int(m.group(1), 16), bytes.fromhex(m.group(2)))
 
 
+def is_chunk_file_name(name: str) -> bool:
+    """True if `name` is a chunk file name (`<ChunkKey.hex()>.kv`)."""
+    return _NAME_RE.match(name) is not None
+
+
 def temp_owner_pid(name: str) -> int | None:
     """The writer pid encoded in a temp-file name, or None if `name` is not one."""
     m = _TEMP_RE.match(name)

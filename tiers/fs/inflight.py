@@ -18,12 +18,15 @@ class Reservation:
         nbytes: Record bytes reserved in the index until the store ends; 0 if nothing was
             reserved: the store ends now, with `error`.
         reuse: The evicted key whose file the store overwrites in place, or None.
+        reuse_path: Where that file lies now (renamed to a temp name of the store's process
+            when it was claimed: `fileio.claim_file`), or None.
         error: Why the store fails (nothing reserved), or None: it succeeds (reserved, or the
             chunk was stored already).
     """
 
     nbytes: int = 0
     reuse: ChunkKey | None = None
+    reuse_path: str | None = None
     error: str | None = None
 
     def keys(self, key: ChunkKey) -> tuple[ChunkKey, ...]:

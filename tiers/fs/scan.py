@@ -16,7 +16,8 @@ from kvhal.keys import ChunkKey
 
 from ..chunk_format import CorruptChunk
 from .fileio import read_header
-from .format import CHUNKS_DIR, LEGACY_TEMP_DIR, key_from_name, temp_owner_pid
+from .format import (CHUNKS_DIR, LEGACY_TEMP_DIR, is_chunk_file_name, key_from_name,
+                     temp_owner_pid)
 
 #: A temp file whose writer pid is not running here is orphaned after this many seconds; any
 #: temp file is orphaned after `TEMP_MAX_AGE_S` (covers writers in another pid namespace).
@@ -33,11 +34,18 @@ class ScanResult:
         bad: Paths whose header failed a check (left in place; `kvhal fsck` reports them).
         orphans: Temp files of the chunk folders left by writers that died, (path, bytes)
             (see `orphaned_temp_files`).
+        unindexed_bytes: Bytes of the chunk files not in `found` (in `bad`, or unreadable).
     """
 
     found: dict[ChunkKey, int] = field(default_factory=dict)
     bad: list[str] = field(default_factory=list)
     orphans: list[tuple[str, int]] = field(default_factory=list)
+    unindexed_bytes: int = 0
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of every chunk file (`*.kv`) found, indexed or not (`ledger.py`)."""
+        return sum(self.found.values()) + self.unindexed_bytes
 
 
 def scan_namespace(ns_dir: str, namespace: bytes, known: dict[ChunkKey, int],
@@ -69,16 +77,37 @@ def scan_namespace(ns_dir: str, namespace: bytes, known: dict[ChunkKey, int],
             continue
         try:
             header, size = read_header(entry.path, namespace)
-        except CorruptChunk:
-            out.bad.append(entry.path)
-            continue
-        except OSError:
+        except (CorruptChunk, OSError) as exc:
+            if isinstance(exc, CorruptChunk):
+                out.bad.append(entry.path)
+            out.unindexed_bytes += _size(entry)
             continue
         if header.key == key:
             out.found[key] = size
         else:
             out.bad.append(entry.path)
+            out.unindexed_bytes += size
     return out
+
+
+def _size(entry: os.DirEntry) -> int:
+    """Bytes of the file `entry` names (0 if it is gone)."""
+    try:
+        return entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        return 0
+
+
+def chunk_file_bytes(ns_dir: str) -> int:
+    """Bytes of the chunk files (`*.kv`) in the chunk folders of `ns_dir` now, by one listing
+    with a stat per file (files that vanish meanwhile count 0). A missing folder counts as
+    empty.
+
+    Raises:
+        OSError: a folder exists but cannot be listed.
+    """
+    return sum(_size(entry) for entry in _chunk_folder_entries(ns_dir, strict=True)
+               if is_chunk_file_name(entry.name))
 
 
 def _chunk_folder_entries(ns_dir: str, strict: bool = False):

@@ -14,7 +14,9 @@ refreshed by a background thread, so chunks written by other processes sharing `
 become visible within `refresh_interval_s`. Loads run on `n_read_threads` threads, stores on
 `n_write_threads` threads that also load while no store is queued (`jobs.LanePool`).
 Capacity: `max_bytes` covers every namespace under `root_dir` (`budget.py`: namespaces nobody
-uses are deleted first, then this namespace's least recently used chunks); ENOSPC fails the
+uses are deleted first, then this namespace's least recently used chunks), and holds for a
+namespace folder several processes share (`ledger.py`: every store, eviction and failed write
+is counted in one ledger file under a lock; each refresh re-bases it); ENOSPC fails the
 store and evicts about a tenth of the namespace. A store that evicts overwrites one evicted
 file of its own size in place (`recycle_files`), so a full tier's stores allocate no inode and
 no blocks; a load that finds its file rewritten under it reads it once more and misses.
@@ -41,12 +43,14 @@ from ..jobs import IndexedTier, JobBoard, LanePool, internal_error
 from .config import parse_config
 from .direct import DirectIo, Transfer, Way
 from .inflight import KeyCounts, Reservation
-from .fileio import (Scratch, batchable, fsync_dir, probe_o_direct, quarantine_file, read_chunk,
-                     read_chunks, same_file, write_chunk, write_chunks)
+from .fileio import (Scratch, batchable, claim_file, file_size, fsync_dir, probe_o_direct,
+                     quarantine_file, read_chunk, read_chunks, same_file, unlink_file,
+                     write_chunk, write_chunks)
 from .budget import RootBudget, mark_in_use
-from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, namespace_dir
+from .format import CHUNKS_DIR, QUARANTINE_DIR, chunk_path, chunk_paths, namespace_dir
+from .ledger import Ledger, Usage
 from .descriptions import DescriptionLogs
-from .scan import orphaned_temp_files, scan_namespace
+from .scan import chunk_file_bytes, orphaned_temp_files, scan_namespace
 
 #: Share of the filesystem's available space used when `max_bytes` is not configured.
 DEFAULT_SPACE_SHARE = 0.9
@@ -119,6 +123,10 @@ class FsTier(IndexedTier):
         self.o_direct_writes_below = self._direct_io.writes_below
         self.o_direct_reads_below = self._direct_io.reads_below
         self._sync = cfg.durability == "power-loss"
+        #: Whether stores overwrite files in place (`recycle_files`). Never under durability
+        #: "power-loss": the rename out of a victim's folder would need that folder fsynced
+        #: too, or a power loss could bring the victim's name back.
+        self._recycle = cfg.recycle_files and not self._sync
         self._sync_seconds = self.metrics["sync_write_seconds"].labels()
         self._budget_removed = self.metrics["budget_removed_files"].labels()
         self._jobs = JobBoard("fs")
@@ -134,12 +142,19 @@ class FsTier(IndexedTier):
         #: recycle: a refresh leaves their files to the store.
         self._storing = KeyCounts()
         self._budget = RootBudget(cfg.root_dir, os.path.basename(self.ns_dir))
+        try:
+            #: The namespace's bytes in every process sharing its folder (`ledger.py`).
+            self._ledger = Ledger(self.ns_dir, partial(chunk_file_bytes, self.ns_dir))
+        except OSError as exc:
+            raise TierError(f"root_dir: cannot use the usage ledger of {self.ns_dir!r} "
+                            f"({_errno_text(exc)})") from None
         self._next_root_scan = 0.0
         self._refresh_wait_s = cfg.refresh_interval_s
         try:
             self.refresh()
             self._descriptions.open(self._index.snapshot()[0])
         except OSError as exc:
+            self._ledger.close()
             raise TierError(f"root_dir: cannot list {self.ns_dir!r} "
                             f"({_errno_text(exc)})") from None
         self.max_bytes = cfg.max_bytes or self._default_max_bytes()
@@ -216,7 +231,9 @@ class FsTier(IndexedTier):
         with self._scan_lock:
             mark_in_use(self.ns_dir, self._refresh_wait_s)
             known, epoch = self._index.snapshot()
+            mark = self._ledger.mark()
             scan = scan_namespace(self.ns_dir, self.namespace, known)
+            self._ledger.rebase(mark, scan.chunk_bytes, scan.found)
             storing = self._storing.snapshot()
             self._index.reconcile({key: n for key, n in scan.found.items() if key not in storing}
                                   if storing else scan.found, epoch)
@@ -252,13 +269,20 @@ class FsTier(IndexedTier):
         self._pool.shutdown(wait=True)
         self._refresher.join()
         self._descriptions.close()
+        self._ledger.close()
 
     def stats(self) -> Mapping[str, Any]:
         """Counters: bytes_stored, bytes_loaded, store_failed, load_failed, corrupt, missing,
         io_errors, quarantined, evictions, files_recycled (evictions whose file a store
-        overwrote in place), refused_in_flight (stores failed because stores in flight held
-        the room: `index.StoresInFlight`), enospc, orphaned_temps_removed, refresh_errors,
-        namespaces_deleted (absent while 0); plus used_bytes, max_bytes (root-wide),
+        overwrote in place: an evicted chunk's, or a copy of its own chunk another process
+        wrote), refused_in_flight (stores failed because stores in flight held the room:
+        `index.StoresInFlight`), refused_shared (stores failed because the namespace folder
+        was full of chunks other processes wrote that this tier had not indexed even after
+        listing it again), usage_errors (I/O errors of the usage ledger), enospc,
+        orphaned_temps_removed, refresh_errors,
+        namespaces_deleted (absent while 0); plus used_bytes (this tier's index),
+        namespace_bytes (the namespace's chunk files and stores in flight in every process
+        sharing its folder: `ledger.py`), max_bytes (root-wide),
         other_namespaces_bytes (held by other namespaces under root_dir at the last listing),
         chunks, o_direct (bool, detected at start: every read and write with O_DIRECT),
         o_direct_writes_below and o_direct_reads_below (bytes: payloads below them are
@@ -273,12 +297,19 @@ class FsTier(IndexedTier):
             f"large_write_{mode}_gbps": rate
             for mode, rate in large_writes.rates().items() if rate is not None}
         return (self._jobs.counters() | ({"namespaces_deleted": deleted} if deleted else {})
+                | self._namespace_bytes()
                 | {"used_bytes": self._index.used_bytes, "max_bytes": self.max_bytes,
                    "other_namespaces_bytes": self._budget.others_bytes,
                    "chunks": len(self._index), "o_direct": self.o_direct,
                    "o_direct_writes_below": self.o_direct_writes_below,
                    "o_direct_reads_below": self.o_direct_reads_below,
                    "durability": self.config.durability} | rates)
+
+    def _namespace_bytes(self) -> dict[str, int]:
+        try:
+            return {"namespace_bytes": self._ledger.total()}
+        except OSError:
+            return {}
 
     # -- jobs ---------------------------------------------------------------------------------
     def _check_job(self, job: TierJob) -> str | None:
@@ -351,7 +382,7 @@ class FsTier(IndexedTier):
                 continue
             if not reservation.nbytes:
                 outcomes[i] = reservation.error
-            elif reservation.reuse is not None:
+            elif reservation.reuse_path is not None:
                 outcomes[i] = self._write_alone(job, reservation)
             else:
                 begun.append((i, reservation))
@@ -389,14 +420,13 @@ class FsTier(IndexedTier):
     def _write_alone(self, job: TierJob, reservation: Reservation) -> str | None:
         """Write the file of `job` (reserved by `_store_begin`) in a call of its own, timed for
         "adaptive", and end its reservation; returns the job's outcome."""
-        reuse = reservation.reuse
         transfer = self._direct_io.begin(job.kind, job.nbytes, self._aligned(job))
         error, recycled = None, False
         t0 = time.perf_counter()
         try:
             recycled = write_chunk(self._os, self.ns_dir, job.key, self._payload(job),
                                    transfer.direct, self._scratch_buffers(), self._sync,
-                                   None if reuse is None else chunk_path(self.ns_dir, reuse))
+                                   reservation.reuse_path)
             if self._sync:
                 self._sync_seconds.observe(time.perf_counter() - t0)
         except OSError as exc:
@@ -411,9 +441,9 @@ class FsTier(IndexedTier):
     def _store_begin(self, job: TierJob) -> Reservation:
         """The steps of a checked store before its file is written: a `Reservation` with
         nothing reserved if the chunk is already stored (no error) or cannot be (its error),
-        else the record bytes reserved in the index and the evicted key whose file it recycles
-        (or None); the victims it evicted are gone. The caller must end a reservation with
-        `_store_end`."""
+        else the record bytes reserved in the index and in the namespace's ledger, and the
+        evicted file it recycles (or None); the victims it evicted are gone. The caller must
+        end a reservation with `_store_end`."""
         if self._index.skip_store(job.key):
             if job.description:
                 self._descriptions.append(job.key, job.description)
@@ -422,29 +452,126 @@ class FsTier(IndexedTier):
         # it may be torn by a power loss (the scan left it out), or be another process's copy
         # of the same chunk
         nbytes = record_nbytes(job.nbytes)
-        budget = self._budget.room_for(self._index.used_bytes + nbytes, self.max_bytes)
-        held = self.max_bytes - budget
-        try:
-            victims = self._index.reserve(nbytes, budget)
-        except StoresInFlight as exc:
-            self._count("refused_in_flight")
-            return Reservation(error=f"chunk file: {exc}" + (
-                f" (max_bytes {self.max_bytes} less {held} bytes held by other namespaces in "
-                "use)" if held else ""))
-        if victims is None:
-            return Reservation(error=f"chunk file of {nbytes} bytes exceeds max_bytes "
-                               f"{self.max_bytes}" + (f" less {held} bytes held by other "
-                                                      "namespaces in use" if held else ""))
-        reservation = Reservation(nbytes, self._recyclable(victims, nbytes))
-        # until the reservation ends, a refresh must not index this key's file (renamed into
-        # place before the index learns of it) nor the recycled victim's (not yet taken)
-        self._storing.add(reservation.keys(job.key))
-        self._delete(victims, "evictions", keep=reservation.reuse)
+        reservation = self._reserve(job, nbytes)
+        if reservation is None:
+            # the namespace is full of chunks this process has not indexed yet (other
+            # processes wrote them), or its ledger counts too high (a rescan re-bases it)
+            try:
+                self.refresh()
+            except OSError:
+                self._count("refresh_errors")
+            reservation = self._reserve(job, nbytes)
+        if reservation is None:
+            self._count("refused_shared")
+            return Reservation(error=(
+                f"chunk file: {nbytes} bytes do not fit in max_bytes {self.max_bytes}: the "
+                "namespace folder is full of chunks this process has not indexed (other "
+                f"processes share {self.ns_dir}), even after listing it again"))
         return reservation
+
+    def _reserve(self, job: TierJob, nbytes: int) -> Reservation | None:
+        """`_store_begin`'s reservation of `nbytes` for `job`, under the ledger's lock: a
+        file of the job's own chunk (another process's copy, or an unindexed one) is claimed
+        (`fileio.claim_file`) and recycled; this tier's least recently used chunks are evicted
+        until the store fits (`_make_room`). None if it does not fit even with every chunk
+        this tier indexes evicted; a `Reservation` with its error if it cannot be stored."""
+        reservation = None
+        try:
+            budget = self._budget.room_for(self._ledger.total() + nbytes, self.max_bytes)
+            held = self.max_bytes - budget
+            less = f" less {held} bytes held by other namespaces in use" if held else ""
+            if nbytes > budget:
+                return Reservation(error=f"chunk file of {nbytes} bytes exceeds max_bytes "
+                                   f"{self.max_bytes}{less}")
+            with self._ledger.locked() as usage:
+                try:
+                    self._index.reserve_room(nbytes, budget)
+                except StoresInFlight as exc:
+                    self._count("refused_in_flight")
+                    return Reservation(error=f"chunk file: {exc}" + (
+                        f" (max_bytes {self.max_bytes}{less})" if held else ""))
+                _, final, tmp = chunk_paths(self.ns_dir, job.key)
+                own = self._take_own_file(usage, final, tmp)
+                reuse = self._make_room(usage, nbytes, budget, tmp if own is None else None)
+                if usage.total + nbytes > budget:
+                    self._index.release(nbytes)
+                    for claimed in (own, reuse and reuse[1]):
+                        if claimed:
+                            unlink_file(claimed)          # freed when it was claimed
+                    return None
+                usage.reserve(nbytes, job.key)
+                reservation = (Reservation(nbytes, None, own) if own is not None else
+                               Reservation(nbytes, *(reuse or (None, None))))
+                # until the reservation ends, a refresh must not index this key's file
+                # (renamed into place before the index learns of it) nor the recycled
+                # victim's
+                self._storing.add(reservation.keys(job.key))
+        except OSError as exc:  # reading, writing or locking the ledger
+            self._count("usage_errors")
+            if reservation is not None:   # written back after the reservation: end it
+                if reservation.reuse_path is not None:
+                    unlink_file(reservation.reuse_path)
+                self._release(job, reservation, None)
+            return Reservation(error=f"usage ledger: {_errno_text(exc)}")
+        return reservation
+
+    def _take_own_file(self, usage: Usage, final: str, tmp: str) -> str | None:
+        """Take away a file already at `final`, the chunk file path of a store (another
+        process's copy of its chunk, or one this tier did not index), under the ledger's lock,
+        so that the store's rename does not replace it uncounted: claimed for the store to
+        recycle (renamed to the store's temp path `tmp`, returned), else (`recycle_files` off,
+        or no lone regular file) unlinked. Its bytes are freed either way. None if no file was
+        claimed."""
+        size = file_size(final)
+        if not size:
+            return None
+        own = claim_file(final, tmp) if self._recycle else None
+        if own is not None or unlink_file(final):
+            usage.free(size)
+        return own
+
+    def _make_room(self, usage: Usage, nbytes: int, budget: int,
+                   tmp: str | None) -> tuple[ChunkKey, str] | None:
+        """Evict this tier's least recently used chunks (under the ledger's lock) until a store
+        of `nbytes` fits in `budget` with the namespace's `usage` or none is left; each file
+        removed frees its bytes, one already gone (another process evicted it) frees none.
+        Returns the victim whose file the store recycles (`recycle_files`, and a `tmp` path
+        given), renamed to the store's temp path `tmp` (key, `tmp`), or None: the first
+        victim of the store's size that no load of this tier is reading, and a lone regular
+        file."""
+        recycle = tmp is not None and self._recycle
+        loading = self._loading.snapshot() if recycle else frozenset()
+        reuse = None
+        while usage.total + nbytes > budget:
+            victim = self._index.pop_lru()
+            if victim is None:
+                break
+            key, size = victim
+            self._count("evictions")
+            path = chunk_path(self.ns_dir, key)
+            if reuse is None and recycle and size == nbytes and key not in loading:
+                claimed = claim_file(path, tmp)
+                if claimed:
+                    usage.free(size)
+                    reuse = (key, claimed)
+                    continue
+            if unlink_file(path):
+                usage.free(size)
+                self._budget_removed.inc()
+        return reuse
 
     def _release(self, job: TierJob, reservation: Reservation, stored: ChunkKey | None) -> None:
         """End the reservation of `job`: index `stored` (its key, or None if nothing was
-        stored) in the same step, then let refreshes see its key (and its victim's) again."""
+        stored) in the same step, then let refreshes see its key (and its victim's) again. The
+        namespace's ledger moves the reserved bytes to its chunk files (stored) or gives them
+        back."""
+        try:
+            if stored is None:
+                self._ledger.release(reservation.nbytes, job.key)
+            else:
+                self._ledger.commit(reservation.nbytes, stored)
+        except OSError:  # counted too high until the next refresh's rebase: room, not bytes
+            self._count("usage_errors")
         self._index.release(reservation.nbytes, stored)
         if reservation.reuse is not None:
             # the victim's file is gone or renamed now; a refresh that listed it before, and
@@ -462,9 +589,8 @@ class FsTier(IndexedTier):
             if error is not None:
                 if error.errno == errno.ENOSPC:
                     self._count("enospc")
-                    self._delete(self._index.evict_lru(max(2 * reservation.nbytes,
-                                                           self._index.used_bytes // 10)),
-                                 "evictions")
+                    self._evict(self._index.evict_lru(max(2 * reservation.nbytes,
+                                                          self._index.used_bytes // 10)))
                 return _errno_text(error)
             if recycled:
                 self._count("files_recycled")
@@ -475,16 +601,6 @@ class FsTier(IndexedTier):
             self._descriptions.append(job.key, job.description)   # the file is in place
         self._count("bytes_stored", job.nbytes)
         return None
-
-    def _recyclable(self, victims: list[tuple[ChunkKey, int]], nbytes: int) -> ChunkKey | None:
-        """The victim whose file a store of `nbytes` overwrites in place (`recycle_files`): one
-        of the same size that no load of this tier is reading; None for none. Never under
-        durability "power-loss": the rename out of the victim's folder would need that folder
-        fsynced too, or a power loss could bring the victim's name back."""
-        if not victims or not self.config.recycle_files or self._sync:
-            return None
-        loading = self._loading.snapshot()
-        return next((key for key, n in victims if n == nbytes and key not in loading), None)
 
     def _read(self, job: TierJob, path: str) -> None:
         """Read and verify the chunk file of `job` (its key's loads are registered meanwhile, so
@@ -600,20 +716,30 @@ class FsTier(IndexedTier):
         self._jobs.count(name, n)
 
     def _quarantine(self, path: str) -> None:
-        if quarantine_file(self.ns_dir, path):
+        """Move the chunk file at `path` into the quarantine folder; its bytes leave the
+        namespace's ledger."""
+        moved = False
+        try:
+            with self._ledger.locked() as usage:
+                size = file_size(path)
+                moved = quarantine_file(self.ns_dir, path)
+                if moved:
+                    usage.free(size)
+        except OSError:  # the ledger: moved all the same (counted until the next rebase)
+            self._count("usage_errors")
+            moved = moved or quarantine_file(self.ns_dir, path)
+        if moved:
             self._count("quarantined")
 
-    def _delete(self, victims: list[tuple[ChunkKey, int]], counter: str,
-                keep: ChunkKey | None = None) -> None:
-        """Evict `victims` from the index and unlink their files, except the file of `keep`
-        (recycled by the store that evicts it)."""
-        for key, _ in victims:
-            if key != keep:
-                try:
-                    os.unlink(chunk_path(self.ns_dir, key))
-                    if counter == "evictions":
+    def _evict(self, victims: list[tuple[ChunkKey, int]]) -> None:
+        """Unlink the files of `victims` (taken out of the index) under the ledger's lock, each
+        file removed freeing its bytes."""
+        try:
+            with self._ledger.locked() as usage:
+                for key, size in victims:
+                    self._count("evictions")
+                    if unlink_file(chunk_path(self.ns_dir, key)):
+                        usage.free(size)
                         self._budget_removed.inc()
-                except OSError:
-                    pass
-            self._index.discard(key)
-            self._count(counter)
+        except OSError:  # the ledger: the files not unlinked yet come back with a refresh
+            self._count("usage_errors")
