@@ -20,13 +20,6 @@ from kvhal.integrations.harness.soak.driver import MIN_SERVED
 pytest.importorskip("vllm", reason="the soak runs real vLLM servers (the `vllm` extra)")
 pytestmark = pytest.mark.slow
 
-#: What the soak finds and kvhal does not fix yet (the run's exit code is then 1; the test
-#: reports them as an expected failure once every other check held):
-#: - two instances sharing one fs folder overshoot its `max_bytes` (each evicts against the
-#:   folder's listing before it writes, with no lock between processes);
-#: - a claim's staleness bound at the run's edges: a chunk evicted in the last seconds and
-#:   still claimed at the final check, or an obj removal that needed a listing past 20 s.
-OPEN_FINDINGS = ("fs budget exceeded", "event claims of missing chunks past the bound")
 MINUTES = 2.0
 GAP_S = 7.0
 #: A seed whose 2-minute schedule damages objects before it restarts moto_server (a restart
@@ -55,8 +48,8 @@ def test_a_seeded_soak_passes_every_check(tmp_path):
     summary = report["summary"]
     assert summary["verdicts"].get("wrong", 0) == 0, output
     assert summary["requests"] >= 50, output
-    others = {k: n for k, n in summary["failures"].items() if k not in OPEN_FINDINGS}
-    assert all(n == 0 for n in others.values()), others
+    failed = {k: n for k, n in summary["failures"].items() if n}
+    assert failed == {}, failed
     assert summary["cross_tenant"] == []
     # kvhal's own per-request accounting reached the client (the cross-tenant check reads it)
     assert summary["kvhal_reported_tokens"] > 0
@@ -81,7 +74,4 @@ def test_a_seeded_soak_passes_every_check(tmp_path):
     assert summary["kvhal_served_tokens"] >= MIN_SERVED * summary["reusable_prompt_tokens"]
     late = [r for r in report["requests"] if r["done_s"] - r["sent_s"] > r["wait_bound_s"]]
     assert late == []
-    found = {k: summary["failures"][k] for k in OPEN_FINDINGS if summary["failures"].get(k)}
-    if found:       # every other check above held
-        pytest.xfail(f"open findings of the soak, not fixed yet: {found}")
     assert code == 0, output
