@@ -375,8 +375,11 @@ class ObjState:
         self._verdicts: dict[str, tuple[tuple[int, float], str]] = {}
 
     def snapshot(self) -> dict[int, str] | None:
-        """Every chunk object now; `UNREACHABLE` when the server refused the LIST, None when
-        it failed otherwise (a timeout proves nothing)."""
+        """Every chunk object now; `UNREACHABLE` when the server refused the LIST or a GET
+        after it, None when either failed otherwise (a timeout proves nothing). An object
+        whose GET answers 404 is left out (deleted meanwhile); one whose GET failed any other
+        way is not taken as missing (the hour's soak counted 597 claims "missing" past their
+        bound because moto was killed between the check's LIST and its GETs)."""
         from kvhal.tiers.chunk_format import CorruptChunk
         from kvhal.tiers.obj.check import verify_object
         from kvhal.tiers.obj.client import StoreFailure
@@ -401,8 +404,10 @@ class ObjState:
                     verdict = "ok"
                 except CorruptChunk:
                     verdict = "damaged"
-                except StoreFailure:      # gone meanwhile, or the server went down
-                    continue
+                except StoreFailure as failure:
+                    if failure.errno_name == "ENOENT":      # deleted meanwhile
+                        continue
+                    return UNREACHABLE if failure.errno_name == "ECONNREFUSED" else None
                 known = self._verdicts[name] = ((size, modified), verdict)
             h = external_hash(key.block_hash)
             if out.get(h) != "ok":
