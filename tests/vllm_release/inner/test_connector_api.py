@@ -50,3 +50,21 @@ def test_override_has_the_base_signature(name, owner):
         return
     assert _params(inspect.signature(getattr(KVHalConnector, name))) == \
         _params(inspect.signature(getattr(owner, name)))
+
+
+def test_an_idle_engine_core_wakes_as_kvhal_wakes_it():
+    """`integrations/vllm/wake.py` puts vLLM's `WAKEUP` sentinel on `EngineCoreProc.input_queue`,
+    found on the call stack while the connector is built: the release must have the sentinel,
+    ignore it in its dispatch, and make the queue before the scheduler (and with it the
+    connector). Fails on a release that renamed any of these (kvhal's idle events would then
+    wait for the next request again)."""
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from kvhal.integrations.vllm.wake import engine_waker
+
+    assert EngineCoreRequestType.WAKEUP
+    init = inspect.getsource(EngineCoreProc.__init__)
+    assert init.index("self.input_queue =") < init.index("super().__init__(")
+    assert "WAKEUP" in inspect.getsource(EngineCoreProc._handle_client_request)
+    assert engine_waker() is None          # not built inside an engine core: nobody to wake
