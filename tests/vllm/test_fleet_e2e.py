@@ -146,13 +146,18 @@ def fleet(module_tmp) -> dict:
         first = _through(p2p, _body(m, q))
         holder = first["instance"]
         h = NAMES.index(holder)
-        _wait(lambda: _stats(p2p)["instances"][h]["index_blocks"]["host"] > 0,
-              "the holder's host-tier chunks in the kv-p2p router's index")
+        # every full chunk of Q in the holder's host tier, as the router sees it: with only
+        # some (a later one before the first, under load) the router credits no prefix, the
+        # busy request below ties and goes round-robin to the other instance (seen in a full
+        # run: the busy instance was then the free one, and Q + more stayed on the holder)
+        _wait(lambda: _stats(p2p)["instances"][h]["index_blocks"]["host"] >= len(q) // 128,
+              "the holder's host-tier chunks of Q in the kv-p2p router's index")
         busy = SSEStream(f"{p2p.url}/v1/completions", _body(m, q, max_tokens=4000,
                                                             stream=True), REQUEST_S)
         try:
             assert busy.resp.status == 200
             busy.next_event()
+            assert _stats(p2p)["instances"][h]["in_flight"] == 1, "the busy request is elsewhere"
             free = next(n for n in NAMES if n != holder)
             before = serve_metrics.parse(scrape(servers[free].url))
             q2 = q + prompt(2200, 100)
