@@ -20,7 +20,7 @@ from kvhal.integrations.harness.soak.driver import MIN_SERVED
 pytest.importorskip("vllm", reason="the soak runs real vLLM servers (the `vllm` extra)")
 pytestmark = pytest.mark.slow
 
-MINUTES = 3.0   # the issue asks for 3
+MINUTES = 3.0
 GAP_S = 7.0
 #: A seed whose schedule damages objects before it restarts moto_server (a restart
 #: empties the bucket, and the restarted servers' host tiers hold the next minute's chunks, so

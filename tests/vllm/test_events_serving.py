@@ -1,9 +1,9 @@
 """KV events of a real vLLM OpenAI server with kvhal (host + fs) as a router receives them over
 ZMQ, when no request steps the engine: the fs copies of a served prompt's chunks are announced
-within a bounded time of their stores (the issue: they waited for the next request, and a
+within a bounded time of their stores (before, they waited for the next request, and a
 SIGTERM lost them), the idle engine then stays idle (no core spent stepping), and a server
 restarted on the same fs folder announces every chunk it finds, with token ids and parent,
-parents first (the issue: 0 events); chunk files another process deletes while the server
+parents first (before: 0 events); chunk files another process deletes while the server
 idles are announced as removed within a bounded time (they waited for the next request). The host tier's events as received are vLLM's own
 offloading connector's for the same request, field by field (its event code run here:
 `vllm_events.py`).

@@ -3,7 +3,7 @@ stores it has in flight.
 
 At TP=2, vLLM-CPU's engine core shuts its executor down before its scheduler and its workers
 ignore the request to exit, so kvhal's drain at the scheduler's shutdown came too late and
-stores in flight were lost (the issue; fixed by keeping vLLM's busy loop stepping while a
+stores in flight were lost (fixed by keeping vLLM's busy loop stepping while a
 store is in flight and closing the tiers as it ends: `integrations/vllm/lifetime.py`,
 `tests/vllm/test_shutdown_drain.py`). Under the soak it runs beside the fleet's load and
 faults: a third kvhal server at `--tensor-parallel-size 2` with its own fs folder (so the
